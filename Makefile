@@ -1,0 +1,38 @@
+# Two commands: `make repro` sets up and runs the pipeline; `make test` sets up and runs the tests.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Stage commands in dvc.yaml (`python -m ...`) must find the venv's python.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: setup repro test test-fast lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+repro: setup
+	$(PY) -m visionflow.params params.yaml
+	dvc repro
+	dvc metrics show
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf results data/prepared dvc_plots .pytest_cache
