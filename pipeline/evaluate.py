@@ -29,18 +29,25 @@ def main() -> None:
     model, meta = load_model(args.model, map_location="cpu")
     classes = data.read_cache_meta(args.data).classes
     if classes != meta["classes"]:
-        raise GateError(f"the model knows {len(meta['classes'])} classes {meta['classes']}, "
-                        f"the cache's classes.json has {len(classes)}: {classes}")
+        raise GateError(
+            f"the model knows {len(meta['classes'])} classes {meta['classes']}, "
+            f"the cache's classes.json has {len(classes)}: {classes}"
+        )
     x, y = (torch.from_numpy(a) for a in data.read_split(args.data, "test"))
     mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
     metrics, predicted = evaluate(model, x, y, mean, std, params.evaluate.batch_size)
 
     args.out.mkdir(parents=True, exist_ok=True)
     data.write_json(args.out / "metrics.json", {**metrics, "images": len(y)})
-    pairs = [{"actual": classes[a], "predicted": classes[p]} for a, p in zip(y.tolist(), predicted.tolist())]
+    pairs = [
+        {"actual": classes[a], "predicted": classes[p]}
+        for a, p in zip(y.tolist(), predicted.tolist(), strict=True)
+    ]
     data.write_json(args.out / "predictions.json", pairs)
-    print(f"evaluate: test accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} "
-          f"on {len(y)} images")
+    print(
+        f"evaluate: test accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} "
+        f"on {len(y)} images"
+    )
 
 
 if __name__ == "__main__":

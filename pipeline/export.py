@@ -41,16 +41,26 @@ def main() -> None:
         exporter = export_onnx(model, batch, onnx_path, e.opset)
         onnx = onnx_parity(model, onnx_path, batch, batch_sizes, e.rtol, e.atol)
         passed = all(r["passed"] for r in onnx.values())
-        report = {"exporter": exporter, "opset": e.opset, "rtol": e.rtol, "atol": e.atol,
-                  "onnx": onnx, "passed": passed}
+        report = {
+            "exporter": exporter,
+            "opset": e.opset,
+            "rtol": e.rtol,
+            "atol": e.atol,
+            "onnx": onnx,
+            "passed": passed,
+        }
         data.write_json(args.out / "parity.json", report)
         for name, r in onnx.items():
-            print(f"parity onnx {name:9s} max abs {r['max_abs_diff']:.2e}  max rel "
-                  f"{r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
-                  + ("ok" if r["passed"] else "MISS"))
+            print(
+                f"parity onnx {name:9s} max abs {r['max_abs_diff']:.2e}  max rel "
+                f"{r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
+                + ("ok" if r["passed"] else "MISS")
+            )
         if not passed:
-            raise GateError(f"ONNX parity missed (rtol {e.rtol}, atol {e.atol}); nothing promoted; "
-                            f"see {args.out / 'parity.json'}")
+            raise GateError(
+                f"ONNX parity missed (rtol {e.rtol}, atol {e.atol}); nothing promoted; "
+                f"see {args.out / 'parity.json'}"
+            )
         shutil.move(onnx_path, args.out / "model.onnx")
     print(f"export: {args.out / 'model.onnx'} ({exporter} exporter, opset {e.opset})")
 

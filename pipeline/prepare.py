@@ -22,8 +22,9 @@ def main() -> None:
 
     source = data.load_source(p.source, Path(p.path), p.download)
     print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
-    splits = data.split_indices(source.labels, p.val_fraction, p.test_fraction, params.seed,
-                                source.is_test)
+    splits = data.split_indices(
+        source.labels, p.val_fraction, p.test_fraction, params.seed, source.is_test
+    )
     pixels = data.decode_all(source.images, p.image_size, p.color)
     manifest = data.write_cache(args.out, pixels, source, splits)
     sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())

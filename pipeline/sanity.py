@@ -27,11 +27,15 @@ def scan(cache: Path, classes: list[str]) -> dict:
         if len(x) != len(y):
             raise GateError(f"{split}: {len(x)} images but {len(y)} labels")
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
-            raise GateError(f"{split}: labels span {y.min()}..{y.max()}, "
-                            f"outside 0..{len(classes) - 1} for {len(classes)} classes")
-        counts = dict(zip(classes, np.bincount(y, minlength=len(classes)).tolist()))
+            raise GateError(
+                f"{split}: labels span {y.min()}..{y.max()}, "
+                f"outside 0..{len(classes) - 1} for {len(classes)} classes"
+            )
+        counts = dict(zip(classes, np.bincount(y, minlength=len(classes)).tolist(), strict=True))
         if counts != expected[split]:
-            raise GateError(f"{split}: class counts {counts} differ from the manifest's {expected[split]}")
+            raise GateError(
+                f"{split}: class counts {counts} differ from the manifest's {expected[split]}"
+            )
         report["splits"][split] = {"images": len(y), "per_class": counts}
     return report
 
@@ -59,8 +63,10 @@ def main() -> None:
     fig = viz.label_grid(shown, y[pick], meta.classes, k)
     fig.savefig(args.out / "labels.png", dpi=100)
     data.write_json(args.out / "scan.json", report)
-    print(f"sanity: {args.out / 'labels.png'}; "
-          + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items()))
+    print(
+        f"sanity: {args.out / 'labels.png'}; "
+        + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())
+    )
 
 
 if __name__ == "__main__":

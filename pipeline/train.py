@@ -39,18 +39,26 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     shuffle = torch.Generator().manual_seed(params.seed)  # CPU generator: same order on any device
     model_meta = {  # plain values only, so the file loads with weights_only=True
-        "model": t.model, "in_channels": channels, "image_size": image_size, "dropout": t.dropout,
-        "classes": meta.classes, "mean": meta.mean, "std": meta.std,
+        "model": t.model,
+        "in_channels": channels,
+        "image_size": image_size,
+        "dropout": t.dropout,
+        "classes": meta.classes,
+        "mean": meta.mean,
+        "std": meta.std,
     }
-    print(f"train: {t.model} on {device}, {len(y_train)} train / {len(y_val)} val images, "
-          f"{sum(p.numel() for p in model.parameters())} parameters")
+    print(
+        f"train: {t.model} on {device}, {len(y_train)} train / {len(y_val)} val images, "
+        f"{sum(p.numel() for p in model.parameters())} parameters"
+    )
 
     best_accuracy = -1.0
     with Live(str(args.out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
         for epoch in range(1, t.epochs + 1):
             start = time.perf_counter()
-            train_metrics = train_one_epoch(model, optimizer, x_train, y_train, mean, std,
-                                            t.batch_size, shuffle)
+            train_metrics = train_one_epoch(
+                model, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle
+            )
             seconds = time.perf_counter() - start
             val_metrics, _ = evaluate(model, x_val, y_val, mean, std, t.batch_size)
             for name, value in train_metrics.items():
@@ -63,12 +71,17 @@ def main() -> None:
             improved = val_metrics["accuracy"] > best_accuracy
             if improved:
                 best_accuracy = val_metrics["accuracy"]
-                save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best_accuracy},
-                           args.out / "model.pt")
-            print(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
-                  f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
-                  f"acc {val_metrics['accuracy']:.4f}  {len(y_train) / seconds:7.0f} img/s"
-                  + ("  (best, saved)" if improved else ""))
+                save_model(
+                    model,
+                    {**model_meta, "epoch": epoch, "val_accuracy": best_accuracy},
+                    args.out / "model.pt",
+                )
+            print(
+                f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
+                f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
+                f"acc {val_metrics['accuracy']:.4f}  {len(y_train) / seconds:7.0f} img/s"
+                + ("  (best, saved)" if improved else "")
+            )
             live.next_step()
     print(f"train: best val accuracy {best_accuracy:.4f}; model in {args.out / 'model.pt'}")
 

@@ -66,7 +66,11 @@ def imagefolder_source(root: Path) -> Source:
     return Source(paths, np.array(labels, dtype=np.int64), classes, None)
 
 
-TORCHVISION = {"cifar10": datasets.CIFAR10, "mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST}
+TORCHVISION = {
+    "cifar10": datasets.CIFAR10,
+    "mnist": datasets.MNIST,
+    "fashion_mnist": datasets.FashionMNIST,
+}
 
 
 def torchvision_source(name: str, root: Path, download: bool) -> Source:
@@ -140,7 +144,9 @@ def split_indices(
         )
     except ValueError as e:  # too few images in a class to stratify
         counts = np.bincount(labels)
-        raise DataError(f"cannot split {len(labels)} images, per-class counts {counts}: {e}") from None
+        raise DataError(
+            f"cannot split {len(labels)} images, per-class counts {counts}: {e}"
+        ) from None
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
@@ -183,7 +189,12 @@ def write_cache(
             name = f"{split}_{suffix}.npy"
             np.save(out / name, array)
             files[name] = {"sha256": sha256(out / name), "shape": list(array.shape)}
-        counts[split] = {c: int(n) for c, n in zip(source.classes, np.bincount(y, minlength=len(source.classes)))}
+        counts[split] = {
+            c: int(n)
+            for c, n in zip(
+                source.classes, np.bincount(y, minlength=len(source.classes)), strict=True
+            )
+        }
     mean, std = channel_stats(pixels[splits["train"]])
     write_json(out / "classes.json", source.classes)
     write_json(out / "stats.json", {"mean": mean, "std": std, "computed_on": "train"})

@@ -15,8 +15,10 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but torch sees no usable GPU "
-                           f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+        raise RuntimeError(
+            "train.device is 'cuda' but torch sees no usable GPU "
+            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        )
     return torch.device(name)
 
 

@@ -19,14 +19,29 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: Path, opset: int)
     names = {"input_names": ["image"], "output_names": ["logits"], "opset_version": opset}
     try:
         batch = torch.export.Dim("batch", min=1)
-        torch.onnx.export(model, (example,), str(path), dynamo=True, external_data=False,
-                          dynamic_shapes={"x": {0: batch}}, verbose=False, **names)
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=True,
+            external_data=False,
+            dynamic_shapes={"x": {0: batch}},
+            verbose=False,
+            **names,
+        )
         exporter = "dynamo"
     except Exception as e:  # the new exporter fails on some models; the legacy one is the fallback
-        warnings.warn(f"dynamo ONNX export failed ({type(e).__name__}: {e}); using dynamo=False",
-                      stacklevel=2)
-        torch.onnx.export(model, (example,), str(path), dynamo=False,
-                          dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}}, **names)
+        warnings.warn(
+            f"dynamo ONNX export failed ({type(e).__name__}: {e}); using dynamo=False", stacklevel=2
+        )
+        torch.onnx.export(
+            model,
+            (example,),
+            str(path),
+            dynamo=False,
+            dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+            **names,
+        )
         exporter = "legacy"
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
     return exporter
@@ -39,8 +54,10 @@ def compare(expected: np.ndarray, actual: np.ndarray, rtol: float, atol: float) 
         "max_abs_diff": float(diff.max()),
         "max_rel_diff": float((diff / np.maximum(np.abs(expected), 1e-12)).max()),
         "top1_agreement": float((expected.argmax(1) == actual.argmax(1)).mean()),
-        "passed": bool(np.all(diff <= atol + rtol * np.abs(expected))
-                       and (expected.argmax(1) == actual.argmax(1)).all()),
+        "passed": bool(
+            np.all(diff <= atol + rtol * np.abs(expected))
+            and (expected.argmax(1) == actual.argmax(1)).all()
+        ),
     }
 
 

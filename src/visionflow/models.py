@@ -49,8 +49,10 @@ def build_model(
     except RuntimeError as e:
         raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {e}") from None
     if logits.shape != (2, num_classes):
-        raise ValueError(f"{name} gives {tuple(logits.shape)} for input {tuple(dummy.shape)}, "
-                         f"expected (2, {num_classes})")
+        raise ValueError(
+            f"{name} gives {tuple(logits.shape)} for input {tuple(dummy.shape)}, "
+            f"expected (2, {num_classes})"
+        )
     return model.train()
 
 
@@ -78,7 +80,12 @@ def load_model(path: Path, map_location: str | torch.device = "cpu") -> tuple[nn
     """Rebuild the model saved by `save_model`, in eval mode, with its meta."""
     saved = torch.load(path, map_location=map_location, weights_only=True)
     meta = saved["meta"]
-    model = build_model(meta["model"], meta["in_channels"], len(meta["classes"]), meta["image_size"],
-                        meta["dropout"])
+    model = build_model(
+        meta["model"],
+        meta["in_channels"],
+        len(meta["classes"]),
+        meta["image_size"],
+        meta["dropout"],
+    )
     model.load_state_dict(saved["state_dict"])
     return model.eval(), meta

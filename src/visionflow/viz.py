@@ -15,9 +15,10 @@ def pick_per_class(labels: np.ndarray, num_classes: int, k: int) -> list[np.ndar
 def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: int):
     """One row per class of `k` images (float NCHW in 0..1), each row titled with its class name."""
     rows = pick_per_class(labels, len(classes), k)
-    fig, axes = plt.subplots(len(classes), k, figsize=(k * 0.9 + 1.2, len(classes) * 0.9),
-                             squeeze=False)
-    for row, (name, index) in enumerate(zip(classes, rows)):
+    fig, axes = plt.subplots(
+        len(classes), k, figsize=(k * 0.9 + 1.2, len(classes) * 0.9), squeeze=False
+    )
+    for row, (name, index) in enumerate(zip(classes, rows, strict=True)):
         for col in range(k):
             ax = axes[row, col]
             ax.set_xticks([])
@@ -26,8 +27,13 @@ def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: in
                 spine.set_visible(False)
             if col < len(index):
                 image = images[index[col]].transpose(1, 2, 0)
-                ax.imshow(image.squeeze(-1) if image.shape[-1] == 1 else image,
-                          cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+                ax.imshow(
+                    image.squeeze(-1) if image.shape[-1] == 1 else image,
+                    cmap="gray",
+                    vmin=0,
+                    vmax=1,
+                    interpolation="nearest",
+                )
         axes[row, 0].set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
     fig.suptitle("train split as the model sees it (de-normalised), one row per class")
     fig.tight_layout()

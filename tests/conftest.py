@@ -1,0 +1,132 @@
+"""Shared fixtures: tiny generated data and a temporary git + DVC copy of the project."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT_FILES = [
+    "dvc.yaml",
+    "params.yaml",
+    ".dvcignore",
+    ".gitignore",
+    ".dvc/config",
+    ".dvc/.gitignore",
+    "pipeline",
+    "src",
+    "data/raw",
+]
+
+# Small enough for seconds per stage on 2 CPU cores; still the real stages and the real data.
+TINY = {
+    "prepare": {"image_size": 8},
+    "train": {"epochs": 2, "batch_size": 128},
+    "export": {"batch_size": 8},
+}
+
+
+def solid(color, size=(12, 10), mode="RGB") -> Image.Image:
+    return Image.new(mode, size, color)
+
+
+@pytest.fixture
+def image_folder(tmp_path) -> Path:
+    """Three classes of solid-colour PNG and JPEG files, with a nested folder and hidden entries."""
+    root = tmp_path / "images"
+    colors = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
+    for name, color in colors.items():
+        (root / name / "nested").mkdir(parents=True)
+        for i in range(6):
+            solid(color).save(root / name / f"{i}.png")
+        for i in range(2):
+            solid(color).save(root / name / "nested" / f"{i}.jpg", quality=95)
+        (root / name / ".hidden.png").write_bytes(b"not an image")
+        (root / name / "notes.txt").write_text("a stray note")
+    (root / ".ipynb_checkpoints").mkdir()
+    solid((9, 9, 9)).save(root / ".ipynb_checkpoints" / "x.png")
+    return root
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """Write an array in the idx format MNIST ships in (big-endian dims, uint8 data)."""
+    magic = 0x0800 | array.ndim
+    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def mnist_root(tmp_path) -> Path:
+    """A tiny MNIST (and FashionMNIST) copy in torchvision's on-disk layout: 40 train, 20 test."""
+    rng = np.random.default_rng(0)
+    root = tmp_path / "tv"
+    for folder in ("MNIST", "FashionMNIST"):
+        raw = root / folder / "raw"
+        raw.mkdir(parents=True)
+        for prefix, n in (("train", 40), ("t10k", 20)):
+            labels = np.arange(n) % 10
+            images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+            write_idx(raw / f"{prefix}-images-idx3-ubyte", images)
+            write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels)
+    return root
+
+
+def merge(base: dict, change: dict) -> dict:
+    out = dict(base)
+    for key, value in change.items():
+        out[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def write_params(project: Path, change: dict) -> None:
+    path = project / "params.yaml"
+    path.write_text(
+        yaml.safe_dump(merge(yaml.safe_load(path.read_text()), change), sort_keys=False)
+    )
+
+
+def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command in the project copy with the test's Python first on PATH."""
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(cwd / "src"),
+        "DVC_NO_ANALYTICS": "1",
+    }
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A committed git + DVC copy of the project with tiny params (DVCLive needs a first commit)."""
+    dest = tmp_path / "project"
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(
+                src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
+        else:
+            shutil.copy2(src, dest / name)
+    write_params(dest, TINY)
+    sh(dest, "git", "init", "-q", "-b", "main")
+    sh(dest, "git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    sh(dest, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return dest
+
+
+def commit(project: Path, message: str) -> None:
+    sh(project, "git", "add", "-A")
+    sh(project, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)

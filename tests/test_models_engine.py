@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from visionflow.engine import evaluate, pick_device, train_one_epoch
+from visionflow.models import build_model, load_model, save_model
+
+
+def toy_data(n=64, seed=0):
+    """Two classes told apart by brightness: a model that learns anything gets them right."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 2
+    x = (torch.rand(n, 8, 8, 1, generator=g) * 100 + y.view(-1, 1, 1, 1) * 150).to(torch.uint8)
+    return x, y
+
+
+def test_model_gives_logits_per_class():
+    model = build_model("simple_cnn", 3, 7, 32)
+    assert model(torch.zeros(5, 3, 32, 32)).shape == (5, 7)
+    assert model.training  # build_model hands back a model ready to train
+
+
+def test_training_drives_loss_down_and_evaluate_scores_it():
+    torch.manual_seed(0)
+    x, y = toy_data()
+    mean, std = torch.tensor([0.4]), torch.tensor([0.3])
+    model = build_model("simple_cnn", 1, 2, 8)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    first = train_one_epoch(model, optimizer, x, y, mean, std, 16, g)
+    for _ in range(15):
+        last = train_one_epoch(model, optimizer, x, y, mean, std, 16, g)
+    assert last["loss"] < first["loss"] / 5
+    metrics, predicted = evaluate(model, x, y, mean, std, 32)
+    assert not model.training and metrics["accuracy"] == 1.0
+    assert torch.equal(predicted, y)
+
+
+def test_saved_model_loads_weights_only_and_predicts_the_same(tmp_path):
+    model = build_model("simple_cnn", 1, 3, 8, dropout=0.5).eval()
+    meta = {
+        "model": "simple_cnn",
+        "in_channels": 1,
+        "image_size": 8,
+        "dropout": 0.5,
+        "classes": ["a", "b", "c"],
+        "mean": [0.5],
+        "std": [0.2],
+    }
+    path = tmp_path / "model.pt"
+    save_model(model, meta, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]  # no temp file left behind
+    torch.load(path, weights_only=True)  # plain dict of tensors and Python values
+    loaded, loaded_meta = load_model(path)
+    x = torch.randn(4, 1, 8, 8)
+    assert loaded_meta == meta and not loaded.training
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_device_auto_falls_back_to_cpu_and_cuda_without_gpu_is_an_error():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert pick_device("auto") == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no usable GPU"):
+        pick_device("cuda")

@@ -1,0 +1,79 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from tests.conftest import ROOT
+from visionflow.params import Params, ParamsError, load_params, parse_params
+
+
+def params_with(**sections) -> dict:
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
+    return raw
+
+
+def test_shipped_params_are_valid_and_frozen():
+    params = load_params(ROOT / "params.yaml")
+    assert params.prepare.source == "digits"
+    with pytest.raises(ValidationError, match="frozen"):
+        params.train.lr = 1.0  # frozen: a stage cannot change its own knobs
+
+
+def test_typo_names_the_key_and_the_closest_valid_key():
+    with pytest.raises(ParamsError) as e:
+        parse_params(params_with(train={"lerning_rate": 0.1}))
+    assert "train.lerning_rate: unknown key" in str(e.value)
+    assert "did you mean 'lr'" in str(e.value)
+
+    with pytest.raises(ParamsError, match=r"train.epocs: unknown key; did you mean 'epochs'"):
+        parse_params(params_with(train={"epocs": 3}))
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ParamsError, match=r"traning: unknown key; did you mean 'train'"):
+        parse_params(params_with(traning={"epochs": 3}))
+
+
+def test_wrong_type_names_the_key_and_value():
+    with pytest.raises(ParamsError, match=r"train.epochs: .*integer.*'ten'"):
+        parse_params(params_with(train={"epochs": "ten"}))
+    with pytest.raises(ParamsError, match=r"prepare.source: .*'pictures'"):
+        parse_params(params_with(prepare={"source": "pictures"}))
+
+
+def test_out_of_range_is_rejected():
+    with pytest.raises(ParamsError, match=r"prepare.val_fraction"):
+        parse_params(params_with(prepare={"val_fraction": 0.9}))
+
+
+def test_float_written_1e_minus_3_is_a_float(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  lr: 1e-3\n")
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-3"  # PyYAML's reading
+    assert load_params(path).train.lr == pytest.approx(0.001)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ParamsError) as e:
+        parse_params(params_with(train={"epochs": 0, "batchsize": 3}))
+    assert "train.epochs" in str(e.value) and "train.batchsize" in str(e.value)
+
+
+def test_defaults_match_the_shipped_file():
+    assert load_params(ROOT / "params.yaml") == Params()
+
+
+def test_check_command_exits_nonzero_naming_file_and_key(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("seed: 0\ntrain:\n  epocs: 3\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "visionflow.params", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert str(path) in result.stderr and "train.epocs" in result.stderr
+    path.write_text("seed: 0\n")
+    assert subprocess.run([sys.executable, "-m", "visionflow.params", str(path)]).returncode == 0
