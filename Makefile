@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 repro: setup
 	$(PY) -m visionflow.params params.yaml
 	dvc repro
-	dvc metrics show
+	dvc metrics show results/evaluate/metrics.json
 
 test: setup
 	$(PY) -m pytest
