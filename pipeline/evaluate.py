@@ -1,8 +1,10 @@
-"""Stage evaluate: score the trained model on the test split.
+"""Stage evaluate: how good the model is on the test split, and where it fails.
 
-Reads:  the model from train; the cache from prepare
-Writes: <out>/metrics.json (test accuracy, loss), <out>/predictions.json (actual vs predicted class
-        per test image, drawn by `dvc plots` as a confusion matrix)
+Reads:  params.yaml (evaluate.*); the model from train; the cache from prepare
+Writes: <out>/metrics.json (accuracy, top-k accuracy, macro/weighted F1, per-class P/R/F1/support,
+        loss), predictions.json (actual vs predicted class per image: `dvc plots` confusion
+        template), confusion.png (row-normalised, class names), misclassified.png (the most
+        confidently wrong images with true and predicted labels)
 Run:    python -m pipeline.evaluate --model results/train/model.pt --data data/prepared --out results/evaluate
 """
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline import GateError, run
-from visionflow import data
+from visionflow import data, scores, viz
 from visionflow.engine import evaluate
 from visionflow.models import load_model
 from visionflow.params import load_params
@@ -24,29 +26,50 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
-    params = load_params()
+    p = load_params().evaluate
 
     model, meta = load_model(args.model, map_location="cpu")
     classes = data.read_cache_meta(args.data).classes
-    if classes != meta["classes"]:
+    if len(classes) != len(meta["classes"]) or classes != meta["classes"]:
         raise GateError(
-            f"the model knows {len(meta['classes'])} classes {meta['classes']}, "
-            f"the cache's classes.json has {len(classes)}: {classes}"
+            f"the model has {len(meta['classes'])} classes {meta['classes']}, but the "
+            f"cache's classes.json has {len(classes)}: {classes}"
         )
     x, y = (torch.from_numpy(a) for a in data.read_split(args.data, "test"))
     mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
-    metrics, predicted = evaluate(model, x, y, mean, std, params.evaluate.batch_size)
+    loss_accuracy, logits = evaluate(model, x, y, mean, std, p.batch_size)
+    metrics = {
+        **scores.classification_scores(y, logits, classes, p.top_k),
+        "loss": loss_accuracy["loss"],
+        "images": len(y),
+    }
 
     args.out.mkdir(parents=True, exist_ok=True)
-    data.write_json(args.out / "metrics.json", {**metrics, "images": len(y)})
-    pairs = [
-        {"actual": classes[a], "predicted": classes[p]}
-        for a, p in zip(y.tolist(), predicted.tolist(), strict=True)
-    ]
-    data.write_json(args.out / "predictions.json", pairs)
+    data.write_json(args.out / "metrics.json", metrics)
+    predicted = logits.argmax(1).tolist()
+    data.write_json(
+        args.out / "predictions.json",
+        [
+            {"actual": classes[a], "predicted": classes[b]}
+            for a, b in zip(y.tolist(), predicted, strict=True)
+        ],
+    )
+    viz.confusion_figure(scores.confusion(y, logits, len(classes)), classes).savefig(
+        args.out / "confusion.png", dpi=100
+    )
+    wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
+    confidence = torch.softmax(logits, 1).max(1).values
+    shown = data.from_model_input(data.to_model_input(x[wrong], mean, std), mean, std).numpy()
+    viz.mistakes_grid(
+        shown,
+        [classes[i] for i in y[wrong].tolist()],
+        [classes[predicted[i]] for i in wrong],
+        confidence[wrong].tolist(),
+    ).savefig(args.out / "misclassified.png", dpi=100)
     print(
-        f"evaluate: test accuracy {metrics['accuracy']:.4f}, loss {metrics['loss']:.4f} "
-        f"on {len(y)} images"
+        f"evaluate: test accuracy {metrics['accuracy']:.4f}, top-{p.top_k} "
+        f"{metrics['top_k_accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f}, "
+        f"loss {metrics['loss']:.4f} on {len(y)} images"
     )
 
 

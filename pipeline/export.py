@@ -1,13 +1,17 @@
-"""Stage export: write the model as ONNX and prove ONNX Runtime matches eager PyTorch.
+"""Stage export: ONNX, torch.export and TorchScript files, each proven to match eager PyTorch.
 
-Reads:  params.yaml (export.*); the model from train; real test images from the cache
-Writes: <out>/model.onnx and <out>/parity.json. The ONNX file is written to a temporary folder and
-        moved into <out> only when every parity check passes; on a miss the stage fails with the
-        numbers and <out> holds only parity.json.
-Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared --out results/export
+Reads:  params.yaml (export.*); the model from train; real test images from the cache; evaluate's
+        metrics (for the model card)
+Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its class names and
+        preprocessing), parity.json, latency.json, MODEL_CARD.md. Files are written to a temporary
+        folder and moved into <out> only when every parity check passes; on a miss the stage fails
+        with the numbers and <out> holds only parity.json.
+Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
+            --metrics results/evaluate/metrics.json --out results/export
 """
 
 import argparse
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,53 +20,70 @@ import torch
 
 from pipeline import GateError, run
 from visionflow import data
-from visionflow.export import export_onnx, onnx_parity
+from visionflow.export import check_formats, export_all, latency_table
+from visionflow.inference import describe, module_runner, normalise, preprocess_spec
 from visionflow.models import load_model
 from visionflow.params import load_params
+from visionflow.report import model_card
+
+
+def print_parity(parity: dict) -> None:
+    for runtime, results in parity.items():
+        for name, r in results.items():
+            if name == "metadata":
+                print(f"parity {runtime:11s} metadata differs from the model's: {r}")
+                continue
+            print(
+                f"parity {runtime:11s} {name:9s} max abs {r['max_abs_diff']:.2e}  "
+                f"max rel {r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
+                + ("ok" if r["passed"] else "MISS")
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Export to ONNX with a parity gate.")
+    parser = argparse.ArgumentParser(description="Export three formats with a parity gate.")
     parser.add_argument("--model", type=Path, required=True, help="model.pt from train")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
+    parser.add_argument("--metrics", type=Path, required=True, help="metrics.json from evaluate")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
-    e = load_params().export
+    params = load_params()
+    e = params.export
 
-    model, meta = load_model(args.model, map_location="cpu")  # export from eval mode, CPU, fp32
-    x, _ = data.read_split(args.data, "test")
-    mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
-    batch = data.to_model_input(torch.from_numpy(x[: e.batch_size]), mean, std).contiguous()
-    batch_sizes = sorted({min(n, len(batch)) for n in (1, 3, len(batch))})
+    model, meta = load_model(args.model, map_location="cpu")  # eval mode, CPU, fp32
+    spec = preprocess_spec(meta["image_size"], meta["in_channels"], meta["mean"], meta["std"])
+    pixels = data.read_split(args.data, "test")[0][: e.batch_size]  # real test images, uint8
+    example = torch.from_numpy(normalise(pixels, spec))
 
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".export-") as tmp:
-        onnx_path = Path(tmp) / "model.onnx"
-        exporter = export_onnx(model, batch, onnx_path, e.opset)
-        onnx = onnx_parity(model, onnx_path, batch, batch_sizes, e.rtol, e.atol)
-        passed = all(r["passed"] for r in onnx.values())
-        report = {
-            "exporter": exporter,
-            "opset": e.opset,
-            "rtol": e.rtol,
-            "atol": e.atol,
-            "onnx": onnx,
-            "passed": passed,
-        }
+        metadata = describe(meta["classes"], spec)
+        paths, exporter = export_all(model, example, Path(tmp), e.opset, metadata)
+        parity, runners = check_formats(
+            model, paths, pixels, meta["classes"], spec, (e.onnx_rtol, e.onnx_atol),
+            (e.rtol, e.atol), e.min_top1_agreement)  # fmt: skip
+        passed = all(r["passed"] for results in parity.values() for r in results.values())
+        report = {"exporter": exporter, "opset": e.opset, "passed": passed, **parity}
         data.write_json(args.out / "parity.json", report)
-        for name, r in onnx.items():
-            print(
-                f"parity onnx {name:9s} max abs {r['max_abs_diff']:.2e}  max rel "
-                f"{r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
-                + ("ok" if r["passed"] else "MISS")
-            )
+        print_parity(parity)
         if not passed:
             raise GateError(
-                f"ONNX parity missed (rtol {e.rtol}, atol {e.atol}); nothing promoted; "
-                f"see {args.out / 'parity.json'}"
+                f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol "
+                f"{e.rtol} atol {e.atol}); nothing promoted; see {args.out / 'parity.json'}"
             )
-        shutil.move(onnx_path, args.out / "model.onnx")
-    print(f"export: {args.out / 'model.onnx'} ({exporter} exporter, opset {e.opset})")
+
+        runners = {"eager": module_runner(model), **runners}
+        latency = latency_table(runners, example.numpy(), (1, 64), e.latency_repeats)
+        data.write_json(args.out / "latency.json", {"unit": "ms (median)", **latency})
+        metrics = json.loads(args.metrics.read_text())
+        card = model_card(meta, params, metrics, report, latency, spec)
+        (args.out / "MODEL_CARD.md").write_text(card)
+        for path in paths.values():  # every check passed: promote
+            shutil.move(path, args.out / path.name)
+    print(
+        f"export: {', '.join(p.name for p in paths.values())} in {args.out} "
+        f"(ONNX via the {exporter} exporter)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ PROJECT_FILES = [
 TINY = {
     "prepare": {"image_size": 8},
     "train": {"epochs": 2, "batch_size": 128},
-    "export": {"batch_size": 8},
+    "export": {"batch_size": 8, "latency_repeats": 3},
 }
 
 
@@ -107,10 +107,8 @@ def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     return result
 
 
-@pytest.fixture
-def project(tmp_path) -> Path:
+def make_project(dest: Path) -> Path:
     """A committed git + DVC copy of the project with tiny params (DVCLive needs a first commit)."""
-    dest = tmp_path / "project"
     for name in PROJECT_FILES:
         src = ROOT / name
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -122,9 +120,13 @@ def project(tmp_path) -> Path:
             shutil.copy2(src, dest / name)
     write_params(dest, TINY)
     sh(dest, "git", "init", "-q", "-b", "main")
-    sh(dest, "git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
-    sh(dest, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    commit(dest, "init")
     return dest
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    return make_project(tmp_path / "project")
 
 
 def commit(project: Path, message: str) -> None:

@@ -1,37 +1,129 @@
+import json
+import warnings
+
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 
-from visionflow.export import compare, export_onnx, onnx_parity
+from visionflow import data
+from visionflow.export import (
+    check_formats,
+    check_parity,
+    compare,
+    export_all,
+    export_onnx,
+    export_pt2,
+    export_torchscript,
+    latency_table,
+)
+from visionflow.inference import describe, load_runner, module_runner, normalise, preprocess_spec
 from visionflow.models import build_model
 
+MEAN, STD = [0.3], [0.25]
 
-def test_onnx_matches_eager_at_each_batch_size_with_a_dynamic_batch(tmp_path):
+
+@pytest.fixture(scope="module")
+def model():
     torch.manual_seed(0)
-    model = build_model("simple_cnn", 3, 5, 16, dropout=0.5).eval()
-    x = torch.randn(8, 3, 16, 16)
+    return build_model("simple_cnn", 1, 4, 8, dropout=0.5).eval()
+
+
+@pytest.fixture(scope="module")
+def pixels():
+    return np.random.default_rng(0).integers(0, 256, (16, 8, 8, 1), dtype=np.uint8)
+
+
+def eager_on_pixels(model):
+    """The training path: torch normalisation, eager model."""
+    mean, std = torch.tensor(MEAN), torch.tensor(STD)
+
+    @torch.no_grad()
+    def run(p):
+        return model(data.to_model_input(torch.from_numpy(p), mean, std)).numpy()
+
+    return run
+
+
+def example(pixels):
+    return data.to_model_input(torch.from_numpy(pixels), torch.tensor(MEAN), torch.tensor(STD))
+
+
+SPEC = preprocess_spec(8, 1, MEAN, STD)
+META = describe(["a", "b", "c", "d"], SPEC)
+
+
+def test_onnx_client_path_matches_eager_at_each_batch_size(model, pixels, tmp_path):
     path = tmp_path / "model.onnx"
-    exporter = export_onnx(model, x, path, opset=18)
-    assert exporter in {"dynamo", "legacy"}
+    assert export_onnx(model, example(pixels), path, 18, META) in {"dynamo", "legacy"}
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
-    results = onnx_parity(model, path, x, [1, 3, 8], rtol=1e-3, atol=1e-5)
-    assert set(results) == {"batch_1", "batch_3", "batch_8"}
-    for r in results.values():
-        assert r["passed"] and r["top1_agreement"] == 1.0 and r["max_abs_diff"] < 1e-4
+    runner, classes, spec = load_runner("onnx", path)
+    assert classes == ["a", "b", "c", "d"] and spec == SPEC
+    results = check_parity(
+        eager_on_pixels(model),
+        lambda p: runner(normalise(p, spec)),
+        pixels,
+        [1, 3, 16],
+        rtol=1e-3,
+        atol=1e-5,
+    )
+    assert list(results) == ["batch_1", "batch_3", "batch_16"]
+    assert all(r["passed"] and r["top1_agreement"] == 1.0 for r in results.values())
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    assert session.run(None, {"image": np.zeros((5, 3, 16, 16), np.float32)})[0].shape == (5, 5)
+    assert session.run(None, {"image": np.zeros((5, 1, 8, 8), np.float32)})[0].shape == (5, 4)
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert json.loads(props["visionflow.preprocess"])["mean"] == MEAN
 
 
-def test_gate_catches_a_model_that_is_not_the_exported_one(tmp_path):
-    torch.manual_seed(0)
-    model = build_model("simple_cnn", 1, 4, 8, dropout=0.5).eval()
-    x = torch.randn(16, 1, 8, 8)
-    path = tmp_path / "model.onnx"
-    export_onnx(model, x, path, opset=18)
-    model.train()  # dropout on: eager now computes something else than the file
-    results = onnx_parity(model, path, x, [16], rtol=1e-3, atol=1e-5)
+@pytest.mark.parametrize("runtime", ["pt2", "torchscript"])
+def test_torch_formats_match_eager_and_carry_metadata(model, pixels, tmp_path, runtime):
+    path = tmp_path / f"model.{runtime}"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if runtime == "pt2":
+            export_pt2(model, example(pixels), path, META)
+        else:
+            export_torchscript(model, path, META)
+        runner, classes, spec = load_runner(runtime, path)
+    assert not [w for w in seen if "torch.jit" in str(w.message)]  # handled, not drowning the log
+    assert classes == ["a", "b", "c", "d"] and spec == SPEC
+    x = example(pixels).numpy()
+    results = check_parity(module_runner(model), runner, x, [1, 3, 16], rtol=1e-5, atol=1e-6)
+    assert all(r["passed"] for r in results.values()), results
+
+
+@pytest.mark.parametrize("runtime", ["pt2", "torchscript"])
+def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runtime):
+    path = tmp_path / f"model.{runtime}"
+    model.train()  # dropout on while exporting: the file computes something else than eval mode
+    try:
+        if runtime == "pt2":
+            export_pt2(model, example(pixels), path, META)
+        else:
+            export_torchscript(model, path, META)
+    finally:
+        model.eval()
+    runner, _, _ = load_runner(runtime, path)
+    x = example(pixels).numpy()
+    results = check_parity(module_runner(model), runner, x, [16], rtol=1e-5, atol=1e-6)
     assert not results["batch_16"]["passed"] and results["batch_16"]["max_abs_diff"] > 1e-3
+
+
+def test_gate_catches_wrong_normalisation_constants(model, pixels, tmp_path):
+    path = tmp_path / "model.onnx"
+    wrong = describe(["a", "b", "c", "d"], preprocess_spec(8, 1, [0.5], [0.5]))
+    export_onnx(model, example(pixels), path, 18, wrong)
+    runner, _, spec = load_runner("onnx", path)
+    results = check_parity(
+        eager_on_pixels(model),
+        lambda p: runner(normalise(p, spec)),
+        pixels,
+        [3],
+        rtol=1e-3,
+        atol=1e-5,
+    )
+    assert not results["batch_3"]["passed"]
 
 
 def test_compare_reports_differences_and_top1():
@@ -40,3 +132,18 @@ def test_compare_reports_differences_and_top1():
     flipped = np.array([[1.0, 0.5], [3.0, 1.0]], np.float32)
     r = compare(expected, flipped, rtol=1e-3, atol=1e-5)
     assert r["max_abs_diff"] == 1.5 and r["top1_agreement"] == 0.5 and not r["passed"]
+    assert not compare(expected, expected + 1e-4, rtol=0, atol=1e-6)["passed"]
+
+
+def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pixels, tmp_path):
+    paths, exporter = export_all(model, example(pixels), tmp_path, 18, META)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+    tolerances = ((1e-3, 1e-5), (1e-5, 1e-6), 1.0)
+    parity, runners = check_formats(model, paths, pixels, ["a", "b", "c", "d"], SPEC, *tolerances)
+    assert set(parity) == {"onnx", "pt2", "torchscript"}
+    assert all(r["passed"] for results in parity.values() for r in results.values())
+    parity, _ = check_formats(model, paths, pixels, ["w", "x", "y", "z"], SPEC, *tolerances)
+    assert all(parity[runtime]["metadata"]["passed"] is False for runtime in parity)
+    table = latency_table(runners, example(pixels).numpy(), (1, 4), repeats=2)
+    assert set(table) == {"batch_1", "batch_4"} and set(table["batch_4"]) == set(runners)
+    assert all(ms > 0 for row in table.values() for ms in row.values())

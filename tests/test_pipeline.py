@@ -1,12 +1,16 @@
 """The real DVC pipeline in a temporary git repo, on tiny params: what `dvc repro` users rely on."""
 
 import json
+import os
 import re
+import sys
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
-from tests.conftest import commit, sh, write_params
+from tests.conftest import ROOT, commit, make_project, sh, write_params
 
 pytestmark = pytest.mark.slow
 STAGES = ["prepare", "sanity", "train", "evaluate", "export"]
@@ -16,9 +20,17 @@ def ran(result) -> list[str]:
     return re.findall(r"Running stage '(\w+)'", result.stdout)
 
 
-def test_repro_runs_all_then_nothing_then_only_what_a_param_touches(project):
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory):
+    """One full `dvc repro` of the tiny project, committed; tests below read it, the last edits it."""
+    project = make_project(tmp_path_factory.mktemp("repro") / "project")
     first = sh(project, "dvc", "repro")
     assert ran(first) == STAGES
+    commit(project, "first run")
+    return project
+
+
+def test_every_stage_writes_its_outputs(reproduced):
     for path in [
         "data/prepared/train_x.npy",
         "data/prepared/manifest.json",
@@ -28,15 +40,91 @@ def test_repro_runs_all_then_nothing_then_only_what_a_param_touches(project):
         "results/train/live/plots/metrics/val/accuracy.tsv",
         "results/evaluate/metrics.json",
         "results/evaluate/predictions.json",
+        "results/evaluate/confusion.png",
+        "results/evaluate/misclassified.png",
         "results/export/model.onnx",
+        "results/export/model.pt2",
+        "results/export/model.torchscript.pt",
         "results/export/parity.json",
+        "results/export/latency.json",
+        "results/export/MODEL_CARD.md",
     ]:
-        assert (project / path).is_file(), path
-    metrics = json.loads((project / "results/evaluate/metrics.json").read_text())
-    assert metrics["images"] == 360 and 0 <= metrics["accuracy"] <= 1
-    assert json.loads((project / "results/export/parity.json").read_text())["passed"] is True
-    commit(project, "first run")
+        assert (reproduced / path).is_file(), path
+    metrics = json.loads((reproduced / "results/evaluate/metrics.json").read_text())
+    assert metrics["images"] == 360 and 0 <= metrics["accuracy"] <= metrics["top_k_accuracy"] <= 1
+    assert sum(c["support"] for c in metrics["per_class"].values()) == 360
+    parity = json.loads((reproduced / "results/export/parity.json").read_text())
+    assert parity["passed"] is True
+    assert set(parity["onnx"]) == {"batch_1", "batch_3", "batch_8"}
+    card = (reproduced / "results/export/MODEL_CARD.md").read_text()
+    assert "onnxruntime" in card and "| onnx | batch_8 |" in card
 
+
+@pytest.fixture(scope="module")
+def test_pngs(reproduced, tmp_path_factory):
+    """The first 40 test images of the cache, written as PNG files (exact pixels)."""
+    folder = tmp_path_factory.mktemp("pngs")
+    x = np.load(reproduced / "data/prepared/test_x.npy")
+    paths = []
+    for i in range(40):
+        paths.append(folder / f"{i:03d}.png")
+        Image.fromarray(x[i, ..., 0]).save(paths[-1])
+    return paths
+
+
+def predict_json(project, *args):
+    cli = [sys.executable, "-m", "visionflow.cli", "predict", "--json", *map(str, args)]
+    result = sh(project, *cli, check=False)
+    return result, json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "pt2", "torchscript", "torch"])
+def test_predict_agrees_with_evaluate(reproduced, test_pngs, runtime):
+    evaluated = json.loads((reproduced / "results/evaluate/predictions.json").read_text())
+    result, rows = predict_json(reproduced, "--runtime", runtime, *test_pngs)
+    assert result.returncode == 0, result.stderr
+    predicted = [row["predictions"][0]["class"] for row in rows]
+    assert predicted == [row["predicted"] for row in evaluated[:40]]
+    assert all(len(row["predictions"]) == 3 for row in rows)
+
+
+def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_path):
+    # torch and visionflow cannot be imported by the client: shadow both with failing packages
+    for name in ("torch", "visionflow", "torchvision"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is not allowed')")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    import subprocess
+
+    client = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples/onnx_client.py"),
+            str(reproduced / "results/export/model.onnx"),
+            *map(str, test_pngs),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    classes = [json.loads(line)["class"] for line in client.stdout.splitlines()]
+    _, rows = predict_json(reproduced, *test_pngs)
+    assert classes == [row["predictions"][0]["class"] for row in rows]
+
+
+def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(reproduced, test_pngs, tmp_path):
+    bad = tmp_path / "truncated.png"
+    bad.write_bytes(test_pngs[0].read_bytes()[:40])
+    result, rows = predict_json(reproduced, test_pngs[0], bad, test_pngs[1])
+    assert result.returncode == 1
+    assert f"cannot decode {bad}" in result.stderr
+    assert [("predictions" in row) for row in rows] == [True, False, True]
+    assert str(bad) in rows[1]["error"]
+
+
+def test_rerun_only_what_changed_and_the_gate_holds(reproduced):
+    project = reproduced
     assert ran(sh(project, "dvc", "repro")) == []
 
     write_params(project, {"train": {"epochs": 3}})
@@ -49,15 +137,16 @@ def test_repro_runs_all_then_nothing_then_only_what_a_param_touches(project):
     assert ran(sh(project, "dvc", "repro")) == ["sanity"]  # same scan.json: train is not rerun
 
     # A parity miss fails export, promotes no model, and dvc.lock keeps the last good export.
-    write_params(project, {"export": {"rtol": 0.0, "atol": 0.0}})
+    write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})
     failed = sh(project, "dvc", "repro", check=False)
     assert failed.returncode != 0 and ran(failed) == ["export"]
-    assert "ONNX parity missed" in failed.stderr
-    assert not (project / "results/export/model.onnx").exists()
+    assert "parity missed" in failed.stderr
+    for name in ("model.onnx", "model.pt2", "model.torchscript.pt", "MODEL_CARD.md"):
+        assert not (project / "results/export" / name).exists()
     parity = json.loads((project / "results/export/parity.json").read_text())
     assert parity["passed"] is False and parity["onnx"]["batch_8"]["max_abs_diff"] > 0
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert float(lock["stages"]["export"]["params"]["params.yaml"]["export.atol"]) == 1e-5
+    assert float(lock["stages"]["export"]["params"]["params.yaml"]["export.onnx_atol"]) == 1e-5
 
 
 def test_bad_params_fail_the_stage_naming_the_key(project):

@@ -19,6 +19,7 @@ from torchvision import datasets
 from tqdm import tqdm
 
 SPLITS = ("train", "val", "test")
+RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
 
@@ -110,7 +111,7 @@ def to_pixels(item, size: int, color: str) -> np.ndarray:
             raise DataError(f"cannot decode {item}: {e}") from None
     image = image.convert("L" if color == "grayscale" else "RGB")
     if image.size != (size, size):
-        image = image.resize((size, size), Image.Resampling.BILINEAR)
+        image = image.resize((size, size), Image.Resampling[RESIZE.upper()])
     pixels = np.asarray(image, dtype=np.uint8)
     return pixels[..., None] if pixels.ndim == 2 else pixels
 

@@ -55,13 +55,13 @@ def evaluate(
     std: torch.Tensor,
     batch_size: int,
 ) -> tuple[dict[str, float], torch.Tensor]:
-    """Mean loss and accuracy in eval mode, plus the predicted class of every image."""
+    """Mean loss and accuracy in eval mode, plus the logits of every image (on the CPU)."""
     model.eval()
-    total_loss, predictions = 0.0, []
+    total_loss, outputs = 0.0, []
     for xb, yb in batches(x, y, batch_size):
         logits = model(to_model_input(xb, mean, std))
         total_loss += F.cross_entropy(logits, yb, reduction="sum").item()
-        predictions.append(logits.argmax(1))
-    predicted = torch.cat(predictions)
-    accuracy = (predicted == y).float().mean().item()
-    return {"loss": total_loss / len(y), "accuracy": accuracy}, predicted.cpu()
+        outputs.append(logits.float().cpu())
+    logits = torch.cat(outputs)
+    accuracy = (logits.argmax(1) == y.cpu()).float().mean().item()
+    return {"loss": total_loss / len(y), "accuracy": accuracy}, logits

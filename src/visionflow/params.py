@@ -43,13 +43,19 @@ class Train(Section):
 
 class Evaluate(Section):
     batch_size: int = Field(256, ge=1)
+    top_k: int = Field(3, ge=1)
+    misclassified: int = Field(16, ge=0, le=100)
 
 
 class Export(Section):
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=3)
     opset: int = Field(18, ge=17)
-    rtol: float = Field(1e-3, ge=0)
-    atol: float = Field(1e-5, ge=0)
+    onnx_rtol: float = Field(1e-3, ge=0)
+    onnx_atol: float = Field(1e-5, ge=0)
+    rtol: float = Field(1e-5, ge=0)
+    atol: float = Field(1e-6, ge=0)
+    min_top1_agreement: float = Field(1.0, ge=0, le=1)
+    latency_repeats: int = Field(20, ge=1)
 
 
 class Params(Section):

@@ -38,3 +38,59 @@ def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: in
     fig.suptitle("train split as the model sees it (de-normalised), one row per class")
     fig.tight_layout()
     return fig
+
+
+def confusion_figure(counts: np.ndarray, classes: list[str]):
+    """Row-normalised confusion matrix (each row sums to 1: the recall of that class)."""
+    rows = counts.sum(axis=1, keepdims=True)
+    share = np.divide(counts, rows, out=np.zeros(counts.shape), where=rows > 0)
+    size = max(4.0, 0.45 * len(classes) + 2)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    image = ax.imshow(share, cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(len(classes)), classes, rotation=90 if len(classes) > 10 else 0)
+    ax.set_yticks(range(len(classes)), classes)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if len(classes) <= 20:
+        for i, j in np.ndindex(share.shape):
+            if counts[i, j]:
+                ax.text(
+                    j,
+                    i,
+                    f"{share[i, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if share[i, j] > 0.5 else "black",
+                )
+    fig.colorbar(image, ax=ax, fraction=0.046, label="share of the true class")
+    ax.set_title("test confusion matrix (row-normalised)")
+    fig.tight_layout()
+    return fig
+
+
+def mistakes_grid(
+    images: np.ndarray, truth: list[str], predicted: list[str], confidence: list[float]
+):
+    """Misclassified images (float NCHW in 0..1), each titled true / predicted (confidence)."""
+    n = max(len(images), 1)
+    cols = min(n, 8)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.5, rows * 2.0), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, t, p, c in zip(axes.flat, images, truth, predicted, confidence, strict=False):
+        image = image.transpose(1, 2, 0)
+        ax.imshow(
+            image.squeeze(-1) if image.shape[-1] == 1 else image,
+            cmap="gray",
+            vmin=0,
+            vmax=1,
+            interpolation="nearest",
+        )
+        ax.set_title(f"true {t}\npred {p} ({c:.2f})", fontsize=7)
+    if not len(images):
+        axes[0, 0].text(0.5, 0.5, "no mistakes", ha="center", va="center")
+    fig.suptitle("most confidently misclassified test images")
+    fig.tight_layout()
+    return fig

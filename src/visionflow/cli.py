@@ -1,0 +1,100 @@
+"""`visionflow` command line: predictions from an exported model.
+
+visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript|pt2|torch]
+                   [--top-k K] [--json]
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from visionflow.data import IMAGE_SUFFIXES
+from visionflow.inference import RUNTIMES, load_images, load_runner, normalise, top_k
+
+DEFAULT_MODELS = {
+    "onnx": "results/export/model.onnx",
+    "torchscript": "results/export/model.torchscript.pt",
+    "pt2": "results/export/model.pt2",
+    "torch": "results/train/model.pt",
+}
+
+
+def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
+    """Files as given; folders searched for image files (hidden entries skipped), sorted."""
+    files, errors = [], {}
+    for path in inputs:
+        if path.is_dir():
+            files += sorted(
+                p
+                for p in path.rglob("*")
+                if p.is_file()
+                and p.suffix.lower() in IMAGE_SUFFIXES
+                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            )
+        elif path.is_file():
+            files.append(path)
+        else:
+            errors[path] = f"{path}: no such file or folder"
+    return files, errors
+
+
+def predict(args: argparse.Namespace) -> int:
+    model = args.model or Path(DEFAULT_MODELS[args.runtime])
+    try:
+        runner, classes, spec = load_runner(args.runtime, model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    files, errors = expand(args.inputs)
+    pixels, good, decode_errors = load_images(files, spec)
+    errors.update(decode_errors)
+    logits = (
+        np.concatenate(
+            [runner(normalise(pixels[i : i + 256], spec)) for i in range(0, len(pixels), 256)]
+        )
+        if len(good)
+        else np.empty((0, 0))
+    )
+    ranked = top_k(logits, classes, args.top_k) if len(good) else []
+    results = dict(zip(good, ranked, strict=True))
+    if args.json:
+        rows = [
+            {"file": str(f), "predictions": [{"class": c, "probability": p} for c, p in results[f]]}
+            if f in results
+            else {"file": str(f), "error": errors[f]}
+            for f in files
+        ]
+        rows += [{"file": str(f), "error": e} for f, e in errors.items() if f not in files]
+        print(json.dumps(rows, indent=2))
+    else:
+        for f, preds in results.items():
+            print(f"{f}: " + ", ".join(f"{c} {p:.3f}" for c, p in preds))
+    for message in errors.values():
+        print(f"error: {message}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="visionflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("predict", help="classify images with an exported model")
+    p.add_argument("inputs", nargs="+", type=Path, help="image files or folders of images")
+    p.add_argument("--model", type=Path, help="model file (default: the pipeline's, per runtime)")
+    p.add_argument(
+        "--runtime", choices=RUNTIMES, default="onnx", help="default: onnx (ONNX Runtime)"
+    )
+    p.add_argument("--top-k", type=int, default=3, help="classes to show per image (default 3)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    args = parser.parse_args(argv)
+    if args.top_k < 1:
+        parser.error("--top-k must be at least 1")
+    return predict(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
