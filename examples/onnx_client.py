@@ -22,6 +22,9 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
     with Image.open(path) as image:
         if spec["exif_transpose"]:
             image = ImageOps.exif_transpose(image)
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+            under = Image.new("RGBA", image.size, (*spec["background"], 255))
+            image = Image.alpha_composite(under, image.convert("RGBA"))
         image = image.convert("L" if spec["color"] == "grayscale" else "RGB")
         image = image.resize((size, size), Image.Resampling[spec["resize"].upper()])
     pixels = np.asarray(image, dtype=np.float32).reshape(size, size, -1) / np.float32(255)

@@ -21,7 +21,7 @@ import torch
 from pipeline import GateError, run
 from visionflow import data
 from visionflow.export import check_formats, export_all, latency_table
-from visionflow.inference import describe, module_runner, normalise, preprocess_spec
+from visionflow.inference import describe, module_runner, normalise, spec_of
 from visionflow.models import load_model
 from visionflow.params import load_params
 from visionflow.report import model_card
@@ -51,7 +51,7 @@ def main() -> None:
     e = params.export
 
     model, meta = load_model(args.model, map_location="cpu")  # eval mode, CPU, fp32
-    spec = preprocess_spec(meta["image_size"], meta["in_channels"], meta["mean"], meta["std"])
+    spec = spec_of(meta)
     pixels = data.read_split(args.data, "test")[0][: e.batch_size]  # real test images, uint8
     example = torch.from_numpy(normalise(pixels, spec))
 

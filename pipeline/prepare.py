@@ -1,15 +1,19 @@
 """Stage prepare: decode a source once into the uint8 cache that every later stage reads.
 
-Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image folder, a torchvision root
-Writes: <out>/{train,val,test}_{x,y}.npy, classes.json, stats.json (train-only), manifest.json
+Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image folder (or a .zip,
+        .tar, .tar.gz of one), or a torchvision root
+Writes: <out>/{train,val,test}_{x,y}.npy, classes.json, stats.json (train-only mean/std),
+        decode.json (how pixels were made), manifest.json (sha256 per array, counts),
+        rejects.json (each rejected file and why), duplicates.json (images shared across splits)
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
 """
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from pipeline import run
-from visionflow import data
+from visionflow import archive, data
 from visionflow.params import load_params
 
 
@@ -20,15 +24,24 @@ def main() -> None:
     params = load_params()
     p = params.prepare
 
-    source = data.load_source(p.source, Path(p.path), p.download)
-    print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
-    splits = data.split_indices(
-        source.labels, p.val_fraction, p.test_fraction, params.seed, source.is_test
-    )
-    pixels = data.decode_all(source.images, p.image_size, p.color)
-    manifest = data.write_cache(args.out, pixels, source, splits)
+    decode = data.Decode(p.image_size, p.color, p.background, p.max_pixels, p.formats)
+    with tempfile.TemporaryDirectory(prefix="visionflow-extract-") as tmp:
+        path = Path(p.path)
+        if p.source == "imagefolder" and archive.is_archive(path):
+            path = archive.extract(path, Path(tmp), p.max_extract_mb * 2**20)
+            print(f"prepare: extracted {p.path} safely")
+        source = data.load_source(p.source, path, p.download)
+        print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
+        manifest = data.build_cache(
+            source, args.out, decode, val_fraction=p.val_fraction, test_fraction=p.test_fraction,
+            seed=params.seed, workers=p.workers, max_bad_fraction=p.max_bad_fraction,
+            min_per_class=p.min_per_class, dedupe=p.dedupe)  # fmt: skip
     sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
-    print(f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color})")
+    print(
+        f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "
+        f"{manifest['rejected']} files rejected (rejects.json), {manifest['duplicates']} "
+        f"duplicates across splits (duplicates.json)"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Stage sanity: look at the labels before training, and fail on a cache that cannot be right.
 
-Reads:  params.yaml (sanity.per_class); the cache from prepare
+Reads:  params.yaml (sanity.per_class, seed, train.augment.*); the cache from prepare
 Writes: <out>/labels.png (k train images per class, through the trainer's normalisation and back),
-        <out>/scan.json (counts per split and class, label range, finiteness)
+        <out>/augmented.png (the same images with the training augmentation), <out>/counts.png and
+        <out>/counts/<split>.json (images per class and split), <out>/scan.json (counts, label
+        range, per-channel mean/std, finiteness, rejected files, duplicates)
 Run:    python -m pipeline.sanity --data data/prepared --out results/sanity
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from pipeline import GateError, run
 from visionflow import data, viz
+from visionflow.augment import augment
 from visionflow.params import load_params
 
 
@@ -23,25 +26,43 @@ def scan(cache: Path, classes: list[str]) -> dict:
     expected = json.loads((cache / "manifest.json").read_text())["counts"]
     report = {"num_classes": len(classes), "splits": {}}
     for split in data.SPLITS:
-        x, y = data.read_split(cache, split)
+        x, y = data.read_split(cache, split, mmap=True)
         if len(x) != len(y):
             raise GateError(f"{split}: {len(x)} images but {len(y)} labels")
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
-            raise GateError(
-                f"{split}: labels span {y.min()}..{y.max()}, "
-                f"outside 0..{len(classes) - 1} for {len(classes)} classes"
-            )
+            raise GateError(f"{split}: labels span {y.min()}..{y.max()}, "
+                            f"outside 0..{len(classes) - 1} for {len(classes)} classes")  # fmt: skip
         counts = dict(zip(classes, np.bincount(y, minlength=len(classes)).tolist(), strict=True))
         if counts != expected[split]:
             raise GateError(
                 f"{split}: class counts {counts} differ from the manifest's {expected[split]}"
             )
-        report["splits"][split] = {"images": len(y), "per_class": counts}
+        report["splits"][split] = {"images": len(y), "per_class": counts,
+                                   "label_range": [int(y.min()), int(y.max())] if len(y) else None}  # fmt: skip
     return report
 
 
+def check_finite(x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> dict:
+    """Normalised train images through the trainer's loader, in chunks: finite, and their stats."""
+    total = squares = 0.0
+    count = 0
+    for xb, _ in data.batches(x, y, 1024):
+        batch = data.to_model_input(xb, mean, std)
+        if not torch.isfinite(batch).all():
+            raise GateError("normalised train images hold NaN or inf (check stats.json's std)")
+        total = total + batch.sum(dim=(0, 2, 3)).double()
+        squares = squares + batch.double().square().sum(dim=(0, 2, 3))
+        count += batch.numel() // batch.shape[1]
+    m = total / count
+    return {
+        "finite": True,
+        "normalised_mean": m.tolist(),
+        "normalised_std": (squares / count - m.square()).clamp(min=0).sqrt().tolist(),
+    }
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Label grid and a scan of the cache.")
+    parser = argparse.ArgumentParser(description="Label grids and a scan of the cache.")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
@@ -50,22 +71,44 @@ def main() -> None:
     meta = data.read_cache_meta(args.data)
     report = scan(args.data, meta.classes)
     x, y = data.read_split(args.data, "train")
-    x, mean, std = torch.from_numpy(x), torch.tensor(meta.mean), torch.tensor(meta.std)
-    for xb, _ in data.batches(x, torch.from_numpy(y), 1024):  # the trainer's loader, in chunks
-        if not torch.isfinite(data.to_model_input(xb, mean, std)).all():
-            raise GateError("normalised train images hold NaN or inf (check stats.json's std)")
-    report["finite"] = True
-    k = params.sanity.per_class
-    pick = np.concatenate(viz.pick_per_class(y, len(meta.classes), k))
-    shown = data.from_model_input(data.to_model_input(x[pick], mean, std), mean, std).numpy()
+    x, y, mean, std = (
+        torch.from_numpy(x),
+        torch.from_numpy(y),
+        torch.tensor(meta.mean),
+        torch.tensor(meta.std),
+    )
+    report.update(check_finite(x, y, mean, std))
+    report["stats"] = {"mean": meta.mean, "std": meta.std}
+    rejects = json.loads((args.data / "rejects.json").read_text())
+    duplicates = json.loads((args.data / "duplicates.json").read_text())
+    report["rejected_files"] = rejects["rejected"]
+    report["duplicates"] = {k: duplicates[k] for k in ("across_splits", "removed", "within_split")}
 
     args.out.mkdir(parents=True, exist_ok=True)
-    fig = viz.label_grid(shown, y[pick], meta.classes, k)
-    fig.savefig(args.out / "labels.png", dpi=100)
+    k = params.sanity.per_class
+    pick = np.concatenate(viz.pick_per_class(y.numpy(), len(meta.classes), k))
+    model_input = data.to_model_input(x[pick], mean, std)  # exactly what train feeds
+    shown = data.from_model_input(model_input, mean, std)
+    viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k).savefig(
+        args.out / "labels.png", dpi=100
+    )
+    generator = torch.Generator().manual_seed(params.seed)
+    augmented = augment(data.to_unit(x[pick]), generator, **params.train.augment.model_dump())
+    shown = data.from_model_input(data.normalise(augmented, mean, std), mean, std)
+    fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
+    fig.suptitle("train split with the training augmentation (train.augment)")
+    fig.savefig(args.out / "augmented.png", dpi=100)
+    counts = {split: r["per_class"] for split, r in report["splits"].items()}
+    viz.counts_figure(counts).savefig(args.out / "counts.png", dpi=100)
+    (args.out / "counts").mkdir(exist_ok=True)
+    for split, per_class in counts.items():
+        data.write_json(args.out / "counts" / f"{split}.json",
+                        [{"class": c, "images": n} for c, n in per_class.items()])  # fmt: skip
     data.write_json(args.out / "scan.json", report)
     print(
-        f"sanity: {args.out / 'labels.png'}; "
+        f"sanity: {args.out}/labels.png, augmented.png, counts.png; "
         + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())
+        + f"; {report['rejected_files']} rejected, {report['duplicates']['across_splits']} duplicates"
     )
 
 

@@ -7,6 +7,7 @@ Run:    python -m pipeline.train --data data/prepared --out results/train
 
 import argparse
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from dvclive import Live
 
 from pipeline import run
 from visionflow import data
+from visionflow.augment import augment
 from visionflow.engine import evaluate, pick_device, train_one_epoch
 from visionflow.models import build_model, save_model
 from visionflow.params import load_params
@@ -38,6 +40,7 @@ def main() -> None:
     model = build_model(t.model, channels, len(meta.classes), image_size, t.dropout).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     shuffle = torch.Generator().manual_seed(params.seed)  # CPU generator: same order on any device
+    augmentation = partial(augment, generator=shuffle, **t.augment.model_dump())
     model_meta = {  # plain values only, so the file loads with weights_only=True
         "model": t.model,
         "in_channels": channels,
@@ -46,6 +49,7 @@ def main() -> None:
         "classes": meta.classes,
         "mean": meta.mean,
         "std": meta.std,
+        "background": meta.background,
     }
     print(
         f"train: {t.model} on {device}, {len(y_train)} train / {len(y_val)} val images, "
@@ -57,7 +61,7 @@ def main() -> None:
         for epoch in range(1, t.epochs + 1):
             start = time.perf_counter()
             train_metrics = train_one_epoch(
-                model, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle
+                model, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle, augmentation
             )
             seconds = time.perf_counter() - start
             val_metrics, _ = evaluate(model, x_val, y_val, mean, std, t.batch_size)

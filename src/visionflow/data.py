@@ -1,19 +1,28 @@
-"""Sources, the stratified split, and the uint8 cache that every later stage reads.
+"""Sources, safe decoding, the stratified split, and the uint8 cache that every later stage reads.
 
 The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, the class
-list, train-only per-channel mean/std (on the 0..1 scale) and a manifest with the sha256 of every
-array. Normalisation happens at load time (`to_model_input`), on whatever device trains.
+list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
+array, a rejects report and a duplicates report. Normalisation happens at load time
+(`to_model_input`), on whatever device trains.
+
+Files users did not make themselves are decoded defensively: broken, empty, non-image and
+oversized files are rejected with a reason each (never silently used), image modes are normalised
+(alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied), and
+decoding runs on all cores into memory-mapped arrays, so a dataset larger than RAM can be prepared.
 """
 
 import hashlib
 import json
+import multiprocessing
+import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 from sklearn.model_selection import train_test_split
 from torchvision import datasets
 from tqdm import tqdm
@@ -21,6 +30,7 @@ from tqdm import tqdm
 SPLITS = ("train", "val", "test")
 RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
 class Source(NamedTuple):
@@ -28,6 +38,18 @@ class Source(NamedTuple):
     labels: np.ndarray  # int64, one per image
     classes: list[str]  # class names in label order
     is_test: np.ndarray | None  # bool mask of an official test split, or None
+    names: list[str]  # stable name per image for reports: path relative to the root, or "#i"
+    skipped: dict[str, str] = {}  # files rejected while listing (name -> reason)
+
+
+class Decode(NamedTuple):
+    """How one image becomes cache pixels."""
+
+    size: int  # square side, px
+    color: str  # grayscale | rgb
+    background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels
+    max_pixels: int = 50_000_000  # larger images are rejected from their header, undecoded
+    formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
 
 
 class DataError(ValueError):
@@ -41,30 +63,46 @@ def digits_source() -> Source:
     digits = load_digits()
     images = np.round(digits.images * (255 / 16)).astype(np.uint8)  # ink levels 0..16 -> 0..255
     classes = [str(c) for c in digits.target_names]
-    return Source(images, digits.target.astype(np.int64), classes, None)
+    names = [f"#{i}" for i in range(len(images))]
+    return Source(images, digits.target.astype(np.int64), classes, None, names)
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def imagefolder_source(root: Path) -> Source:
-    """One subfolder per class (nested folders count for their class); hidden entries are skipped."""
+    """One subfolder per class; files in nested folders count for their class.
+
+    Hidden files and folders (`.git`, `.ipynb_checkpoints`) are neither classes nor samples. Files
+    that are not images by their suffix, and links that lead outside the root, are listed as
+    skipped with a reason.
+    """
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist or is not a folder")
+    real_root = root.resolve()
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DataError(f"{root} has no class subfolders (expected {root}/<class>/<image files>)")
-    paths, labels = [], []
+    paths, labels, skipped = [], [], {}
     for label, name in enumerate(classes):
-        files = sorted(
-            p
-            for p in (root / name).rglob("*")
-            if p.is_file()
-            and p.suffix.lower() in IMAGE_SUFFIXES
-            and not any(part.startswith(".") for part in p.relative_to(root).parts)
-        )
-        if not files:
+        found = 0
+        for path in sorted((root / name).rglob("*")):
+            if _hidden(path, root) or path.is_dir():
+                continue
+            relative = path.relative_to(root).as_posix()
+            if not path.resolve().is_relative_to(real_root):
+                skipped[relative] = f"link leads outside {root}; refused"
+            elif path.suffix.lower() not in IMAGE_SUFFIXES:
+                skipped[relative] = f"not an image file type ({path.suffix or 'no suffix'})"
+            else:
+                paths.append(path)
+                labels.append(label)
+                found += 1
+        if not found:
             raise DataError(f"class '{name}' ({root / name}) has no image files")
-        paths += files
-        labels += [label] * len(files)
-    return Source(paths, np.array(labels, dtype=np.int64), classes, None)
+    names = [p.relative_to(root).as_posix() for p in paths]
+    return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
 
 
 TORCHVISION = {
@@ -87,7 +125,8 @@ def torchvision_source(name: str, root: Path, download: bool) -> Source:
     images = np.concatenate([np.asarray(p.data, dtype=np.uint8) for p in parts])
     labels = np.concatenate([np.asarray(p.targets, dtype=np.int64) for p in parts])
     is_test = np.arange(len(labels)) >= len(parts[0].data)
-    return Source(images, labels, list(parts[0].classes), is_test)
+    names = [f"{'test' if t else 'train'}#{i}" for i, t in enumerate(is_test)]
+    return Source(images, labels, list(parts[0].classes), is_test, names)
 
 
 def load_source(name: str, path: Path, download: bool = False) -> Source:
@@ -98,30 +137,108 @@ def load_source(name: str, path: Path, download: bool = False) -> Source:
     return torchvision_source(name, path, download)
 
 
-def to_pixels(item, size: int, color: str) -> np.ndarray:
-    """Decode (for a path), convert to the colour mode and resize: one uint8 HxWxC image."""
-    if isinstance(item, np.ndarray):
-        image = Image.fromarray(item)
-    else:
+def normalise_mode(image: Image.Image, color: str, background: tuple[int, int, int]) -> Image.Image:
+    """Any PIL mode -> L or RGB without mangling: alpha over `background`, 16-bit scaled, CMYK."""
+    if image.mode in SIXTEEN_BIT:  # PIL's convert would clip 16-bit values at 255
+        wide = np.asarray(image).astype(np.float64)
+        image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8), "L")
+    elif image.mode == "F":
+        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        under = Image.new("RGBA", image.size, (*background, 255))
+        image = Image.alpha_composite(under, image.convert("RGBA"))
+    return image.convert("L" if color == "grayscale" else "RGB")  # CMYK: PIL's conversion
+
+
+def open_image(path: Path, decode: Decode) -> Image.Image:
+    """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
+    if path.stat().st_size == 0:
+        raise DataError("empty file (0 bytes)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
-            with Image.open(item) as opened:
-                image = ImageOps.exif_transpose(opened)  # upright, as the camera held it
+            with Image.open(path, formats=list(decode.formats)) as opened:
+                width, height = opened.size  # from the header; nothing decoded yet
+                if width * height > decode.max_pixels:
+                    raise DataError(
+                        f"{width}x{height} = {width * height} px is over "
+                        f"prepare.max_pixels ({decode.max_pixels}); not decoded"
+                    )
+                image = ImageOps.exif_transpose(opened)  # upright, as the camera was held
                 image.load()
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            raise DataError(f"cannot decode {item}: {e}") from None
-    image = image.convert("L" if color == "grayscale" else "RGB")
-    if image.size != (size, size):
-        image = image.resize((size, size), Image.Resampling[RESIZE.upper()])
+                return image
+        except UnidentifiedImageError:
+            raise DataError(
+                f"not a readable image in the allowed formats ({', '.join(decode.formats)})"
+            ) from None
+        except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+            raise DataError(f"decompression bomb: {e}") from None
+        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            raise DataError(f"corrupt or truncated: {e}") from None
+
+
+def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
+    """Normalise the mode and resize: one uint8 HxWxC image."""
+    image = normalise_mode(image, decode.color, decode.background)
+    if image.size != (decode.size, decode.size):
+        image = image.resize((decode.size, decode.size), Image.Resampling[RESIZE.upper()])
     pixels = np.asarray(image, dtype=np.uint8)
     return pixels[..., None] if pixels.ndim == 2 else pixels
 
 
-def decode_all(images: Sequence, size: int, color: str) -> np.ndarray:
-    channels = 1 if color == "grayscale" else 3
-    out = np.empty((len(images), size, size, channels), dtype=np.uint8)
-    for i, item in enumerate(tqdm(images, desc="decode", unit="img", mininterval=1.0)):
-        out[i] = to_pixels(item, size, color)
-    return out
+def to_pixels(item, decode: Decode) -> np.ndarray:
+    """An array or an image file as cache pixels; a file that cannot be used is a DataError."""
+    if isinstance(item, np.ndarray):
+        return pixels_of(Image.fromarray(item), decode)
+    try:
+        image = open_image(Path(item), decode)
+    except DataError as e:
+        raise DataError(f"cannot decode {item}: {e}") from None
+    return pixels_of(image, decode)
+
+
+def _decode_one(job: tuple[int, object, Decode]) -> tuple[int, np.ndarray | None, str | None]:
+    index, item, decode = job
+    try:
+        image = Image.fromarray(item) if isinstance(item, np.ndarray) else open_image(item, decode)
+    except DataError as e:
+        return index, None, str(e)
+    return index, pixels_of(image, decode), None
+
+
+def decode_into(
+    out: np.ndarray, images: Sequence, decode: Decode, workers: int = 1
+) -> tuple[np.ndarray, dict[int, str], list[str]]:
+    """Decode every image into `out` (a memmap is fine) with a progress bar.
+
+    Files are decoded in `workers` processes; arrays in this one. Returns the mask of decoded
+    images, the reason for each rejected index, and a digest of each image's pixels.
+    """
+    ok = np.zeros(len(images), dtype=bool)
+    rejected, digests = {}, [""] * len(images)
+    jobs = ((i, item, decode) for i, item in enumerate(images))
+    parallel = workers > 1 and len(images) > 0 and not isinstance(images[0], np.ndarray)
+    pool = multiprocessing.get_context("fork").Pool(workers) if parallel else None
+    try:
+        results = (
+            pool.imap_unordered(_decode_one, jobs, chunksize=32) if pool else map(_decode_one, jobs)
+        )
+        for index, pixels, reason in tqdm(
+            results, total=len(images), desc="decode", unit="img", mininterval=1.0
+        ):
+            if pixels is None:
+                rejected[index] = reason
+                continue
+            out[index] = pixels
+            ok[index] = True
+            digests[index] = hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
+    finally:
+        if pool:
+            pool.close()
+            pool.join()
+    return ok, rejected, digests
 
 
 def split_indices(
@@ -151,6 +268,47 @@ def split_indices(
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
+def find_duplicates(
+    splits: dict[str, np.ndarray], digests: list[str], names: list[str], remove: bool
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Exact duplicates (same cached pixels) across splits; optionally dropped from the later split.
+
+    Train keeps its copy; a val image equal to a train image, or a test image equal to either,
+    leaks. Duplicates inside one split are counted, not removed.
+    """
+    seen: dict[str, tuple[str, int]] = {}
+    pairs, kept, within = [], {}, 0
+    for split in SPLITS:
+        keep, here = [], set()
+        for i in splits[split]:
+            digest = digests[i]
+            first = seen.get(digest)
+            if first and first[0] != split:
+                pairs.append(
+                    {
+                        "split": split,
+                        "image": names[i],
+                        "same_as": names[first[1]],
+                        "same_as_split": first[0],
+                    }
+                )
+                if remove:
+                    continue
+            elif digest in here:
+                within += 1
+            here.add(digest)
+            seen.setdefault(digest, (split, int(i)))
+            keep.append(i)
+        kept[split] = np.array(keep, dtype=np.int64)
+    report = {
+        "across_splits": len(pairs),
+        "removed": len(pairs) if remove else 0,
+        "within_split": within,
+        "pairs": pairs[:1000],
+    }
+    return kept, report
+
+
 def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of uint8 NHWC images on the 0..1 scale, in float64 chunks."""
     channels = x.shape[-1]
@@ -178,6 +336,17 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def write_split(path: Path, source: np.ndarray, index: np.ndarray, chunk: int = 4096) -> None:
+    """`source[index]` into a new .npy file, a chunk at a time (never the whole split in RAM)."""
+    out = np.lib.format.open_memmap(
+        path, mode="w+", dtype=source.dtype, shape=(len(index), *source.shape[1:])
+    )
+    for start in range(0, len(index), chunk):
+        out[start : start + chunk] = source[index[start : start + chunk]]
+    out.flush()
+    del out
+
+
 def write_cache(
     out: Path, pixels: np.ndarray, source: Source, splits: dict[str, np.ndarray]
 ) -> dict:
@@ -185,18 +354,15 @@ def write_cache(
     out.mkdir(parents=True, exist_ok=True)
     files, counts = {}, {}
     for split, index in splits.items():
-        x, y = pixels[index], source.labels[index]
-        for suffix, array in (("x", x), ("y", y)):
-            name = f"{split}_{suffix}.npy"
-            np.save(out / name, array)
-            files[name] = {"sha256": sha256(out / name), "shape": list(array.shape)}
-        counts[split] = {
-            c: int(n)
-            for c, n in zip(
-                source.classes, np.bincount(y, minlength=len(source.classes)), strict=True
-            )
-        }
-    mean, std = channel_stats(pixels[splits["train"]])
+        y = source.labels[index]
+        write_split(out / f"{split}_x.npy", pixels, index)
+        np.save(out / f"{split}_y.npy", y)
+        for name in (f"{split}_x.npy", f"{split}_y.npy"):
+            shape = list(np.load(out / name, mmap_mode="r").shape)
+            files[name] = {"sha256": sha256(out / name), "shape": shape}
+        per_class = np.bincount(y, minlength=len(source.classes))
+        counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
+    mean, std = channel_stats(np.load(out / "train_x.npy", mmap_mode="r"))
     write_json(out / "classes.json", source.classes)
     write_json(out / "stats.json", {"mean": mean, "std": std, "computed_on": "train"})
     manifest = {"files": files, "counts": counts}
@@ -204,20 +370,102 @@ def write_cache(
     return manifest
 
 
+def build_cache(
+    source: Source,
+    out: Path,
+    decode: Decode,
+    *,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    workers: int = 1,
+    max_bad_fraction: float = 0.0,
+    min_per_class: int = 1,
+    dedupe: bool = True,
+) -> dict:
+    """Decode, reject, split, de-duplicate and write the cache; returns the manifest.
+
+    Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, or when
+    a class keeps fewer than `min_per_class` good images, naming it.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    channels = 1 if decode.color == "grayscale" else 3
+    scratch = out / ".decoded.npy"  # all images, in source order; removed when done
+    pixels = np.lib.format.open_memmap(
+        scratch,
+        mode="w+",
+        dtype=np.uint8,
+        shape=(len(source.images), decode.size, decode.size, channels),
+    )
+    try:
+        ok, rejected, digests = decode_into(
+            pixels, source.images, decode, workers or os.cpu_count()
+        )
+        rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
+        total = len(source.images) + len(source.skipped)
+        report = {
+            "total_files": total,
+            "rejected": len(rejects),
+            "fraction": len(rejects) / max(total, 1),
+            "files": rejects,
+        }
+        write_json(out / "rejects.json", report)
+        if report["fraction"] > max_bad_fraction:
+            listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
+            raise DataError(
+                f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
+                f"over prepare.max_bad_fraction ({max_bad_fraction:.1%}):\n  {listing}"
+            )
+        good = np.flatnonzero(ok)
+        good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
+        small = {
+            c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < min_per_class
+        }
+        if small:
+            raise DataError(
+                f"classes below prepare.min_per_class ({min_per_class} images): {small}"
+            )
+        is_test = source.is_test[good] if source.is_test is not None else None
+        local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
+        splits, duplicates = find_duplicates(
+            {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
+        )
+        write_json(out / "duplicates.json", duplicates)
+        write_json(
+            out / "decode.json",
+            {
+                "image_size": decode.size,
+                "color": decode.color,
+                "resize": RESIZE,
+                "background": list(decode.background),
+                "exif_transpose": True,
+            },
+        )
+        manifest = write_cache(out, pixels, source, splits)
+    finally:
+        del pixels
+        scratch.unlink(missing_ok=True)
+    return {**manifest, "rejected": len(rejects), "duplicates": duplicates["across_splits"]}
+
+
 class Cache(NamedTuple):
     classes: list[str]
     mean: list[float]
     std: list[float]
+    background: list[int]  # what transparent pixels were composited on
 
 
 def read_cache_meta(cache: Path) -> Cache:
     stats = json.loads((cache / "stats.json").read_text())
-    return Cache(json.loads((cache / "classes.json").read_text()), stats["mean"], stats["std"])
+    decode = json.loads((cache / "decode.json").read_text())
+    classes = json.loads((cache / "classes.json").read_text())
+    return Cache(classes, stats["mean"], stats["std"], decode["background"])
 
 
-def read_split(cache: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 NHWC images and int64 labels of one split."""
-    return np.load(cache / f"{split}_x.npy"), np.load(cache / f"{split}_y.npy")
+def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 NHWC images and int64 labels of one split (images memory-mapped when asked)."""
+    x = np.load(cache / f"{split}_x.npy", mmap_mode="r" if mmap else None)
+    return x, np.load(cache / f"{split}_y.npy")
 
 
 def batches(
@@ -231,10 +479,18 @@ def batches(
         yield x[index], y[index]
 
 
-def to_model_input(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> normalised float NCHW (a channels_last view, no copy of the layout)."""
-    x = x.permute(0, 3, 1, 2).float().div_(255)
+def to_unit(x: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC -> float NCHW in 0..1 (a channels_last view, no copy of the layout)."""
+    return x.permute(0, 3, 1, 2).float().div_(255)
+
+
+def normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     return (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+
+
+def to_model_input(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """uint8 NHWC -> normalised float NCHW: what every model in this project is fed."""
+    return normalise(to_unit(x), mean, std)
 
 
 def from_model_input(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,13 @@
 Batches are sliced from the cache held on the device, then normalised there (`to_model_input`).
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from visionflow.data import batches, to_model_input
+from visionflow.data import batches, normalise, to_model_input, to_unit
 
 
 def pick_device(name: str) -> torch.device:
@@ -31,13 +33,20 @@ def train_one_epoch(
     std: torch.Tensor,
     batch_size: int,
     generator: torch.Generator,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """One shuffled pass; returns mean train loss and accuracy over the epoch."""
+    """One shuffled pass; returns mean train loss and accuracy over the epoch.
+
+    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation.
+    """
     model.train()
     total_loss, correct = 0.0, 0
     for xb, yb in batches(x, y, batch_size, generator):
         optimizer.zero_grad(set_to_none=True)
-        logits = model(to_model_input(xb, mean, std))
+        images = to_unit(xb)
+        if augment is not None:
+            images = augment(images)
+        logits = model(normalise(images, mean, std))
         loss = F.cross_entropy(logits, yb)
         loss.backward()
         optimizer.step()

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from visionflow.data import RESIZE, DataError, to_pixels
+from visionflow.data import RESIZE, DataError, Decode, to_pixels
 
 Runner = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
 RUNTIMES = ("onnx", "torchscript", "pt2", "torch")
@@ -21,17 +21,30 @@ JIT_DEPRECATED = r".*torch\.jit\.\w+` is deprecated"  # TorchScript still works 
 CLASSES_KEY, PREPROCESS_KEY = "visionflow.classes", "visionflow.preprocess"
 
 
-def preprocess_spec(image_size: int, channels: int, mean: list[float], std: list[float]) -> dict:
+def preprocess_spec(
+    image_size: int,
+    channels: int,
+    mean: list[float],
+    std: list[float],
+    background: list[int] = (255, 255, 255),
+) -> dict:
     """How to turn an image file into the model's input, as data (see `load_images`)."""
     return {
         "image_size": image_size,
         "color": "grayscale" if channels == 1 else "rgb",
         "resize": RESIZE,  # PIL resampling filter, to image_size x image_size (aspect not kept)
         "exif_transpose": True,
+        "background": list(background),  # RGB under transparent pixels, before the colour mode
         "mean": mean,
         "std": std,
         "input": {"dtype": "float32", "layout": "NCHW", "value": "(pixel / 255 - mean) / std"},
     }
+
+
+def spec_of(meta: dict) -> dict:
+    """The preprocessing of a model saved by the train stage (its meta)."""
+    return preprocess_spec(meta["image_size"], meta["in_channels"], meta["mean"], meta["std"],
+                           meta["background"])  # fmt: skip
 
 
 def describe(classes: list[str], spec: dict) -> dict[str, str]:
@@ -50,9 +63,10 @@ def normalise(pixels: np.ndarray, spec: dict) -> np.ndarray:
 def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], dict[Path, str]]:
     """Decode what can be decoded; returns uint8 NHWC pixels, their paths, and errors by path."""
     pixels, good, errors = [], [], {}
+    decode = Decode(spec["image_size"], spec["color"], tuple(spec["background"]))
     for path in paths:
         try:
-            pixels.append(to_pixels(path, spec["image_size"], spec["color"]))
+            pixels.append(to_pixels(path, decode))
             good.append(path)
         except DataError as e:
             errors[path] = str(e)
@@ -90,7 +104,7 @@ def torch_runner(path: Path) -> tuple[Runner, dict[str, str]]:
     from visionflow.models import load_model
 
     model, meta = load_model(path)
-    spec = preprocess_spec(meta["image_size"], meta["in_channels"], meta["mean"], meta["std"])
+    spec = spec_of(meta)
     return module_runner(model), describe(meta["classes"], spec)
 
 

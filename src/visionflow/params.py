@@ -7,7 +7,7 @@ reads a float; pydantic's number parsing accepts both, so either spelling works.
 
 import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -17,18 +17,37 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+ImageFormat = Literal["PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF"]
+Byte = Annotated[int, Field(ge=0, le=255)]
+
+
 class Prepare(Section):
     source: Literal["digits", "imagefolder", "cifar10", "mnist", "fashion_mnist"] = "digits"
     path: str = "data/raw"
     download: bool = False
     image_size: int = Field(16, ge=8, le=1024)
     color: Literal["grayscale", "rgb"] = "grayscale"
+    background: tuple[Byte, Byte, Byte] = (255, 255, 255)
     val_fraction: float = Field(0.15, gt=0, le=0.5)
     test_fraction: float = Field(0.2, gt=0, le=0.5)
+    formats: tuple[ImageFormat, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")
+    max_pixels: int = Field(50_000_000, ge=1)
+    max_bad_fraction: float = Field(0.05, ge=0, le=1)
+    min_per_class: int = Field(5, ge=1)
+    dedupe: bool = True
+    workers: int = Field(0, ge=0)
+    max_extract_mb: int = Field(20_000, ge=1)
 
 
 class Sanity(Section):
     per_class: int = Field(8, ge=1, le=32)
+
+
+class Augment(Section):
+    crop_padding: int = Field(2, ge=0)
+    hflip: bool = False
+    rotation: float = Field(10.0, ge=0, le=180)
+    color_jitter: float = Field(0.0, ge=0, lt=1)
 
 
 class Train(Section):
@@ -39,6 +58,7 @@ class Train(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     dropout: float = Field(0.25, ge=0, lt=1)
+    augment: Augment = Augment()
 
 
 class Evaluate(Section):

@@ -94,3 +94,24 @@ def mistakes_grid(
     fig.suptitle("most confidently misclassified test images")
     fig.tight_layout()
     return fig
+
+
+def counts_figure(counts: dict[str, dict[str, int]]):
+    """Images per class, one group of bars per class, one colour per split."""
+    classes = list(next(iter(counts.values())))
+    width = 0.8 / len(counts)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(classes) + 2), 4.0))
+    for i, (split, per_class) in enumerate(counts.items()):
+        positions = np.arange(len(classes)) + (i - (len(counts) - 1) / 2) * width
+        ax.bar(
+            positions,
+            [per_class[c] for c in classes],
+            width,
+            label=f"{split} ({sum(per_class.values())})",
+        )
+    ax.set_xticks(range(len(classes)), classes, rotation=90 if len(classes) > 12 else 0)
+    ax.set_ylabel("images")
+    ax.set_title("images per class and split")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(counts), frameon=False)
+    fig.tight_layout()
+    return fig
