@@ -43,10 +43,14 @@ def image_folder(tmp_path) -> Path:
     colors = {"blue": (0, 0, 255), "green": (0, 255, 0), "red": (255, 0, 0)}
     for name, color in colors.items():
         (root / name / "nested").mkdir(parents=True)
-        for i in range(6):
-            solid(color).save(root / name / f"{i}.png")
+        for i in range(6):  # one grey pixel at column i makes each image distinct
+            image = solid(color)
+            image.putpixel((i, 0), (128, 128, 128))
+            image.save(root / name / f"{i}.png")
         for i in range(2):
-            solid(color).save(root / name / "nested" / f"{i}.jpg", quality=95)
+            image = solid(color)
+            image.putpixel((i, 5), (128, 128, 128))
+            image.save(root / name / "nested" / f"{i}.jpg", quality=95)
         (root / name / ".hidden.png").write_bytes(b"not an image")
         (root / name / "notes.txt").write_text("a stray note")
     (root / ".ipynb_checkpoints").mkdir()

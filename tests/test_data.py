@@ -1,50 +1,141 @@
+import io
+import json
+import os
+import tarfile
+import zipfile
+
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.conftest import solid
-from visionflow import data
+from visionflow import archive, data
+
+RGB8 = data.Decode(8, "rgb")
+
+
+def build(source, out, decode=RGB8, **kwargs):
+    options = {
+        "val_fraction": 0.25,
+        "test_fraction": 0.25,
+        "seed": 0,
+        "workers": 1,
+        "max_bad_fraction": 0.5,
+        "min_per_class": 1,
+        **kwargs,
+    }
+    return data.build_cache(source, out, decode, **options)
 
 
 def test_digits_is_the_real_offline_dataset():
     source = data.load_source("digits", None)
     assert len(source.labels) == 1797 and source.classes == [str(i) for i in range(10)]
-    pixels = data.decode_all(source.images[:5], 16, "grayscale")
-    assert pixels.shape == (5, 16, 16, 1) and pixels.dtype == np.uint8 and pixels.max() > 200
+    pixels = data.to_pixels(source.images[0], data.Decode(16, "grayscale"))
+    assert pixels.shape == (16, 16, 1) and pixels.dtype == np.uint8 and pixels.max() > 200
 
 
 def test_imagefolder_classes_files_and_pixels(image_folder):
     source = data.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "green", "red"]  # sorted; .ipynb_checkpoints is no class
-    assert np.bincount(source.labels).tolist() == [8, 8, 8]  # nested .jpg count; hidden/.txt don't
-    names = {p.name for p in source.images}
-    assert ".hidden.png" not in names and "notes.txt" not in names
-    rgb = data.decode_all(source.images, 8, "rgb")
-    assert rgb.shape == (24, 8, 8, 3)
-    png_red = [i for i, p in enumerate(source.images) if p.parent.name == "red"][0]
-    assert (rgb[png_red] == [255, 0, 0]).all()  # solid PNG resized stays exactly red
-    gray = data.decode_all(source.images[:1], 8, "grayscale")
-    assert gray.shape == (1, 8, 8, 1)
-    assert int(gray[0, 0, 0, 0]) == 29  # PIL's luma of pure blue: 0.114 * 255
+    assert np.bincount(source.labels).tolist() == [8, 8, 8]  # nested .jpg count; hidden files don't
+    assert ".hidden.png" not in " ".join(source.names)
+    assert source.skipped == {
+        f"{c}/notes.txt": "not an image file type (.txt)" for c in ("blue", "green", "red")
+    }
+    red = data.to_pixels(source.images[source.names.index("red/5.png")], data.Decode(12, "rgb"))
+    assert (red[4:] == [255, 0, 0]).all()  # solid stays exactly red through the resize
+    assert red[0, 5, 1] > 60 and red[0, 0].tolist() == [255, 0, 0]  # the grey mark stays in place
+    gray = data.to_pixels(
+        source.images[source.names.index("blue/0.png")], data.Decode(8, "grayscale")
+    )
+    assert gray.shape == (8, 8, 1) and int(gray[-1, -1, 0]) == 29  # PIL's luma of pure blue
 
 
-def test_imagefolder_empty_class_is_named(image_folder):
+def test_imagefolder_empty_or_missing_class_is_named(image_folder, tmp_path):
     (image_folder / "zebra").mkdir()
     with pytest.raises(data.DataError, match="class 'zebra'"):
         data.load_source("imagefolder", image_folder)
-
-
-def test_imagefolder_missing_folder_is_named(tmp_path):
     with pytest.raises(data.DataError, match="nothing-here"):
         data.load_source("imagefolder", tmp_path / "nothing-here")
 
 
-def test_undecodable_file_is_named(image_folder):
-    bad = image_folder / "red" / "broken.jpg"
-    bad.write_bytes(b"<html>not a jpeg</html>")
+def test_class_below_min_per_class_is_named(image_folder, tmp_path):
+    for f in [
+        *(image_folder / "green").glob("[2-5].png"),
+        *(image_folder / "green").rglob("*.jpg"),
+    ]:
+        f.unlink()  # green keeps 0.png and 1.png
     source = data.load_source("imagefolder", image_folder)
-    with pytest.raises(data.DataError, match="broken.jpg"):
-        data.decode_all(source.images, 8, "rgb")
+    with pytest.raises(data.DataError, match=r"min_per_class \(5 images\): \{'green': 2\}"):
+        build(source, tmp_path / "out", min_per_class=5)
+
+
+def test_symlink_leading_outside_the_root_is_refused(image_folder, tmp_path):
+    outside = tmp_path / "secret.png"
+    solid((1, 2, 3)).save(outside)
+    (image_folder / "red" / "link.png").symlink_to(outside)
+    (image_folder / "red" / "inside.png").symlink_to(image_folder / "red" / "0.png")
+    source = data.load_source("imagefolder", image_folder)
+    assert "outside" in source.skipped["red/link.png"]
+    assert "red/inside.png" in source.names
+
+
+def bad_files(folder):
+    """Real broken inputs: truncated JPEG, zero bytes, an HTML page named .jpg."""
+    buffer = io.BytesIO()
+    solid((200, 10, 10), size=(64, 64)).save(buffer, "JPEG")
+    (folder / "truncated.jpg").write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "page.jpg").write_text("<html><body>404 not found</body></html>")
+
+
+def test_bad_files_are_rejected_with_a_reason_each(image_folder, tmp_path):
+    bad_files(image_folder / "red")
+    source = data.load_source("imagefolder", image_folder)
+    manifest = build(source, tmp_path / "out", dedupe=False)
+    rejects = json.loads((tmp_path / "out/rejects.json").read_text())
+    files = rejects["files"]
+    assert "truncated" in files["red/truncated.jpg"]
+    assert files["red/empty.png"] == "empty file (0 bytes)"
+    assert "not a readable image" in files["red/page.jpg"]
+    assert "not an image file type" in files["red/notes.txt"]
+    assert rejects["rejected"] == 6 and manifest["rejected"] == 6
+    assert sum(sum(c.values()) for c in manifest["counts"].values()) == 24  # only good images used
+
+
+def test_too_many_bad_files_fail_listing_them(image_folder, tmp_path):
+    bad_files(image_folder / "red")
+    source = data.load_source("imagefolder", image_folder)
+    with pytest.raises(data.DataError) as e:
+        build(source, tmp_path / "out", max_bad_fraction=0.05)
+    assert "6 of 30 files rejected" in str(e.value) and "red/truncated.jpg" in str(e.value)
+
+
+def test_image_modes_are_normalised_not_mangled(tmp_path):
+    white_bg = data.Decode(4, "rgb", background=(255, 255, 255))
+    rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))  # fully transparent red
+    rgba.putpixel((0, 0), (0, 0, 255, 255))
+    rgba.save(tmp_path / "rgba.png")
+    pixels = data.to_pixels(tmp_path / "rgba.png", white_bg)
+    assert pixels[0, 0].tolist() == [0, 0, 255] and pixels[3, 3].tolist() == [255, 255, 255]
+    half = Image.new("LA", (4, 4), (0, 128))  # black at half opacity over white
+    half.save(tmp_path / "la.png")
+    assert data.to_pixels(tmp_path / "la.png", white_bg)[0, 0].tolist() == [127, 127, 127]
+    palette = Image.new("P", (4, 4), 1)
+    palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
+    palette.info["transparency"] = 1
+    palette.save(tmp_path / "p.png", transparency=1)
+    green_bg = data.Decode(4, "rgb", background=(0, 255, 0))
+    assert data.to_pixels(tmp_path / "p.png", green_bg)[1, 1].tolist() == [0, 255, 0]
+    Image.new("CMYK", (4, 4), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=100)
+    red = data.to_pixels(tmp_path / "cmyk.jpg", white_bg)[2, 2].astype(int)
+    assert red[0] > 240 and red[1] < 15 and red[2] < 15
+    sixteen = np.array([[0, 32896], [65535, 257]], dtype=np.uint16)
+    Image.fromarray(sixteen).save(tmp_path / "16bit.png")
+    assert Image.open(tmp_path / "16bit.png").mode.startswith("I")
+    gray = data.to_pixels(tmp_path / "16bit.png", data.Decode(2, "grayscale"))[..., 0]
+    assert gray.tolist() == [[0, 128], [255, 1]]  # scaled by 257, not clipped at 255
 
 
 def test_exif_orientation_is_applied(tmp_path):
@@ -54,18 +145,85 @@ def test_exif_orientation_is_applied(tmp_path):
     exif[0x0112] = 6  # "rotate 90 CW to display"
     path = tmp_path / "rotated.jpg"
     image.save(path, exif=exif, quality=100)
-    upright = data.to_pixels(path, 10, "grayscale")[..., 0]  # shown 10 wide, 20 tall, squashed
+    upright = data.to_pixels(path, data.Decode(10, "grayscale"))[..., 0]
     assert upright[:4].mean() > 200 and upright[-4:].mean() < 50  # white now on top
 
 
-@pytest.mark.parametrize("name", ["mnist", "fashion_mnist"])
-def test_torchvision_sources_read_a_local_copy(mnist_root, name):
-    source = data.load_source(name, mnist_root, download=False)
-    assert len(source.labels) == 60 and len(source.classes) == 10
-    assert source.is_test.sum() == 20
-    splits = data.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
-    assert np.array_equal(splits["test"], np.arange(40, 60))  # the official test split is kept
-    assert len(splits["val"]) == 10 and len(splits["train"]) == 30
+def test_oversized_and_bomb_images_are_rejected_without_decoding(tmp_path):
+    bomb = tmp_path / "bomb.png"
+    Image.new("1", (9500, 9500)).save(bomb, optimize=True)  # 90 Mpx in a few KB
+    assert bomb.stat().st_size < 200_000
+    with pytest.raises(data.DataError, match=r"9500x9500 = 90250000 px is over prepare.max_pixels"):
+        data.to_pixels(bomb, data.Decode(8, "rgb", max_pixels=50_000_000))
+    with pytest.raises(data.DataError, match="decompression bomb"):  # Pillow's guard, as an error
+        data.to_pixels(bomb, data.Decode(8, "rgb", max_pixels=10**9))
+
+
+def test_only_allowed_formats_are_opened(tmp_path):
+    solid((1, 2, 3)).save(tmp_path / "photo.jpg")
+    with pytest.raises(data.DataError, match=r"allowed formats \(PNG\)"):
+        data.to_pixels(tmp_path / "photo.jpg", data.Decode(8, "rgb", formats=("PNG",)))
+
+
+def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folder, tmp_path):
+    source = data.load_source("imagefolder", image_folder)
+    build(source, tmp_path / "serial", workers=1)
+    build(source, tmp_path / "parallel", workers=2)
+    names = sorted(p.name for p in (tmp_path / "serial").iterdir())
+    assert "rejects.json" in names and ".decoded.npy" not in names
+    assert names == sorted(p.name for p in (tmp_path / "parallel").iterdir())
+    for name in names:
+        assert (tmp_path / "serial" / name).read_bytes() == (
+            tmp_path / "parallel" / name
+        ).read_bytes(), name
+    manifest = json.loads((tmp_path / "serial/manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert data.sha256(tmp_path / "serial" / name) == entry["sha256"]
+
+
+def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
+    splits = {"train": np.array([0, 1]), "val": np.array([2, 3]), "test": np.array([4, 5])}
+    digests = ["a", "b", "a", "c", "c", "d"]  # 2 repeats train's 0; 4 repeats val's 3
+    names = [f"img{i}" for i in range(6)]
+    kept, report = data.find_duplicates(splits, digests, names, remove=True)
+    assert report["across_splits"] == 2 and report["removed"] == 2
+    assert {(p["image"], p["same_as"]) for p in report["pairs"]} == {
+        ("img2", "img0"),
+        ("img4", "img3"),
+    }
+    assert (
+        kept["val"].tolist() == [3]
+        and kept["test"].tolist() == [5]
+        and kept["train"].tolist() == [0, 1]
+    )
+    kept, report = data.find_duplicates(splits, digests, names, remove=False)
+    assert report["removed"] == 0 and kept["val"].tolist() == [2, 3]
+
+
+def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_path):
+    for i in range(6):
+        (image_folder / "red" / f"copy{i}.png").write_bytes(
+            (image_folder / "red/0.png").read_bytes()
+        )
+    source = data.load_source("imagefolder", image_folder)
+    manifest = build(source, tmp_path / "out", dedupe=True)
+    duplicates = json.loads((tmp_path / "out/duplicates.json").read_text())
+    assert duplicates["across_splits"] == manifest["duplicates"] > 0
+    seen = set()
+    for split in data.SPLITS:  # no val or test image equals one of an earlier split
+        rows = {row.tobytes() for row in data.read_split(tmp_path / "out", split)[0]}
+        assert not rows & seen, split
+        seen |= rows
+
+
+def test_torchvision_sources_read_a_local_copy(mnist_root):
+    for name in ("mnist", "fashion_mnist"):
+        source = data.load_source(name, mnist_root, download=False)
+        assert len(source.labels) == 60 and len(source.classes) == 10
+        assert source.is_test.sum() == 20
+        splits = data.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
+        assert np.array_equal(splits["test"], np.arange(40, 60))  # the official test split is kept
+        assert len(splits["val"]) == 10 and len(splits["train"]) == 30
 
 
 def test_cifar10_missing_copy_is_a_clear_error(tmp_path):
@@ -85,30 +243,31 @@ def test_split_is_stratified_disjoint_and_seeded():
     other = data.split_indices(labels, 0.25, 0.2, seed=2)
     assert all(np.array_equal(splits[s], again[s]) for s in splits)
     assert not np.array_equal(splits["test"], other["test"])
-
-
-def test_split_too_small_class_is_a_clear_error():
     with pytest.raises(data.DataError, match="per-class counts"):
         data.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
 
 
-def test_cache_is_byte_identical_and_stats_use_train_only(tmp_path):
+def test_stats_use_the_train_split_only(tmp_path):
     source = data.load_source("digits", None)
-    splits = data.split_indices(source.labels, 0.15, 0.2, 0)
-    pixels = data.decode_all(source.images, 8, "grayscale")
-    first = data.write_cache(tmp_path / "a", pixels, source, splits)
-    second = data.write_cache(tmp_path / "b", pixels, source, splits)
-    for name in ["classes.json", "stats.json", "manifest.json", *first["files"]]:
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    for name, entry in first["files"].items():
-        assert data.sha256(tmp_path / "a" / name) == entry["sha256"]
-    assert first == second
+    manifest = build(
+        source,
+        tmp_path / "a",
+        decode=data.Decode(8, "grayscale"),
+        val_fraction=0.15,
+        test_fraction=0.2,
+    )
     x, y = data.read_split(tmp_path / "a", "train")
-    assert x.dtype == np.uint8 and y.dtype == np.int64 and len(x) == len(splits["train"])
+    assert (
+        x.dtype == np.uint8
+        and y.dtype == np.int64
+        and len(x) == sum(manifest["counts"]["train"].values())
+    )
     meta = data.read_cache_meta(tmp_path / "a")
-    train = pixels[splits["train"]] / 255
-    assert meta.mean == pytest.approx([train.mean()]) and meta.std == pytest.approx([train.std()])
-    assert meta.mean != pytest.approx([(pixels / 255).mean()], abs=1e-6)  # not the full set's
+    assert meta.mean == pytest.approx([(x / 255).mean()]) and meta.std == pytest.approx(
+        [(x / 255).std()]
+    )
+    test_x, _ = data.read_split(tmp_path / "a", "test")
+    assert meta.mean != pytest.approx([(test_x / 255).mean()], abs=1e-6)
 
 
 def test_model_input_is_normalised_and_reversible():
@@ -128,3 +287,82 @@ def test_batches_cover_every_item_once_and_shuffle_with_a_generator():
     assert plain.tolist() == list(range(10))
     shuffled = torch.cat([yb for _, yb in data.batches(x, y, 3, torch.Generator().manual_seed(0))])
     assert sorted(shuffled.tolist()) == list(range(10)) and shuffled.tolist() != list(range(10))
+
+
+# --- archives -------------------------------------------------------------------------------
+
+
+def png_bytes(color=(255, 0, 0)) -> bytes:
+    buffer = io.BytesIO()
+    solid(color).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def make_tar(path, members):
+    """members: (TarInfo, bytes | None)."""
+    with tarfile.open(path, "w:gz" if path.name.endswith(".gz") else "w") as tf:
+        for info, payload in members:
+            if payload is not None:
+                info.size = len(payload)
+            tf.addfile(info, io.BytesIO(payload) if payload is not None else None)
+
+
+def test_good_archives_extract_to_the_image_folder(tmp_path):
+    zpath, tpath = tmp_path / "pets.zip", tmp_path / "pets.tar.gz"
+    with zipfile.ZipFile(zpath, "w") as zf:
+        for c in ("cat", "dog"):
+            zf.writestr(f"pets/{c}/1.png", png_bytes())
+    make_tar(tpath, [(tarfile.TarInfo(f"{c}/1.png"), png_bytes()) for c in ("cat", "dog")])
+    for path in (zpath, tpath):
+        assert archive.is_archive(path)
+        root = archive.extract(path, tmp_path / f"x-{path.name}", max_bytes=10**6)
+        assert sorted(p.name for p in root.iterdir()) == ["cat", "dog"]
+        assert data.load_source("imagefolder", root).classes == ["cat", "dog"]
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink", "device"])
+def test_malicious_tar_is_refused_naming_the_member(tmp_path, kind):
+    evil = tarfile.TarInfo(
+        {"dotdot": "cat/../../evil.png", "absolute": "/tmp/evil-abs.png"}.get(kind, "cat/evil")
+    )
+    payload = png_bytes()
+    if kind in ("symlink", "hardlink"):
+        evil.type = tarfile.SYMTYPE if kind == "symlink" else tarfile.LNKTYPE
+        evil.linkname = "/etc/passwd"
+        payload = None
+    elif kind == "device":
+        evil.type, evil.devmajor, evil.devminor = tarfile.CHRTYPE, 1, 3
+        payload = None
+    path = tmp_path / "evil.tar"
+    make_tar(path, [(tarfile.TarInfo("cat/ok.png"), png_bytes()), (evil, payload)])
+    dest = tmp_path / "dest" / "inside"
+    with pytest.raises(data.DataError, match=f"member '{evil.name}'"):
+        archive.extract(path, dest, max_bytes=10**6)
+    assert not (tmp_path / "evil.png").exists() and not os.path.exists("/tmp/evil-abs.png")
+    assert not dest.exists() or not any(dest.rglob("*"))  # refused before anything is written
+
+
+def test_zip_slip_and_zip_bomb_are_refused(tmp_path):
+    slip = tmp_path / "slip.zip"
+    with zipfile.ZipFile(slip, "w") as zf:
+        zf.writestr("cat/1.png", png_bytes())
+        zf.writestr("../../evil.png", png_bytes())
+    with pytest.raises(data.DataError, match=r"member '\.\./\.\./evil.png' climbs out"):
+        archive.extract(slip, tmp_path / "d1" / "x", max_bytes=10**6)
+    assert not (tmp_path / "evil.png").exists()
+    bomb = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("cat/zeros.png", b"\0" * (30 * 2**20))  # 30 MB of zeros, ~30 KB compressed
+    with pytest.raises(data.DataError, match=r"member 'cat/zeros.png' expands .* \(zip bomb\?\)"):
+        archive.extract(bomb, tmp_path / "d2", max_bytes=10**12)
+    assert not (tmp_path / "d2").exists() or not any((tmp_path / "d2").rglob("*"))
+    with pytest.raises(data.DataError, match="over the 100 byte limit"):
+        archive.extract(_ok_zip(tmp_path), tmp_path / "d3", max_bytes=100)
+
+
+def _ok_zip(tmp_path):
+    path = tmp_path / "ok.zip"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("cat/1.png", png_bytes())
+        zf.writestr("dog/1.png", png_bytes())
+    return path

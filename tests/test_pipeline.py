@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import sys
 
 import numpy as np
@@ -127,7 +128,7 @@ def test_rerun_only_what_changed_and_the_gate_holds(reproduced):
     project = reproduced
     assert ran(sh(project, "dvc", "repro")) == []
 
-    write_params(project, {"train": {"epochs": 3}})
+    write_params(project, {"train": {"epochs": 3, "lr": 3e-3}})
     assert ran(sh(project, "dvc", "repro")) == ["train", "evaluate", "export"]
     diff = json.loads(sh(project, "dvc", "metrics", "diff", "--json").stdout)
     assert "results/evaluate/metrics.json" in diff
@@ -157,21 +158,34 @@ def test_bad_params_fail_the_stage_naming_the_key(project):
     assert ran(result) == ["prepare"]  # the first stage refuses before doing any work
 
 
-def test_imagefolder_source_is_a_tracked_dependency(project, image_folder):
-    write_params(
-        project,
-        {
-            "prepare": {
-                "source": "imagefolder",
-                "path": str(image_folder),
-                "color": "rgb",
-                "val_fraction": 0.25,
-            }
-        },
-    )
-    assert ran(sh(project, "dvc", "repro", "prepare")) == ["prepare"]
+def test_imagefolder_and_archive_sources_are_tracked_dependencies(project, image_folder, tmp_path):
+    folder = {
+        "source": "imagefolder",
+        "path": str(image_folder),
+        "color": "rgb",
+        "val_fraction": 0.25,
+        "max_bad_fraction": 0.2,
+        "min_per_class": 2,
+    }
+    write_params(project, {"prepare": folder})
+    result = sh(project, "dvc", "repro", "prepare")
+    assert ran(result) == ["prepare"] and "3 files rejected" in result.stdout  # the stray notes
     classes = json.loads((project / "data/prepared/classes.json").read_text())
     assert classes == ["blue", "green", "red"]
+    rejects = json.loads((project / "data/prepared/rejects.json").read_text())
+    assert set(rejects["files"]) == {"blue/notes.txt", "green/notes.txt", "red/notes.txt"}
     assert sh(project, "dvc", "status", "prepare").stdout.strip().endswith("up to date.")
     (image_folder / "red" / "6.png").write_bytes((image_folder / "red" / "0.png").read_bytes())
     assert "changed deps" in sh(project, "dvc", "status", "prepare").stdout
+    (image_folder / "red" / "6.png").unlink()
+
+    zipped = shutil.make_archive(str(tmp_path / "images"), "zip", image_folder.parent, "images")
+    write_params(project, {"prepare": {**folder, "path": zipped}})
+    assert ran(sh(project, "dvc", "repro", "prepare")) == ["prepare"]
+    arrays = {
+        n: (project / "data/prepared" / n).read_bytes() for n in ("train_x.npy", "test_y.npy")
+    }
+    assert json.loads((project / "data/prepared/classes.json").read_text()) == classes
+    write_params(project, {"prepare": folder})  # the folder and its archive give the same cache
+    sh(project, "dvc", "repro", "prepare")
+    assert arrays == {n: (project / "data/prepared" / n).read_bytes() for n in arrays}

@@ -157,7 +157,7 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
     if path.stat().st_size == 0:
         raise DataError("empty file (0 bytes)")
     with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # an error below instead
         try:
             with Image.open(path, formats=list(decode.formats)) as opened:
                 width, height = opened.size  # from the header; nothing decoded yet
@@ -166,14 +166,20 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                         f"{width}x{height} = {width * height} px is over "
                         f"prepare.max_pixels ({decode.max_pixels}); not decoded"
                     )
+                if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+                    raise DataError(
+                        f"decompression bomb: {width}x{height} px is over Pillow's "
+                        f"limit of {Image.MAX_IMAGE_PIXELS} px; not decoded"
+                    )
                 image = ImageOps.exif_transpose(opened)  # upright, as the camera was held
                 image.load()
                 return image
+        except DataError:
+            raise
         except UnidentifiedImageError:
-            raise DataError(
-                f"not a readable image in the allowed formats ({', '.join(decode.formats)})"
-            ) from None
-        except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:
+            formats = ", ".join(decode.formats)
+            raise DataError(f"not a readable image in the allowed formats ({formats})") from None
+        except Image.DecompressionBombError as e:
             raise DataError(f"decompression bomb: {e}") from None
         except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
             raise DataError(f"corrupt or truncated: {e}") from None
@@ -431,6 +437,12 @@ def build_cache(
             {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
         )
         write_json(out / "duplicates.json", duplicates)
+        empty = [split for split, index in splits.items() if not len(index)]
+        if empty:
+            raise DataError(
+                f"no images left in {empty} after removing {duplicates['removed']} "
+                "duplicates (duplicates.json); add images or set prepare.dedupe: false"
+            )
         write_json(
             out / "decode.json",
             {

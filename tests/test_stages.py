@@ -1,0 +1,59 @@
+"""Stage entry points run as DVC runs them (`python -m pipeline.<stage>` in the project folder)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT
+from visionflow import data
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """A small real cache (digits at 8x8) and the shipped params.yaml in a working folder."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    source = data.load_source("digits", None)
+    data.build_cache(source, tmp_path / "prepared", data.Decode(8, "grayscale"), val_fraction=0.15,
+                     test_fraction=0.2, seed=0)  # fmt: skip
+    return tmp_path
+
+
+def stage(cwd, name, *args):
+    return subprocess.run([sys.executable, "-m", f"pipeline.{name}", *args], cwd=cwd,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+
+
+def test_sanity_writes_grids_counts_and_scan(cache):
+    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+    assert result.returncode == 0, result.stderr
+    out = cache / "sanity"
+    for name in ("labels.png", "augmented.png", "counts.png", "scan.json"):
+        assert (out / name).stat().st_size > 0, name
+    train_counts = json.loads((out / "counts/train.json").read_text())
+    assert [row["class"] for row in train_counts] == [str(i) for i in range(10)]
+    scan = json.loads((out / "scan.json").read_text())
+    assert sum(row["images"] for row in train_counts) == scan["splits"]["train"]["images"]
+    assert scan["finite"] and scan["splits"]["test"]["label_range"] == [0, 9]
+    assert scan["normalised_mean"][0] == pytest.approx(0, abs=1e-5)  # train stats normalise train
+    assert scan["normalised_std"][0] == pytest.approx(1, abs=1e-4)
+    assert scan["duplicates"]["across_splits"] == 0 and scan["rejected_files"] == 0
+
+
+def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
+    y = np.load(cache / "prepared/val_y.npy")
+    y[3] = 12
+    np.save(cache / "prepared/val_y.npy", y)
+    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+    assert result.returncode == 1
+    assert "val: labels span 0..12, outside 0..9 for 10 classes" in result.stderr
+
+
+def test_sanity_fails_on_image_label_count_mismatch(cache):
+    np.save(cache / "prepared/test_y.npy", np.load(cache / "prepared/test_y.npy")[:-2])
+    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+    assert result.returncode == 1 and "test: 360 images but 358 labels" in result.stderr
