@@ -171,9 +171,9 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                         f"decompression bomb: {width}x{height} px is over Pillow's "
                         f"limit of {Image.MAX_IMAGE_PIXELS} px; not decoded"
                     )
-                image = ImageOps.exif_transpose(opened)  # upright, as the camera was held
-                image.load()
-                return image
+                opened.load()
+                ImageOps.exif_transpose(opened, in_place=True)  # upright, as the camera was held
+                return opened
         except DataError:
             raise
         except UnidentifiedImageError:
@@ -205,45 +205,59 @@ def to_pixels(item, decode: Decode) -> np.ndarray:
     return pixels_of(image, decode)
 
 
-def _decode_one(job: tuple[int, object, Decode]) -> tuple[int, np.ndarray | None, str | None]:
-    index, item, decode = job
+_worker: dict = {}  # per decoding process: the output memmap and the Decode options
+
+
+def _start_worker(path: Path, decode: Decode) -> None:
+    _worker["out"] = np.load(path, mmap_mode="r+")
+    _worker["decode"] = decode
+
+
+def _decode_one(job: tuple[int, object]) -> tuple[int, str | None, str]:
+    """Decode one image straight into the shared output array; only a digest travels back."""
+    index, item = job
+    decode = _worker["decode"]
     try:
         image = Image.fromarray(item) if isinstance(item, np.ndarray) else open_image(item, decode)
     except DataError as e:
-        return index, None, str(e)
-    return index, pixels_of(image, decode), None
+        return index, str(e), ""
+    pixels = pixels_of(image, decode)
+    _worker["out"][index] = pixels
+    return index, None, hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
 
 
 def decode_into(
-    out: np.ndarray, images: Sequence, decode: Decode, workers: int = 1
+    path: Path, images: Sequence, decode: Decode, workers: int = 1
 ) -> tuple[np.ndarray, dict[int, str], list[str]]:
-    """Decode every image into `out` (a memmap is fine) with a progress bar.
+    """Decode every image into the .npy file at `path` (N x size x size x C, made by the caller).
 
-    Files are decoded in `workers` processes; arrays in this one. Returns the mask of decoded
-    images, the reason for each rejected index, and a digest of each image's pixels.
+    Files are decoded in `workers` processes, each writing its rows of the memory-mapped file;
+    arrays are decoded in this one. Returns the mask of decoded images, the reason for each
+    rejected index, and a digest of each image's pixels.
     """
     ok = np.zeros(len(images), dtype=bool)
     rejected, digests = {}, [""] * len(images)
-    jobs = ((i, item, decode) for i, item in enumerate(images))
+    jobs = enumerate(images)
     parallel = workers > 1 and len(images) > 0 and not isinstance(images[0], np.ndarray)
-    pool = multiprocessing.get_context("fork").Pool(workers) if parallel else None
+    context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
+    pool = context.Pool(workers, _start_worker, (path, decode)) if parallel else None
+    if pool is None:
+        _start_worker(path, decode)
     try:
         results = (
-            pool.imap_unordered(_decode_one, jobs, chunksize=32) if pool else map(_decode_one, jobs)
+            pool.imap_unordered(_decode_one, jobs, chunksize=64) if pool else map(_decode_one, jobs)
         )
-        for index, pixels, reason in tqdm(
-            results, total=len(images), desc="decode", unit="img", mininterval=1.0
-        ):
-            if pixels is None:
+        for index, reason, digest in tqdm(results, total=len(images), desc="decode", unit="img",
+                                          mininterval=1.0):  # fmt: skip
+            if reason is None:
+                ok[index], digests[index] = True, digest
+            else:
                 rejected[index] = reason
-                continue
-            out[index] = pixels
-            ok[index] = True
-            digests[index] = hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
     finally:
         if pool:
             pool.close()
             pool.join()
+        _worker.clear()
     return ok, rejected, digests
 
 
@@ -316,16 +330,17 @@ def find_duplicates(
 
 
 def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
-    """Per-channel mean and std of uint8 NHWC images on the 0..1 scale, in float64 chunks."""
+    """Per-channel mean and std of uint8 NHWC images on the 0..1 scale, exact, from histograms."""
     channels = x.shape[-1]
-    total, squares = np.zeros(channels), np.zeros(channels)
+    counts = np.zeros((channels, 256), dtype=np.int64)
     for start in range(0, len(x), chunk):
-        part = x[start : start + chunk].reshape(-1, channels).astype(np.float64) / 255
-        total += part.sum(axis=0)
-        squares += np.square(part).sum(axis=0)
-    count = x.size // channels
-    mean = total / count
-    std = np.sqrt(np.maximum(squares / count - mean**2, 0))
+        part = np.asarray(x[start : start + chunk]).reshape(-1, channels)
+        for c in range(channels):
+            counts[c] += np.bincount(part[:, c], minlength=256)
+    levels = np.arange(256) / 255
+    total = counts.sum(axis=1)
+    mean = counts @ levels / total
+    std = np.sqrt(np.maximum(counts @ levels**2 / total - mean**2, 0))
     std = np.maximum(std, 1 / 255)  # a constant channel must not divide by zero
     return mean.tolist(), std.tolist()
 
@@ -397,16 +412,12 @@ def build_cache(
     out.mkdir(parents=True, exist_ok=True)
     channels = 1 if decode.color == "grayscale" else 3
     scratch = out / ".decoded.npy"  # all images, in source order; removed when done
-    pixels = np.lib.format.open_memmap(
-        scratch,
-        mode="w+",
-        dtype=np.uint8,
-        shape=(len(source.images), decode.size, decode.size, channels),
-    )
+    shape = (len(source.images), decode.size, decode.size, channels)
+    np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape).flush()
+    pixels = None
     try:
-        ok, rejected, digests = decode_into(
-            pixels, source.images, decode, workers or os.cpu_count()
-        )
+        ok, rejected, digests = decode_into(scratch, source.images, decode, workers or os.cpu_count())
+        pixels = np.load(scratch, mmap_mode="r")
         rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
         total = len(source.images) + len(source.skipped)
         report = {
@@ -455,7 +466,7 @@ def build_cache(
         )
         manifest = write_cache(out, pixels, source, splits)
     finally:
-        del pixels
+        pixels = None  # drop the memmap before removing its file
         scratch.unlink(missing_ok=True)
     return {**manifest, "rejected": len(rejects), "duplicates": duplicates["across_splits"]}
 
