@@ -57,3 +57,19 @@ def test_sanity_fails_on_image_label_count_mismatch(cache):
     np.save(cache / "prepared/test_y.npy", np.load(cache / "prepared/test_y.npy")[:-2])
     result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
     assert result.returncode == 1 and "test: 360 images but 358 labels" in result.stderr
+
+
+def test_evaluate_refuses_a_model_with_another_class_count(cache):
+    from visionflow.models import build_model, save_model
+
+    model = build_model("simple_cnn", 1, 3, 8)
+    meta = {"model": "simple_cnn", "in_channels": 1, "image_size": 8, "dropout": 0.0,
+            "classes": ["a", "b", "c"], "mean": [0.3], "std": [0.3], "background": [255] * 3}  # fmt: skip
+    save_model(model, meta, cache / "model.pt")
+    result = stage(cache, "evaluate", "--model", "model.pt", "--data", "prepared", "--out", "ev")
+    assert result.returncode == 1
+    assert (
+        "the model has 3 classes ['a', 'b', 'c'], but the cache's classes.json has 10"
+        in result.stderr
+    )
+    assert not (cache / "ev" / "metrics.json").exists()

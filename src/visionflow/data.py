@@ -416,7 +416,9 @@ def build_cache(
     np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape).flush()
     pixels = None
     try:
-        ok, rejected, digests = decode_into(scratch, source.images, decode, workers or os.cpu_count())
+        ok, rejected, digests = decode_into(
+            scratch, source.images, decode, workers or os.cpu_count()
+        )
         pixels = np.load(scratch, mmap_mode="r")
         rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
         total = len(source.images) + len(source.skipped)

@@ -37,7 +37,12 @@ def preprocess_spec(
         "background": list(background),  # RGB under transparent pixels, before the colour mode
         "mean": mean,
         "std": std,
-        "input": {"dtype": "float32", "layout": "NCHW", "value": "(pixel / 255 - mean) / std"},
+        "input": {
+            "dtype": "float32",
+            "layout": "NCHW",
+            "pixel_range": [0, 255],  # uint8 pixels after decoding, before scaling
+            "value": "(pixel / 255 - mean) / std",
+        },
     }
 
 
