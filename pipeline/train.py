@@ -1,93 +1,191 @@
 """Stage train: fit the model on the cached train split, keep the best by validation accuracy.
 
 Reads:  params.yaml (seed, train.*); the cache from prepare; sanity's scan (train runs after the check)
-Writes: <out>/model.pt (state_dict + meta, loads with weights_only=True), <out>/live/ (DVCLive curves)
-Run:    python -m pipeline.train --data data/prepared --out results/train
+Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=True),
+        <out>/live/ (DVCLive: per-epoch curves and metrics.json), <checkpoints>/ (one resumable
+        checkpoint per epoch; kept by DVC between runs, cleared when the run completes)
+Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
+
+A killed run resumes from its last checkpoint on the next `dvc repro` and ends with the same
+weights and metrics as an uninterrupted one (CPU, train.deterministic: true).
 """
 
 import argparse
+import os
+import random
+import resource
+import shutil
 import time
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 from dvclive import Live
 
-from pipeline import run
-from visionflow import data
+from pipeline import GateError, run
+from visionflow import checkpoint, data
 from visionflow.augment import augment
-from visionflow.engine import evaluate, pick_device, train_one_epoch
+from visionflow.engine import (
+    NonFiniteLoss,
+    amp_dtype,
+    evaluate,
+    make_optimizer,
+    make_scheduler,
+    pick_device,
+    step_scheduler,
+    train_one_epoch,
+)
 from visionflow.models import build_model, save_model
 from visionflow.params import load_params
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = not deterministic  # autotuning picks kernels by timing
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train on the cached train split.")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
+    parser.add_argument("--checkpoints", type=Path, required=True, help="resumable state folder")
     args = parser.parse_args()
     params = load_params()
     t = params.train
 
-    torch.manual_seed(params.seed)
+    # --- data, model and the things that step it ---------------------------------------------
+    seed_everything(params.seed, t.deterministic)
     device = pick_device(t.device)
     meta = data.read_cache_meta(args.data)
     x_train, y_train = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "train"))
     x_val, y_val = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "val"))
     mean, std = torch.tensor(meta.mean, device=device), torch.tensor(meta.std, device=device)
     channels, image_size = x_train.shape[3], x_train.shape[1]
+    if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
+        x_train, y_train = (
+            x_train[: t.overfit_batches * t.batch_size],
+            y_train[: t.overfit_batches * t.batch_size],
+        )
+        x_val, y_val = x_train, y_train
 
     model = build_model(t.model, channels, len(meta.classes), image_size, t.dropout).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    runner = torch.compile(model) if t.compile else model
+    optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
+    scheduler = make_scheduler(
+        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
+    )
+    dtype = amp_dtype(t.amp, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     shuffle = torch.Generator().manual_seed(params.seed)  # CPU generator: same order on any device
     augmentation = partial(augment, generator=shuffle, **t.augment.model_dump())
     model_meta = {  # plain values only, so the file loads with weights_only=True
-        "model": t.model,
-        "in_channels": channels,
-        "image_size": image_size,
-        "dropout": t.dropout,
-        "classes": meta.classes,
-        "mean": meta.mean,
-        "std": meta.std,
-        "background": meta.background,
-    }
-    print(
-        f"train: {t.model} on {device}, {len(y_train)} train / {len(y_val)} val images, "
-        f"{sum(p.numel() for p in model.parameters())} parameters"
-    )
+        "model": t.model, "in_channels": channels, "image_size": image_size, "dropout": t.dropout,
+        "classes": meta.classes, "mean": meta.mean, "std": meta.std, "background": meta.background,
+    }  # fmt: skip
 
-    best_accuracy = -1.0
+    # --- resume --------------------------------------------------------------------------------
+    args.checkpoints.mkdir(parents=True, exist_ok=True)
+    best_path = args.checkpoints / "best.pt"
+    run_fingerprint = checkpoint.fingerprint(
+        {"seed": params.seed, "train": t.model_dump()}, (args.data / "manifest.json").read_text()
+    )
+    state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
+    print(f"train: {why}")
+    history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
+    if state:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        shuffle.set_state(state["rng"]["shuffle"].cpu())
+        history, best, stale = state["history"], state["best"], state["stale"]
+        start = state["epoch"] + 1
+    else:
+        best_path.unlink(missing_ok=True)
+    print(f"train: {t.model} on {device} (amp {dtype or 'off'}), {len(y_train)} train / "
+          f"{len(y_val)} val images, {sum(p.numel() for p in model.parameters())} parameters")  # fmt: skip
+
+    # --- the epoch loop ------------------------------------------------------------------------
     with Live(str(args.out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
-        for epoch in range(1, t.epochs + 1):
-            start = time.perf_counter()
-            train_metrics = train_one_epoch(
-                model, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle, augmentation
-            )
-            seconds = time.perf_counter() - start
-            val_metrics, _ = evaluate(model, x_val, y_val, mean, std, t.batch_size)
-            for name, value in train_metrics.items():
-                live.log_metric(f"train/{name}", value)
-            for name, value in val_metrics.items():
-                live.log_metric(f"val/{name}", value)
-            live.log_metric("lr", optimizer.param_groups[0]["lr"])
-            live.log_metric("train/images_per_s", len(y_train) / seconds)
-            live.log_metric("epoch_seconds", seconds)
-            improved = val_metrics["accuracy"] > best_accuracy
-            if improved:
-                best_accuracy = val_metrics["accuracy"]
-                save_model(
-                    model,
-                    {**model_meta, "epoch": epoch, "val_accuracy": best_accuracy},
-                    args.out / "model.pt",
-                )
-            print(
-                f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
-                f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
-                f"acc {val_metrics['accuracy']:.4f}  {len(y_train) / seconds:7.0f} img/s"
-                + ("  (best, saved)" if improved else "")
-            )
+        for past in history:  # DVC deleted the curves with <out>; the checkpoint kept them
+            for name, value in past.items():
+                live.log_metric(name, value)
             live.next_step()
-    print(f"train: best val accuracy {best_accuracy:.4f}; model in {args.out / 'model.pt'}")
+        for epoch in range(start, t.epochs + 1):
+            if t.early_stop and stale >= t.early_stop:
+                print(f"train: early stop, no better val accuracy for {stale} epochs")
+                break
+            start_time = time.perf_counter()
+            try:
+                train_metrics = train_one_epoch(
+                    runner, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle,
+                    augmentation, scaler=scaler, dtype=dtype, accumulate=t.accumulate,
+                    grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
+                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch,
+                )  # fmt: skip
+            except NonFiniteLoss as e:
+                raise GateError(
+                    f"{e}; the last good checkpoint is kept in {args.checkpoints}"
+                ) from None
+            seconds = time.perf_counter() - start_time
+            val_metrics, _ = evaluate(runner, x_val, y_val, mean, std, 1024)
+            lr = optimizer.param_groups[0]["lr"]
+            step_scheduler(scheduler, val_metrics["loss"])
+            record = {
+                "train/loss": train_metrics["loss"], "train/accuracy": train_metrics["accuracy"],
+                "val/loss": val_metrics["loss"], "val/accuracy": val_metrics["accuracy"],
+                "lr": lr, "grad_norm": train_metrics["grad_norm"],
+                "skipped_steps": train_metrics["skipped_steps"],
+                "train/images_per_s": train_metrics["images"] / seconds, "epoch_seconds": seconds,
+                "peak_memory_mb": peak_memory_mb(device),
+                **{f"grad_norm_layer/{k}": v for k, v in train_metrics["layer_grad_norms"].items()},
+            }  # fmt: skip
+            for name, value in record.items():
+                live.log_metric(name, value)
+            live.next_step()
+            history.append(record)
+
+            improved = val_metrics["accuracy"] > best["accuracy"]
+            stale = 0 if improved else stale + 1
+            if improved:
+                best = {"accuracy": val_metrics["accuracy"], "epoch": epoch}
+                save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]},
+                           best_path)  # fmt: skip
+            checkpoint.save_checkpoint(args.checkpoints, {
+                "epoch": epoch, "fingerprint": run_fingerprint, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "scaler": scaler.state_dict(), "best": best, "stale": stale, "history": history,
+                "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state()},
+            })  # fmt: skip
+            print(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
+                  f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
+                  f"acc {val_metrics['accuracy']:.4f}  lr {lr:.2e}  {record['train/images_per_s']:7.0f} img/s"
+                  + (f"  {train_metrics['skipped_steps']} skipped" if train_metrics["skipped_steps"] else "")
+                  + ("  (best)" if improved else ""))  # fmt: skip
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    shutil.move(best_path, args.out / "model.pt")
+    checkpoint.clear(args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best})
+    print(
+        f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
+        f"model in {args.out / 'model.pt'}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,15 +1,22 @@
 """The training loop, by hand: `train_one_epoch` and `evaluate` over in-memory uint8 tensors.
 
-Batches are sliced from the cache held on the device, then normalised there (`to_model_input`).
+Batches are sliced from the cache held on the device, then augmented and normalised there. One AMP
+path: `torch.autocast(..., enabled=...)` and a `GradScaler(enabled=...)` that is a no-op unless fp16.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from visionflow.data import batches, normalise, to_model_input, to_unit
+
+
+class NonFiniteLoss(RuntimeError):
+    """Too many non-finite losses in a row; the message names the epoch and step."""
 
 
 def pick_device(name: str) -> torch.device:
@@ -24,6 +31,59 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `train.amp`, or None for full precision.
+
+    `auto` is bf16 on a GPU that supports it (fp16 on older ones) and off on the CPU, where
+    autocast rarely pays for small convolutions; `bf16` on the CPU runs the same code path in CI.
+    """
+    if amp == "auto":
+        if device.type != "cuda":
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
+
+
+def make_optimizer(
+    name: str, model: nn.Module, lr: float, weight_decay: float, momentum: float, nesterov: bool
+) -> torch.optim.Optimizer:
+    params = model.parameters()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov,
+                               weight_decay=weight_decay)  # fmt: skip
+    optimizers = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    return optimizers[name](params, lr=lr, weight_decay=weight_decay)
+
+
+def make_scheduler(
+    name: str, optimizer: torch.optim.Optimizer, epochs: int, patience: int, factor: float,
+    step_size: int,
+):  # fmt: skip
+    """Stepped once per epoch; `plateau` on the validation loss (see `step_scheduler`)."""
+    if name == "plateau":
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=factor,
+                                                          patience=patience)  # fmt: skip
+    if name == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    if name == "step":
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=factor)
+    return None
+
+
+def step_scheduler(scheduler, val_loss: float) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(val_loss)
+    elif scheduler is not None:
+        scheduler.step()
+
+
+def grad_norms(model: nn.Module) -> dict[str, float]:
+    """L2 norm of each parameter's gradient, by name (an exploding or vanishing layer shows)."""
+    return {
+        name: p.grad.norm().item() for name, p in model.named_parameters() if p.grad is not None
+    }
+
+
 def train_one_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -34,25 +94,71 @@ def train_one_epoch(
     batch_size: int,
     generator: torch.Generator,
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """One shuffled pass; returns mean train loss and accuracy over the epoch.
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    dtype: torch.dtype | None = None,
+    accumulate: int = 1,
+    grad_clip: float = 0.0,
+    label_smoothing: float = 0.0,
+    max_nonfinite: int = 5,
+    epoch: int = 0,
+    layer_norm_every: int = 50,
+) -> dict:
+    """One shuffled pass; returns mean train loss and accuracy, the mean gradient norm and counts.
 
-    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation.
+    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The loss of
+    each micro-batch is divided by `accumulate`, so `accumulate` steps of batch b equal one of
+    batch `accumulate * b`. A non-finite loss skips its optimizer step; `max_nonfinite` in a row
+    raise NonFiniteLoss. Per-layer gradient norms are sampled every `layer_norm_every` steps.
     """
     model.train()
-    total_loss, correct = 0.0, 0
-    for xb, yb in batches(x, y, batch_size, generator):
-        optimizer.zero_grad(set_to_none=True)
+    scaler = scaler or torch.amp.GradScaler(enabled=False)
+    total_loss, correct, seen, steps, skipped, in_a_row = 0.0, 0, 0, 0, 0, 0
+    norms: list[float] = []
+    layers: dict[str, float] = {}
+    optimizer.zero_grad(set_to_none=True)
+    progress = tqdm(batches(x, y, batch_size, generator), total=math.ceil(len(x) / batch_size),
+                    desc=f"epoch {epoch}", unit="batch", leave=False, disable=None)  # fmt: skip
+    for i, (xb, yb) in enumerate(progress):
         images = to_unit(xb)
         if augment is not None:
             images = augment(images)
-        logits = model(normalise(images, mean, std))
-        loss = F.cross_entropy(logits, yb)
-        loss.backward()
-        optimizer.step()
+        with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(normalise(images, mean, std))
+            loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
+        if not torch.isfinite(loss):
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            optimizer.zero_grad(set_to_none=True)
+            if in_a_row >= max_nonfinite:
+                raise NonFiniteLoss(f"loss was not finite for {in_a_row} steps in a row "
+                                    f"(epoch {epoch}, step {i + 1}); stopping")  # fmt: skip
+            continue
+        in_a_row = 0
+        scaler.scale(loss / accumulate).backward()
         total_loss += loss.item() * len(yb)
         correct += (logits.argmax(1) == yb).sum().item()
-    return {"loss": total_loss / len(y), "accuracy": correct / len(y)}
+        seen += len(yb)
+        if (i + 1) % accumulate == 0:
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            if steps % layer_norm_every == 0:
+                layers = grad_norms(model)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+            norms.append(norm.item())
+            scale = scaler.get_scale()
+            scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
+            scaler.update()
+            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    return {
+        "loss": total_loss / max(seen, 1),
+        "accuracy": correct / max(seen, 1),
+        "grad_norm": sum(norms) / max(len(norms), 1),
+        "steps": steps,
+        "skipped_steps": skipped,
+        "images": seen,
+        "layer_grad_norms": layers,
+    }
 
 
 @torch.no_grad()

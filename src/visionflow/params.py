@@ -55,8 +55,25 @@ class Train(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     epochs: int = Field(20, ge=1)
     batch_size: int = Field(64, ge=1)
+    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
     lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    grad_clip: float = Field(0.0, ge=0)
+    accumulate: int = Field(1, ge=1)
+    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
+    scheduler: Literal["plateau", "cosine", "step", "none"] = "plateau"
+    lr_patience: int = Field(2, ge=0)
+    lr_factor: float = Field(0.5, gt=0, lt=1)
+    lr_step: int = Field(10, ge=1)
+    early_stop: int = Field(0, ge=0)
+    max_nonfinite_steps: int = Field(5, ge=1)
+    overfit_batches: int = Field(0, ge=0)
+    deterministic: bool = True
+    channels_last: bool = True
+    compile: bool = False
     dropout: float = Field(0.25, ge=0, lt=1)
     augment: Augment = Augment()
 
@@ -109,9 +126,9 @@ def _describe(error: dict) -> str:
         return f"{key}: {error['msg']} (got {error['input']!r})"
     valid = sorted(_model_at(loc).model_fields)
     initials = "".join(word[:1] for word in loc[-1].split("_"))  # learning_rate -> lr
-    close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5) or [
-        k for k in valid if k == initials
-    ]
+    close = [k for k in valid if k == initials] or difflib.get_close_matches(
+        loc[-1], valid, n=1, cutoff=0.5
+    )
     hint = f"did you mean '{close[0]}'? " if close else ""
     return f"{key}: unknown key; {hint}valid keys here: {', '.join(valid)}"
 

@@ -1,0 +1,245 @@
+"""The training engine and resumable checkpoints."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import ROOT, write_params
+from visionflow import checkpoint, data
+from visionflow.engine import (
+    NonFiniteLoss,
+    amp_dtype,
+    make_optimizer,
+    make_scheduler,
+    step_scheduler,
+    train_one_epoch,
+)
+from visionflow.models import build_model
+
+
+def toy(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 2
+    x = (torch.rand(n, 8, 8, 1, generator=g) * 100 + y.view(-1, 1, 1, 1) * 150).to(torch.uint8)
+    return x, y
+
+
+MEAN, STD = torch.tensor([0.4]), torch.tensor([0.3])
+
+
+def fresh_model(seed=0):
+    torch.manual_seed(seed)
+    return build_model("simple_cnn", 1, 2, 8)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("amp", ["off", "bf16"])
+def test_one_step_of_each_optimiser_and_amp_mode_learns(name, amp):
+    x, y = toy()
+    model = fresh_model()
+    optimizer = make_optimizer(name, model, 1e-2, 1e-4, 0.9, name == "sgd")
+    before = [p.detach().clone() for p in model.parameters()]
+    dtype = amp_dtype(amp, torch.device("cpu"))
+    metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 64, torch.Generator().manual_seed(0),
+                              dtype=dtype, grad_clip=1.0)  # fmt: skip
+    assert metrics["steps"] == 1 and metrics["skipped_steps"] == 0 and metrics["grad_norm"] > 0
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert metrics["layer_grad_norms"] and all(v >= 0 for v in metrics["layer_grad_norms"].values())
+
+
+def test_fp16_scaler_path_runs_where_autocast_supports_it():
+    x, y = toy()
+    model = fresh_model()
+    optimizer = make_optimizer("sgd", model, 1e-2, 0, 0.9, False)
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    try:
+        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0),
+                                  scaler=scaler, dtype=torch.float16)  # fmt: skip
+    except RuntimeError as e:  # an older CPU autocast without fp16 kernels
+        pytest.skip(f"fp16 autocast on this CPU: {e}")
+    assert metrics["steps"] == 4 and scaler.get_scale() > 0
+
+
+def test_overfitting_a_small_batch_drives_the_loss_to_zero():
+    x, y = toy(32)
+    model = fresh_model()
+    optimizer = make_optimizer("adam", model, 3e-3, 0, 0, False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 32, g)
+    assert metrics["loss"] < 0.01 and metrics["accuracy"] == 1.0
+
+
+def test_accumulation_equals_one_big_batch():
+    x, y = toy(32)
+    small, big = fresh_model(), fresh_model()
+    big.load_state_dict(small.state_dict())
+    for model, batch, accumulate in ((small, 8, 4), (big, 32, 1)):
+        optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+        train_one_epoch(model.eval(), optimizer, x, y, MEAN, STD, batch, torch.Generator().manual_seed(3),
+                        accumulate=accumulate)  # fmt: skip
+    for a, b in zip(small.parameters(), big.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_plateau_scheduler_lowers_the_rate_after_a_plateau():
+    model = fresh_model()
+    optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
+    scheduler = make_scheduler("plateau", optimizer, 10, patience=1, factor=0.5, step_size=1)
+    for loss in (1.0, 0.9, 0.9, 0.9):  # improves once, then flat for two epochs
+        step_scheduler(scheduler, loss)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
+class SometimesNaN(nn.Module):
+    def __init__(self, inner, bad_calls):
+        super().__init__()
+        self.inner, self.bad_calls, self.calls = inner, bad_calls, 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.inner(x)
+        return out * float("nan") if self.calls in self.bad_calls else out
+
+
+def test_nan_loss_is_skipped_and_a_run_of_them_stops():
+    x, y = toy(64)
+    model = SometimesNaN(fresh_model(), bad_calls={2})
+    optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
+    metrics = train_one_epoch(
+        model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0)
+    )
+    assert metrics["skipped_steps"] == 1 and metrics["steps"] == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())  # the bad step changed nothing
+    model = SometimesNaN(fresh_model(), bad_calls={2, 3, 4})
+    with pytest.raises(NonFiniteLoss, match=r"3 steps in a row \(epoch 7, step 4\)"):
+        train_one_epoch(model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0),
+                        max_nonfinite=3, epoch=7)  # fmt: skip
+
+
+def state(epoch, fp="abc"):
+    return {"epoch": epoch, "fingerprint": fp, "model": fresh_model().state_dict(), "history": []}
+
+
+def test_checkpoints_fall_back_refuse_pickles_and_check_the_fingerprint(tmp_path):
+    checkpoint.save_checkpoint(tmp_path, state(1))
+    checkpoint.save_checkpoint(tmp_path, state(2))
+    checkpoint.save_checkpoint(tmp_path, state(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-0002.pt", "epoch-0003.pt"]
+    loaded, why = checkpoint.load_latest(tmp_path, "abc", "cpu")
+    assert loaded["epoch"] == 3 and "resuming" in why
+
+    newest = tmp_path / "epoch-0003.pt"
+    newest.write_bytes(newest.read_bytes()[:200])  # truncated, as by a kill mid-write
+    with pytest.warns(UserWarning, match="epoch-0003.pt is unreadable"):
+        loaded, _ = checkpoint.load_latest(tmp_path, "abc", "cpu")
+    assert loaded["epoch"] == 2
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (tmp_path / "epoch-0009.pt").write_bytes(pickle.dumps(Evil()))
+    with pytest.warns(UserWarning, match="epoch-0009.pt is unreadable"):
+        loaded, _ = checkpoint.load_latest(tmp_path, "abc", "cpu")
+    assert not marker.exists() and loaded["epoch"] == 2  # refused without running
+
+    loaded, why = checkpoint.load_latest(tmp_path, "other", "cpu")
+    assert loaded is None and "other params or data" in why and "starting fresh" in why
+
+
+def test_fingerprint_follows_params_and_data():
+    a = checkpoint.fingerprint({"lr": 1e-3}, "manifest-1")
+    assert a == checkpoint.fingerprint({"lr": 1e-3}, "manifest-1")
+    assert a != checkpoint.fingerprint({"lr": 2e-3}, "manifest-1")
+    assert a != checkpoint.fingerprint({"lr": 1e-3}, "manifest-2")
+
+
+# --- the stage: kill and resume ---------------------------------------------------------------
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    write_params(tmp_path, {"train": {"epochs": 5, "batch_size": 32}})
+    source = data.load_source("digits", None)
+    data.build_cache(source, tmp_path / "prepared", data.Decode(8, "grayscale"), val_fraction=0.15,
+                     test_fraction=0.2, seed=0)  # fmt: skip
+    return tmp_path
+
+
+def train_cmd(cwd, out):
+    return [sys.executable, "-m", "pipeline.train", "--data", "prepared", "--out", out,
+            "--checkpoints", f"{out}-ckpt"]  # fmt: skip
+
+
+def run_train(cwd, out):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def final_state(cwd, out):
+    model = torch.load(cwd / out / "model.pt", weights_only=True)
+    metrics = json.loads((cwd / out / "live/metrics.json").read_text())
+    steady = {k: v for k, v in metrics.items() if k not in {"epoch_seconds", "peak_memory_mb"}}
+    steady["train"].pop("images_per_s")
+    return model, steady
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_and_equals_an_uninterrupted_run(workdir):
+    whole = run_train(workdir, "whole")
+    assert whole.returncode == 0, whole.stderr
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    victim = subprocess.Popen(train_cmd(workdir, "cut"), cwd=workdir, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (workdir / "cut-ckpt/epoch-0002.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (workdir / "cut/model.pt").exists()
+    shutil.rmtree(workdir / "cut")  # as DVC does with the stage's output before a rerun
+    resumed = run_train(workdir, "cut")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    (a_model, a_metrics), (b_model, b_metrics) = (
+        final_state(workdir, "whole"),
+        final_state(workdir, "cut"),
+    )
+    assert a_model["meta"] == b_model["meta"]
+    assert all(
+        torch.equal(a_model["state_dict"][k], b_model["state_dict"][k])
+        for k in a_model["state_dict"]
+    )
+    assert a_metrics == b_metrics
+    curve = (workdir / "cut/live/plots/metrics/val/accuracy.tsv").read_text().splitlines()
+    assert len(curve) == 1 + 5  # header + every epoch, those before the kill included
+    assert not list((workdir / "cut-ckpt").glob("epoch-*.pt"))  # complete: nothing to resume
+
+
+@pytest.mark.slow
+def test_changed_params_do_not_resume_an_old_checkpoint(workdir):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    victim = subprocess.Popen(train_cmd(workdir, "out"), cwd=workdir, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (workdir / "out-ckpt/epoch-0001.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    write_params(workdir, {"train": {"lr": 2e-3}})
+    result = run_train(workdir, "out")
+    assert result.returncode == 0, result.stderr
+    assert "not resuming" in result.stdout and "other params or data" in result.stdout
