@@ -36,7 +36,7 @@ from visionflow.engine import (
     step_scheduler,
     train_one_epoch,
 )
-from visionflow.models import build_model, save_model
+from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_model
 from visionflow.params import load_params
 
 
@@ -70,7 +70,6 @@ def main() -> None:
     meta = data.read_cache_meta(args.data)
     x_train, y_train = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "train"))
     x_val, y_val = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "val"))
-    mean, std = torch.tensor(meta.mean, device=device), torch.tensor(meta.std, device=device)
     channels, image_size = x_train.shape[3], x_train.shape[1]
     if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
         x_train, y_train = (
@@ -79,7 +78,19 @@ def main() -> None:
         )
         x_val, y_val = x_train, y_train
 
-    model = build_model(t.model, channels, len(meta.classes), image_size, t.dropout).to(device)
+    model = build_model(
+        t.model, channels, len(meta.classes), image_size, t.dropout, t.checkpointing
+    )
+    norm_mean, norm_std = meta.mean, meta.std  # train-split statistics
+    if t.pretrained:  # pretrained weights bring the normalisation they were trained with
+        if t.model != "resnet18":
+            raise GateError(f"train.pretrained is for resnet18, not {t.model}")
+        load_pretrained(model, t.pretrained)
+        norm_mean, norm_std = IMAGENET_MEAN[:channels], IMAGENET_STD[:channels]
+        if channels == 1:
+            norm_mean, norm_std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
+    mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
+    model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
     runner = torch.compile(model) if t.compile else model
@@ -93,7 +104,8 @@ def main() -> None:
     augmentation = partial(augment, generator=shuffle, **t.augment.model_dump())
     model_meta = {  # plain values only, so the file loads with weights_only=True
         "model": t.model, "in_channels": channels, "image_size": image_size, "dropout": t.dropout,
-        "classes": meta.classes, "mean": meta.mean, "std": meta.std, "background": meta.background,
+        "classes": meta.classes, "mean": norm_mean, "std": norm_std, "background": meta.background,
+        "checkpointing": t.checkpointing,
     }  # fmt: skip
 
     # --- resume --------------------------------------------------------------------------------

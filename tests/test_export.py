@@ -84,7 +84,7 @@ def test_torch_formats_match_eager_and_carry_metadata(model, pixels, tmp_path, r
         if runtime == "pt2":
             export_pt2(model, example(pixels), path, META)
         else:
-            export_torchscript(model, path, META)
+            export_torchscript(model, example(pixels), path, META)
         runner, classes, spec = load_runner(runtime, path)
     assert not [w for w in seen if "torch.jit" in str(w.message)]  # handled, not drowning the log
     assert classes == ["a", "b", "c", "d"] and spec == SPEC
@@ -101,7 +101,7 @@ def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runt
         if runtime == "pt2":
             export_pt2(model, example(pixels), path, META)
         else:
-            export_torchscript(model, path, META)
+            export_torchscript(model, example(pixels), path, META)
     finally:
         model.eval()
     runner, _, _ = load_runner(runtime, path)

@@ -155,7 +155,8 @@ def test_checkpoints_fall_back_refuse_pickles_and_check_the_fingerprint(tmp_path
         loaded, _ = checkpoint.load_latest(tmp_path, "abc", "cpu")
     assert not marker.exists() and loaded["epoch"] == 2  # refused without running
 
-    loaded, why = checkpoint.load_latest(tmp_path, "other", "cpu")
+    with pytest.warns(UserWarning, match="unreadable"):  # the two broken files, again
+        loaded, why = checkpoint.load_latest(tmp_path, "other", "cpu")
     assert loaded is None and "other params or data" in why and "starting fresh" in why
 
 

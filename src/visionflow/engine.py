@@ -104,12 +104,13 @@ def train_one_epoch(
     epoch: int = 0,
     layer_norm_every: int = 50,
 ) -> dict:
-    """One shuffled pass; returns mean train loss and accuracy, the mean gradient norm and counts.
+    """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
 
     `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The loss of
     each micro-batch is divided by `accumulate`, so `accumulate` steps of batch b equal one of
     batch `accumulate * b`. A non-finite loss skips its optimizer step; `max_nonfinite` in a row
-    raise NonFiniteLoss. Per-layer gradient norms are sampled every `layer_norm_every` steps.
+    raise NonFiniteLoss. The global gradient norm (every step when clipping) and per-layer norms
+    are sampled every `layer_norm_every` optimizer steps.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
@@ -135,15 +136,16 @@ def train_one_epoch(
             continue
         in_a_row = 0
         scaler.scale(loss / accumulate).backward()
-        total_loss += loss.item() * len(yb)
-        correct += (logits.argmax(1) == yb).sum().item()
+        total_loss += loss.detach() * len(yb)  # tensors: no device sync per step
+        correct += (logits.argmax(1) == yb).sum()
         seen += len(yb)
         if (i + 1) % accumulate == 0:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            if steps % layer_norm_every == 0:
+            if steps % layer_norm_every == 0:  # sampled: norms cost a pass over the gradients
                 layers = grad_norms(model)
-            norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-            norms.append(norm.item())
+            if grad_clip or steps % layer_norm_every == 0:
+                norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+                norms.append(norm.item())
             scale = scaler.get_scale()
             scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
             scaler.update()
@@ -151,8 +153,8 @@ def train_one_epoch(
             optimizer.zero_grad(set_to_none=True)
             steps += 1
     return {
-        "loss": total_loss / max(seen, 1),
-        "accuracy": correct / max(seen, 1),
+        "loss": float(total_loss) / max(seen, 1),
+        "accuracy": int(correct) / max(seen, 1),
         "grad_norm": sum(norms) / max(len(norms), 1),
         "steps": steps,
         "skipped_steps": skipped,

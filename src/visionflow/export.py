@@ -71,11 +71,14 @@ def export_pt2(
     torch.export.save(program, str(path), extra_files=metadata)
 
 
-def export_torchscript(model: nn.Module, path: Path, metadata: dict[str, str]) -> None:
+def export_torchscript(
+    model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
+) -> None:
+    """Traced in eval mode (the parity gate checks the trace at every batch size)."""
     with warnings.catch_warnings():  # "torch.jit.* is deprecated": known, and said in the README
         warnings.filterwarnings("ignore", message=JIT_DEPRECATED)
-        scripted = torch.jit.script(model)
-        torch.jit.save(scripted, str(path), _extra_files=metadata)
+        traced = torch.jit.trace(model, example, check_trace=False)
+        torch.jit.save(traced, str(path), _extra_files=metadata)
 
 
 def compare(
@@ -115,7 +118,7 @@ def export_all(
     paths = {runtime: folder / name for runtime, name in FILES.items()}
     exporter = export_onnx(model, example, paths["onnx"], opset, metadata)
     export_pt2(model, example, paths["pt2"], metadata)
-    export_torchscript(model, paths["torchscript"], metadata)
+    export_torchscript(model, example, paths["torchscript"], metadata)
     return paths, exporter
 
 

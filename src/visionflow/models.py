@@ -5,7 +5,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torchvision
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class SimpleCNN(nn.Module):
@@ -34,14 +36,124 @@ class SimpleCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-MODELS = {"simple_cnn": SimpleCNN}
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a shortcut (1x1 when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
+        )  # fmt: skip
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """A ResNet for small images (e.g. 32x32): a 3x3 stem and three stages of 32, 64, 128 channels.
+
+    With `checkpointing`, each block's activations are recomputed in the backward pass instead of
+    stored (torch.utils.checkpoint): less memory, about a third more compute.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0,
+                 checkpointing: bool = False):  # fmt: skip
+        super().__init__()
+        self.checkpointing = checkpointing
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(
+            BasicBlock(32, 32, 1), BasicBlock(32, 64, 2), BasicBlock(64, 128, 2), BasicBlock(128, 128, 1)
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
+                                  nn.Linear(128, num_classes))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            if self.checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+def resnet18(in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0,
+             checkpointing: bool = False) -> nn.Module:  # fmt: skip
+    """torchvision's ResNet-18 with its input and head resized (weights: `load_pretrained`)."""
+    model = torchvision.models.resnet18(weights=None)
+    if in_channels != 3:
+        model.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+    model.fc = nn.Sequential(nn.Dropout(dropout), nn.Linear(512, num_classes))
+    if checkpointing:
+        for name in ("layer1", "layer2", "layer3", "layer4"):
+            setattr(model, name, Checkpointed(getattr(model, name)))
+    return model
+
+
+class Checkpointed(nn.Module):
+    """Recompute `inner`'s activations in the backward pass while training."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return checkpoint(self.inner, x, use_reentrant=False)
+        return self.inner(x)
+
+
+# ImageNet statistics, which torchvision's pretrained weights expect their inputs normalised with.
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def load_pretrained(model: nn.Module, source: str) -> None:
+    """ResNet-18 weights from a local file (a state_dict), or `imagenet` from torchvision's hub.
+
+    The classifier head is left as built (its class count differs); a 1-channel input gets the
+    mean of the pretrained RGB filters.
+    """
+    if source == "imagenet":
+        weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
+    else:
+        weights = torch.load(source, map_location="cpu", weights_only=True)
+    weights = {k: v for k, v in weights.items() if not k.startswith("fc.")}
+    if model.conv1.in_channels == 1:
+        weights["conv1.weight"] = weights["conv1.weight"].mean(dim=1, keepdim=True)
+    missing, unexpected = model.load_state_dict(_into(model, weights), strict=False)
+    if unexpected or [k for k in missing if not k.startswith("fc.")]:
+        raise ValueError(f"pretrained weights {source} do not fit resnet18: missing {missing}, "
+                         f"unexpected {unexpected}")  # fmt: skip
+
+
+def _into(model: nn.Module, weights: dict) -> dict:
+    """Map plain ResNet keys onto a model whose layers may be wrapped in `Checkpointed`."""
+    names = set(model.state_dict())
+    return {(k if k in names else k.replace(".", ".inner.", 1)): v for k, v in weights.items()}
+
+
+MODELS = {"simple_cnn": SimpleCNN, "small_resnet": SmallResNet, "resnet18": resnet18}
 
 
 def build_model(
-    name: str, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0
+    name: str,
+    in_channels: int,
+    num_classes: int,
+    image_size: int,
+    dropout: float = 0.0,
+    checkpointing: bool = False,
 ) -> nn.Module:
     """Build a model and prove with one dummy forward that the shapes fit."""
-    model = MODELS[name](in_channels, num_classes, image_size, dropout)
+    extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
+    model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
     dummy = torch.zeros(2, in_channels, image_size, image_size)
     try:
         with torch.no_grad():
@@ -86,6 +198,7 @@ def load_model(path: Path, map_location: str | torch.device = "cpu") -> tuple[nn
         len(meta["classes"]),
         meta["image_size"],
         meta["dropout"],
+        meta.get("checkpointing", False),  # wrappers change the state_dict's key names
     )
     model.load_state_dict(saved["state_dict"])
     return model.eval(), meta

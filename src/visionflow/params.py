@@ -51,7 +51,9 @@ class Augment(Section):
 
 
 class Train(Section):
-    model: Literal["simple_cnn"] = "simple_cnn"
+    model: Literal["simple_cnn", "small_resnet", "resnet18"] = "simple_cnn"
+    pretrained: str = ""
+    checkpointing: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
     epochs: int = Field(20, ge=1)
     batch_size: int = Field(64, ge=1)

@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+from visionflow.models import MODELS, build_model, load_pretrained
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("channels,size", [(1, 8), (3, 32)])
+def test_each_model_fits_its_input_and_gives_logits(name, channels, size):
+    model = build_model(name, channels, 5, size, dropout=0.1)
+    assert model(torch.zeros(3, channels, size, size)).shape == (3, 5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradcheck_on_a_tiny_double_precision_copy(name):
+    torch.manual_seed(0)
+    model = (
+        build_model(name, 1, 3, 8).double().eval()
+    )  # eval: batch norm and dropout are fixed maps
+    x = torch.randn(1, 1, 8, 8, dtype=torch.double, requires_grad=True)
+    assert torch.autograd.gradcheck(model, (x,), eps=1e-6, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["small_resnet", "resnet18"])
+def test_activation_checkpointing_gives_the_same_gradients(name):
+    torch.manual_seed(0)
+    plain = build_model(name, 3, 4, 32)
+    saved = build_model(name, 3, 4, 32, checkpointing=True)
+    saved.load_state_dict(
+        {k: v for k, v in zip(saved.state_dict(), plain.state_dict().values(), strict=True)}
+    )
+    x = torch.randn(4, 3, 32, 32)
+    for model in (plain, saved):
+        model.train()(x).square().mean().backward()
+    for a, b in zip(plain.parameters(), saved.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_pretrained_resnet18_loads_from_a_local_file(tmp_path):
+    import torchvision
+
+    reference = torchvision.models.resnet18(weights=None)
+    torch.save(reference.state_dict(), tmp_path / "r18.pt")
+    model = build_model("resnet18", 3, 7, 32)
+    load_pretrained(model, str(tmp_path / "r18.pt"))
+    assert torch.equal(model.layer3[0].conv1.weight, reference.layer3[0].conv1.weight)
+    assert model.fc[-1].out_features == 7  # the head keeps this task's classes
+    gray = build_model("resnet18", 1, 7, 32, checkpointing=True)
+    load_pretrained(gray, str(tmp_path / "r18.pt"))
+    assert torch.allclose(gray.conv1.weight, reference.conv1.weight.mean(dim=1, keepdim=True))
+    with pytest.raises(ValueError, match="do not fit resnet18"):
+        torch.save({"bogus.weight": torch.zeros(1)}, tmp_path / "bad.pt")
+        load_pretrained(model, str(tmp_path / "bad.pt"))
