@@ -190,6 +190,18 @@ def run_train(cwd, out):
     return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
 
 
+def kill_after_checkpoint(cwd, out, epoch):
+    """Start training and SIGKILL it once the checkpoint of `epoch` exists (mid-epoch after)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    victim = subprocess.Popen(train_cmd(cwd, out), cwd=cwd, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (cwd / f"{out}-ckpt/epoch-{epoch:04d}.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+
+
 def final_state(cwd, out):
     model = torch.load(cwd / out / "model.pt", weights_only=True)
     metrics = json.loads((cwd / out / "live/metrics.json").read_text())
@@ -202,14 +214,7 @@ def final_state(cwd, out):
 def test_killed_training_resumes_and_equals_an_uninterrupted_run(workdir):
     whole = run_train(workdir, "whole")
     assert whole.returncode == 0, whole.stderr
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    victim = subprocess.Popen(train_cmd(workdir, "cut"), cwd=workdir, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (workdir / "cut-ckpt/epoch-0002.pt").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    kill_after_checkpoint(workdir, "cut", epoch=2)
     assert not (workdir / "cut/model.pt").exists()
     shutil.rmtree(workdir / "cut")  # as DVC does with the stage's output before a rerun
     resumed = run_train(workdir, "cut")
@@ -232,14 +237,7 @@ def test_killed_training_resumes_and_equals_an_uninterrupted_run(workdir):
 
 @pytest.mark.slow
 def test_changed_params_do_not_resume_an_old_checkpoint(workdir):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    victim = subprocess.Popen(train_cmd(workdir, "out"), cwd=workdir, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not (workdir / "out-ckpt/epoch-0001.pt").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
+    kill_after_checkpoint(workdir, "out", epoch=1)
     write_params(workdir, {"train": {"lr": 2e-3}})
     result = run_train(workdir, "out")
     assert result.returncode == 0, result.stderr

@@ -7,6 +7,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def show(ax, image: np.ndarray) -> None:
+    """One float CHW image in 0..1, pixels as they are (no smoothing), gray when 1 channel."""
+    image = image.transpose(1, 2, 0)
+    pixels = image.squeeze(-1) if image.shape[-1] == 1 else image
+    ax.imshow(pixels, cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+
+
 def pick_per_class(labels: np.ndarray, num_classes: int, k: int) -> list[np.ndarray]:
     """The first `k` indices of each class (fewer when a class has fewer)."""
     return [np.flatnonzero(labels == c)[:k] for c in range(num_classes)]
@@ -26,14 +33,7 @@ def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: in
             for spine in ax.spines.values():
                 spine.set_visible(False)
             if col < len(index):
-                image = images[index[col]].transpose(1, 2, 0)
-                ax.imshow(
-                    image.squeeze(-1) if image.shape[-1] == 1 else image,
-                    cmap="gray",
-                    vmin=0,
-                    vmax=1,
-                    interpolation="nearest",
-                )
+                show(ax, images[index[col]])
         axes[row, 0].set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
     fig.suptitle("train split as the model sees it (de-normalised), one row per class")
     fig.tight_layout()
@@ -80,14 +80,7 @@ def mistakes_grid(
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, t, p, c in zip(axes.flat, images, truth, predicted, confidence, strict=False):
-        image = image.transpose(1, 2, 0)
-        ax.imshow(
-            image.squeeze(-1) if image.shape[-1] == 1 else image,
-            cmap="gray",
-            vmin=0,
-            vmax=1,
-            interpolation="nearest",
-        )
+        show(ax, image)
         ax.set_title(f"true {t}\npred {p} ({c:.2f})", fontsize=7)
     if not len(images):
         axes[0, 0].text(0.5, 0.5, "no mistakes", ha="center", va="center")
