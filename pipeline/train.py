@@ -16,12 +16,15 @@ import random
 import resource
 import shutil
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from dvclive import Live
+from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, run
 from visionflow import checkpoint, data
@@ -55,6 +58,18 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
 
 
+def start_distributed(device_name: str) -> tuple[int, int]:
+    """(rank, world size): under `torchrun` one process per rank joins the group, else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    cuda = torch.cuda.is_available() and device_name != "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), world
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train on the cached train split.")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
@@ -65,6 +80,8 @@ def main() -> None:
     t = params.train
 
     # --- data, model and the things that step it ---------------------------------------------
+    rank, world = start_distributed(t.device)
+    say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
     seed_everything(params.seed, t.deterministic)
     device = pick_device(t.device)
     meta = data.read_cache_meta(args.data)
@@ -93,7 +110,8 @@ def main() -> None:
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    runner = torch.compile(model) if t.compile else model
+    runner = DistributedDataParallel(model) if world > 1 else model
+    runner = torch.compile(runner) if t.compile else runner
     optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
@@ -101,7 +119,8 @@ def main() -> None:
     dtype = amp_dtype(t.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     shuffle = torch.Generator().manual_seed(params.seed)  # CPU generator: same order on any device
-    augmentation = partial(augment, generator=shuffle, **t.augment.model_dump())
+    augment_rng = torch.Generator().manual_seed(params.seed + rank)  # each rank its own draws
+    augmentation = partial(augment, generator=augment_rng, **t.augment.model_dump())
     model_meta = {  # plain values only, so the file loads with weights_only=True
         "model": t.model, "in_channels": channels, "image_size": image_size, "dropout": t.dropout,
         "classes": meta.classes, "mean": norm_mean, "std": norm_std, "background": meta.background,
@@ -115,7 +134,7 @@ def main() -> None:
         {"seed": params.seed, "train": t.model_dump()}, (args.data / "manifest.json").read_text()
     )
     state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
-    print(f"train: {why}")
+    say(f"train: {why}")
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
     if state:
         model.load_state_dict(state["model"])
@@ -125,22 +144,30 @@ def main() -> None:
         scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch"].cpu())
         shuffle.set_state(state["rng"]["shuffle"].cpu())
+        augment_rng.set_state(state["rng"]["augment"].cpu())
         history, best, stale = state["history"], state["best"], state["stale"]
         start = state["epoch"] + 1
-    else:
+    elif rank == 0:
         best_path.unlink(missing_ok=True)
-    print(f"train: {t.model} on {device} (amp {dtype or 'off'}), {len(y_train)} train / "
+    say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train / "
           f"{len(y_val)} val images, {sum(p.numel() for p in model.parameters())} parameters")  # fmt: skip
 
     # --- the epoch loop ------------------------------------------------------------------------
-    with Live(str(args.out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
-        for past in history:  # DVC deleted the curves with <out>; the checkpoint kept them
+    live_dir = str(args.out / "live")
+    with (
+        Live(live_dir, dvcyaml=False, save_dvc_exp=False, report=None)
+        if rank == 0
+        else nullcontext() as live
+    ):
+        for past in (
+            history if live else []
+        ):  # DVC deleted the curves with <out>; the checkpoint kept them
             for name, value in past.items():
                 live.log_metric(name, value)
             live.next_step()
         for epoch in range(start, t.epochs + 1):
             if t.early_stop and stale >= t.early_stop:
-                print(f"train: early stop, no better val accuracy for {stale} epochs")
+                say(f"train: early stop, no better val accuracy for {stale} epochs")
                 break
             start_time = time.perf_counter()
             try:
@@ -148,14 +175,16 @@ def main() -> None:
                     runner, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle,
                     augmentation, scaler=scaler, dtype=dtype, accumulate=t.accumulate,
                     grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
-                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch,
+                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch, rank=rank, world=world,
                 )  # fmt: skip
             except NonFiniteLoss as e:
                 raise GateError(
                     f"{e}; the last good checkpoint is kept in {args.checkpoints}"
                 ) from None
             seconds = time.perf_counter() - start_time
-            val_metrics, _ = evaluate(runner, x_val, y_val, mean, std, 1024)
+            val_metrics, _ = evaluate(
+                model, x_val, y_val, mean, std, 1024
+            )  # every rank: same answer
             lr = optimizer.param_groups[0]["lr"]
             step_scheduler(scheduler, val_metrics["loss"])
             record = {
@@ -167,37 +196,45 @@ def main() -> None:
                 "peak_memory_mb": peak_memory_mb(device),
                 **{f"grad_norm_layer/{k}": v for k, v in train_metrics["layer_grad_norms"].items()},
             }  # fmt: skip
-            for name, value in record.items():
-                live.log_metric(name, value)
-            live.next_step()
             history.append(record)
-
             improved = val_metrics["accuracy"] > best["accuracy"]
             stale = 0 if improved else stale + 1
             if improved:
                 best = {"accuracy": val_metrics["accuracy"], "epoch": epoch}
-                save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]},
-                           best_path)  # fmt: skip
-            checkpoint.save_checkpoint(args.checkpoints, {
-                "epoch": epoch, "fingerprint": run_fingerprint, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "scaler": scaler.state_dict(), "best": best, "stale": stale, "history": history,
-                "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state()},
-            })  # fmt: skip
-            print(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
-                  f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
-                  f"acc {val_metrics['accuracy']:.4f}  lr {lr:.2e}  {record['train/images_per_s']:7.0f} img/s"
-                  + (f"  {train_metrics['skipped_steps']} skipped" if train_metrics["skipped_steps"] else "")
-                  + ("  (best)" if improved else ""))  # fmt: skip
+            if live:
+                for name, value in record.items():
+                    live.log_metric(name, value)
+                live.next_step()
+                if improved:
+                    save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]},
+                               best_path)  # fmt: skip
+                checkpoint.save_checkpoint(args.checkpoints, {
+                    "epoch": epoch, "fingerprint": run_fingerprint, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "scaler": scaler.state_dict(), "best": best, "stale": stale, "history": history,
+                    "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
+                            "augment": augment_rng.get_state()},
+                })  # fmt: skip
+            say(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
+                f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
+                f"acc {val_metrics['accuracy']:.4f}  lr {lr:.2e}  {record['train/images_per_s']:7.0f} img/s"
+                + (f"  {train_metrics['skipped_steps']} skipped" if train_metrics["skipped_steps"] else "")
+                + ("  (best)" if improved else ""))  # fmt: skip
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    shutil.move(best_path, args.out / "model.pt")
-    checkpoint.clear(args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best})
-    print(
-        f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
-        f"model in {args.out / 'model.pt'}"
-    )
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        shutil.move(best_path, args.out / "model.pt")
+        checkpoint.clear(
+            args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best}
+        )
+        say(
+            f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
+            f"model in {args.out / 'model.pt'}"
+        )
 
 
 if __name__ == "__main__":

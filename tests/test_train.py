@@ -242,3 +242,35 @@ def test_changed_params_do_not_resume_an_old_checkpoint(workdir):
     result = run_train(workdir, "out")
     assert result.returncode == 0, result.stderr
     assert "not resuming" in result.stdout and "other params or data" in result.stdout
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
+    """2 ranks x batch 16 (gloo, CPU) take the same steps as 1 process x batch 32.
+
+    Both train on the same 640 images (overfit_batches x batch_size), a multiple of 32, so no
+    step has a ragged last batch (which DDP weights per rank, not per image).
+    """
+    plain = {"epochs": 2, "optimizer": "sgd", "momentum": 0.0, "lr": 0.05, "dropout": 0.0,
+             "augment": {"crop_padding": 0, "rotation": 0.0}}  # fmt: skip
+    write_params(workdir, {"train": {**plain, "batch_size": 32, "overfit_batches": 20}})
+    single = run_train(workdir, "single")
+    assert single.returncode == 0, single.stderr
+    write_params(workdir, {"train": {**plain, "batch_size": 16, "overfit_batches": 40}})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ddp = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "pipeline.train", "--data", "prepared", "--out", "ddp", "--checkpoints", "ddp-ckpt"],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.stdout.count("train: best val accuracy") == 1  # rank 0 alone reports and writes
+    a = torch.load(workdir / "single/model.pt", weights_only=True)
+    b = torch.load(workdir / "ddp/model.pt", weights_only=True)
+    for k in a["state_dict"]:
+        assert torch.allclose(a["state_dict"][k], b["state_dict"][k], atol=1e-5), k
+    metrics = [
+        json.loads((workdir / out / "live/metrics.json").read_text()) for out in ("single", "ddp")
+    ]
+    assert metrics[0]["val"]["accuracy"] == metrics[1]["val"]["accuracy"]
+    assert metrics[0]["train"]["loss"] == pytest.approx(metrics[1]["train"]["loss"], rel=1e-4)

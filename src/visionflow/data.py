@@ -494,11 +494,26 @@ def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray,
 
 
 def batches(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, generator: torch.Generator | None = None
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+    rank: int = 0,
+    world: int = 1,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Slices of in-memory tensors; shuffled when a generator is given (the training split)."""
-    n = len(x)
-    order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+    """Slices of in-memory tensors; shuffled when a generator is given (the training split).
+
+    Under DDP each of `world` ranks takes every world-th item of the same permutation (the
+    generators agree across ranks), so one step of all ranks sees `world * batch_size` items; the
+    last `len(x) % world` items of the permutation are dropped so every rank takes as many steps.
+    """
+    order = (
+        torch.randperm(len(x), generator=generator)
+        if generator is not None
+        else torch.arange(len(x))
+    )
+    order = order[: len(order) - len(order) % world][rank::world]  # equal shards: equal steps
+    n = len(order)
     for start in range(0, n, batch_size):
         index = order[start : start + batch_size].to(x.device)
         yield x[index], y[index]

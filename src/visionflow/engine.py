@@ -8,6 +8,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
@@ -103,6 +104,8 @@ def train_one_epoch(
     max_nonfinite: int = 5,
     epoch: int = 0,
     layer_norm_every: int = 50,
+    rank: int = 0,
+    world: int = 1,
 ) -> dict:
     """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
 
@@ -118,7 +121,8 @@ def train_one_epoch(
     norms: list[float] = []
     layers: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
-    progress = tqdm(batches(x, y, batch_size, generator), total=math.ceil(len(x) / batch_size),
+    progress = tqdm(batches(x, y, batch_size, generator, rank, world),
+                    total=math.ceil(len(x) / world / batch_size),
                     desc=f"epoch {epoch}", unit="batch", leave=False, disable=None)  # fmt: skip
     for i, (xb, yb) in enumerate(progress):
         images = to_unit(xb)
@@ -127,7 +131,10 @@ def train_one_epoch(
         with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = model(normalise(images, mean, std))
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
-        if not torch.isfinite(loss):
+        finite = torch.isfinite(loss.detach()).to(torch.int32)
+        if world > 1:  # every rank must skip together, or DDP's gradient all-reduce would hang
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        if not finite:
             skipped, in_a_row = skipped + 1, in_a_row + 1
             optimizer.zero_grad(set_to_none=True)
             if in_a_row >= max_nonfinite:
@@ -152,6 +159,10 @@ def train_one_epoch(
             skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
             optimizer.zero_grad(set_to_none=True)
             steps += 1
+    if world > 1:  # sums over all ranks' shards
+        totals = torch.tensor([float(total_loss), float(correct), seen], device=x.device)
+        dist.all_reduce(totals)
+        total_loss, correct, seen = totals[0], totals[1], int(totals[2])
     return {
         "loss": float(total_loss) / max(seen, 1),
         "accuracy": int(correct) / max(seen, 1),
