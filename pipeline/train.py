@@ -85,8 +85,11 @@ def main() -> None:
     seed_everything(params.seed, t.deterministic)
     device = pick_device(t.device)
     meta = data.read_cache_meta(args.data)
-    x_train, y_train = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "train"))
-    x_val, y_val = (torch.from_numpy(a).to(device) for a in data.read_split(args.data, "val"))
+    max_bytes = (
+        t.max_memory_gb * 2**30
+    )  # larger splits are read memory-mapped by DataLoader workers
+    x_train, y_train = data.load_for_training(args.data, "train", device, max_bytes)
+    x_val, y_val = data.load_for_training(args.data, "val", device, max_bytes)
     channels, image_size = x_train.shape[3], x_train.shape[1]
     if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
         x_train, y_train = (
@@ -149,7 +152,8 @@ def main() -> None:
         start = state["epoch"] + 1
     elif rank == 0:
         best_path.unlink(missing_ok=True)
-    say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train / "
+    say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
+        f"({'on the device' if torch.is_tensor(x_train) else 'memory-mapped'}) / "
           f"{len(y_val)} val images, {sum(p.numel() for p in model.parameters())} parameters")  # fmt: skip
 
     # --- the epoch loop ------------------------------------------------------------------------

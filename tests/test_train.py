@@ -274,3 +274,24 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     ]
     assert metrics[0]["val"]["accuracy"] == metrics[1]["val"]["accuracy"]
     assert metrics[0]["train"]["loss"] == pytest.approx(metrics[1]["train"]["loss"], rel=1e-4)
+
+
+def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
+    source = data.load_source("digits", None)
+    data.build_cache(source, tmp_path, data.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2,
+                     seed=0)  # fmt: skip
+    cpu = torch.device("cpu")
+    mapped = data.load_for_training(tmp_path, "train", cpu, max_bytes=0)
+    held = data.load_for_training(tmp_path, "train", cpu, max_bytes=2**30)
+    assert not torch.is_tensor(mapped[0]) and torch.is_tensor(held[0])
+    models = []
+    for x, y in (mapped, held):
+        torch.manual_seed(0)
+        model = build_model("simple_cnn", 1, 10, 8)  # same seed: same initial weights
+        optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
+        g = torch.Generator().manual_seed(0)
+        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 64, g, lambda im: im)
+        models.append(model)
+        assert metrics["images"] == len(y)
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, Dataset
 from torchvision import datasets
 from tqdm import tqdm
 
@@ -493,15 +494,45 @@ def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray,
     return x, np.load(cache / f"{split}_y.npy")
 
 
+class MemmapBatches(Dataset):
+    """Batches of a memory-mapped split, read in DataLoader workers (item i = index batch i)."""
+
+    def __init__(self, path: str, index_batches: list[np.ndarray]):
+        self.path, self.index_batches, self.x = path, index_batches, None
+
+    def __len__(self) -> int:
+        return len(self.index_batches)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.x is None:  # opened in each worker process, not pickled to it
+            self.x = np.load(self.path, mmap_mode="r")
+        return torch.from_numpy(self.x[self.index_batches[i]])
+
+
+def load_for_training(
+    cache: Path, split: str, device: torch.device, max_bytes: float
+) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+    """A split on the device when its images fit in `max_bytes`, else memory-mapped (see batches)."""
+    x, y = read_split(cache, split, mmap=True)
+    if x.nbytes > max_bytes:
+        return x, torch.from_numpy(y)
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(y).to(device)
+
+
 def batches(
-    x: torch.Tensor,
+    x: torch.Tensor | np.ndarray,
     y: torch.Tensor,
     batch_size: int,
     generator: torch.Generator | None = None,
     rank: int = 0,
     world: int = 1,
+    device: torch.device | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Slices of in-memory tensors; shuffled when a generator is given (the training split).
+    """Batches of a split; shuffled when a generator is given (the training split).
+
+    In-memory tensors are sliced where they are. A memory-mapped array (larger than memory) is
+    read batch by batch in DataLoader worker processes, pinned when the device is a GPU, and sent
+    to `device`: the same batches in the same order either way.
 
     Under DDP each of `world` ranks takes every world-th item of the same permutation (the
     generators agree across ranks), so one step of all ranks sees `world * batch_size` items; the
@@ -514,6 +545,17 @@ def batches(
     )
     order = order[: len(order) - len(order) % world][rank::world]  # equal shards: equal steps
     n = len(order)
+    if isinstance(x, np.ndarray):
+        device = device or torch.device("cpu")
+        index_batches = [order[s : s + batch_size].numpy() for s in range(0, n, batch_size)]
+        loader = DataLoader(MemmapBatches(x.filename, index_batches), batch_size=None,
+                            num_workers=min(2, os.cpu_count() or 1), pin_memory=device.type == "cuda")  # fmt: skip
+        for index, xb in zip(index_batches, loader, strict=True):
+            yield (
+                xb.to(device, non_blocking=True),
+                y[torch.from_numpy(index)].to(device, non_blocking=True),
+            )
+        return
     for start in range(0, n, batch_size):
         index = order[start : start + batch_size].to(x.device)
         yield x[index], y[index]

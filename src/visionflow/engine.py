@@ -121,14 +121,16 @@ def train_one_epoch(
     norms: list[float] = []
     layers: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
-    progress = tqdm(batches(x, y, batch_size, generator, rank, world),
+    progress = tqdm(batches(x, y, batch_size, generator, rank, world, mean.device),
                     total=math.ceil(len(x) / world / batch_size),
                     desc=f"epoch {epoch}", unit="batch", leave=False, disable=None)  # fmt: skip
     for i, (xb, yb) in enumerate(progress):
         images = to_unit(xb)
         if augment is not None:
             images = augment(images)
-        with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        with torch.autocast(
+            mean.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+        ):
             logits = model(normalise(images, mean, std))
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
         finite = torch.isfinite(loss.detach()).to(torch.int32)
@@ -160,7 +162,7 @@ def train_one_epoch(
             optimizer.zero_grad(set_to_none=True)
             steps += 1
     if world > 1:  # sums over all ranks' shards
-        totals = torch.tensor([float(total_loss), float(correct), seen], device=x.device)
+        totals = torch.tensor([float(total_loss), float(correct), seen], device=mean.device)
         dist.all_reduce(totals)
         total_loss, correct, seen = totals[0], totals[1], int(totals[2])
     return {
@@ -186,7 +188,7 @@ def evaluate(
     """Mean loss and accuracy in eval mode, plus the logits of every image (on the CPU)."""
     model.eval()
     total_loss, outputs = 0.0, []
-    for xb, yb in batches(x, y, batch_size):
+    for xb, yb in batches(x, y, batch_size, device=mean.device):
         logits = model(to_model_input(xb, mean, std))
         total_loss += F.cross_entropy(logits, yb, reduction="sum").item()
         outputs.append(logits.float().cpu())

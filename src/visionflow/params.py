@@ -75,6 +75,7 @@ class Train(Section):
     overfit_batches: int = Field(0, ge=0)
     deterministic: bool = True
     channels_last: bool = True
+    max_memory_gb: float = Field(4.0, ge=0)
     compile: bool = False
     dropout: float = Field(0.25, ge=0, lt=1)
     augment: Augment = Augment()
