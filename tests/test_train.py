@@ -295,3 +295,17 @@ def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
         assert metrics["images"] == len(y)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_on_the_gpu_scales_and_steps():
+    x, y = (t.cuda() for t in toy())
+    model = fresh_model().cuda()
+    optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
+    scaler = torch.amp.GradScaler("cuda")
+    metrics = train_one_epoch(model, optimizer, x, y, MEAN.cuda(), STD.cuda(), 16,
+                              torch.Generator().manual_seed(0), scaler=scaler, dtype=torch.float16)  # fmt: skip
+    assert (
+        metrics["steps"] == 4 and scaler.get_scale() > 0 and amp_dtype("auto", torch.device("cuda"))
+    )
