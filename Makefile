@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 repro: setup
 	$(PY) -m visionflow.params params.yaml
 	dvc repro
-	dvc metrics show results/evaluate/metrics.json
+	@$(PY) -c "import json; m = json.load(open('results/evaluate/metrics.json')); \
+		print('test', {k: round(m[k], 4) for k in ('accuracy', 'top_k_accuracy', 'macro_f1', 'loss')})"
 
 test: setup
 	$(PY) -m pytest

@@ -1,0 +1,138 @@
+"""Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
+
+`reproduce` asks `dvc status` first and ends at once when nothing changed; otherwise it runs one
+task per stage of dvc.yaml, in order, each `dvc repro --single-item <stage>` as a subprocess in its
+own process group: its output streams to the Prefect log, a timeout applies to the subprocess
+itself, and when the task ends early (timeout, cancellation, an error) the whole process tree is
+killed, since a kill of `dvc` alone would leave the stage's command running. Only DVC's lock
+contention is retried; a stage that fails on its own fails the flow with its output.
+
+Run:    .venv/bin/python -m pipeline.flows [WORKDIR]
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
+LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
+
+
+class StageFailed(RuntimeError):
+    """A stage exited non-zero; the message carries the end of its output."""
+
+
+def dvc(workdir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """A short dvc command (status, metrics) with the project's Python first on PATH."""
+    return subprocess.run([*dvc_command(), *args], cwd=workdir, env=environment(), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def dvc_command() -> list[str]:
+    return [sys.executable, "-m", "dvc"]
+
+
+def environment() -> dict[str, str]:
+    """Stages run `python -m ...`: this interpreter's folder goes first on PATH."""
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+def stages_in_order(workdir: Path) -> list[str]:
+    """The stages of dvc.yaml as written (they are listed in dependency order)."""
+    return list(yaml.safe_load((workdir / "dvc.yaml").read_text())["stages"])
+
+
+def changed(workdir: Path) -> dict:
+    """`dvc status --json`: empty when the pipeline is up to date."""
+    result = dvc(workdir, "status", "--json")
+    if result.returncode != 0:
+        raise StageFailed(f"dvc status failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout or "{}")
+
+
+def run_group(cmd: list[str], workdir: Path, timeout_s: float, log) -> tuple[int, str]:
+    """Run `cmd` in its own process group, streaming lines to `log`; kill the group on any exit.
+
+    Returns the exit code and the output's last 4,000 characters.
+    """
+    process = subprocess.Popen(cmd, cwd=workdir, env=environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    tail, deadline = "", time.monotonic() + timeout_s
+    try:
+        for line in process.stdout:
+            log(line.rstrip())
+            tail = (tail + line)[-4000:]
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s; killed")
+        return process.wait(), tail
+    finally:
+        if process.poll() is None:  # timeout, cancellation, an error: nothing may survive
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@task(task_run_name="{stage}")
+def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
+    """`dvc repro --single-item <stage>`; True when DVC ran it, False when it was up to date."""
+    logger = get_run_logger()
+    cmd = [*dvc_command(), "repro", "--single-item", stage]
+    ran = []
+
+    def log(line: str) -> None:
+        logger.info(line)
+        ran.append(line.startswith("Running stage"))
+
+    for attempt in range(1, LOCK_RETRIES + 2):
+        code, tail = run_group(cmd, workdir, timeout_s, log)
+        if code == 0:
+            return any(ran)
+        if LOCK_CONTENTION not in tail or attempt > LOCK_RETRIES:
+            raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
+        logger.warning(f"{stage}: DVC lock held by another run; retry {attempt} in {LOCK_WAIT_S} s")
+        time.sleep(LOCK_WAIT_S)
+
+
+def publish(workdir: Path) -> None:
+    """Artifacts: the metrics table, the diff against the last commit, and export parity."""
+    metrics = dvc(workdir, "metrics", "show", "--md").stdout
+    create_markdown_artifact(
+        f"## Metrics\n\n{metrics}", key="metrics", description="dvc metrics show"
+    )
+    diff = dvc(workdir, "metrics", "diff", "--md").stdout or "no change against the last commit"
+    create_markdown_artifact(f"## Metrics diff (workspace vs HEAD)\n\n{diff}", key="metrics-diff")
+    parity_file = workdir / "results/export/parity.json"
+    if parity_file.exists():
+        parity = json.loads(parity_file.read_text())
+        rows = [{"format": fmt, "batch": name, **result} for fmt in ("onnx", "pt2", "torchscript")
+                for name, result in parity.get(fmt, {}).items()]  # fmt: skip
+        create_table_artifact(
+            rows, key="export-parity", description=f"exporter {parity['exporter']}"
+        )
+
+
+@flow(name="reproduce")
+def reproduce(workdir: str = ".", stage_timeout_s: float = 3600) -> list[str]:
+    """Bring the pipeline up to date; returns the stages that ran (none when nothing changed)."""
+    logger = get_run_logger()
+    root = Path(workdir).resolve()
+    what = changed(root)
+    if not what:
+        logger.info("pipeline is up to date: nothing to run")
+        return []
+    logger.info(f"changed: {', '.join(what)}")
+    ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
+    logger.info(f"ran: {', '.join(ran)}")
+    publish(root)
+    return ran
+
+
+if __name__ == "__main__":
+    reproduce(sys.argv[1] if len(sys.argv) > 1 else ".")
