@@ -7,20 +7,28 @@ itself, and when the task ends early (timeout, cancellation, an error) the whole
 killed, since a kill of `dvc` alone would leave the stage's command running. Only DVC's lock
 contention is retried; a stage that fails on its own fails the flow with its output.
 
-Run:    .venv/bin/python -m pipeline.flows [WORKDIR]
+Run:    .venv/bin/python -m pipeline.flows [WORKDIR] [--if-busy wait|skip]
 """
 
+import argparse
+import fcntl
+import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
 
 LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
@@ -118,11 +126,59 @@ def publish(workdir: Path) -> None:
         )
 
 
+def limit_name(workdir: Path) -> str:
+    """The Prefect global concurrency limit of one workspace."""
+    return "visionflow-" + hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
+
+
+def ensure_limit(workdir: Path) -> str:
+    """Create the workspace's concurrency limit (1 slot) if missing; serving does this once."""
+    name = limit_name(workdir)
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, 1)
+    return name
+
+
+@contextmanager
+def one_run_at_a_time(workdir: Path, wait: bool) -> Iterator[bool]:
+    """Hold the workspace: an OS file lock (released by the kernel if the holder dies) and the
+    Prefect concurrency limit, strict, so a missing limit is an error rather than a silent pass.
+    Yields False at once when busy and `wait` is off."""
+    lock_file = workdir / ".dvc" / "tmp" / "visionflow-run.lock"
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            with concurrency(limit_name(workdir), occupy=1, strict=True):
+                yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @flow(name="reproduce")
-def reproduce(workdir: str = ".", stage_timeout_s: float = 3600) -> list[str]:
-    """Bring the pipeline up to date; returns the stages that ran (none when nothing changed)."""
+def reproduce(
+    workdir: str = ".", if_busy: Literal["wait", "skip"] = "wait", stage_timeout_s: float = 3600
+) -> list[str]:
+    """Bring the pipeline up to date; returns the stages that ran (none when nothing changed).
+
+    Never two runs at once in one workspace: a second run waits for the first, or with
+    `if_busy="skip"` ends at once, and its log says which.
+    """
     logger = get_run_logger()
     root = Path(workdir).resolve()
+    with one_run_at_a_time(root, wait=if_busy == "wait") as held:
+        if not held:
+            logger.warning("another run holds this workspace: skipping (if_busy=skip)")
+            return []
+        return update(root, stage_timeout_s)
+
+
+def update(root: Path, stage_timeout_s: float) -> list[str]:
+    logger = get_run_logger()
     what = changed(root)
     if not what:
         logger.info("pipeline is up to date: nothing to run")
@@ -134,5 +190,14 @@ def reproduce(workdir: str = ".", stage_timeout_s: float = 3600) -> list[str]:
     return ran
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the reproduce flow once.")
+    parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
+    parser.add_argument("--if-busy", choices=["wait", "skip"], default="wait")
+    args = parser.parse_args()
+    ensure_limit(Path(args.workdir))
+    print(json.dumps({"ran": reproduce(args.workdir, args.if_busy)}))
+
+
 if __name__ == "__main__":
-    reproduce(sys.argv[1] if len(sys.argv) > 1 else ".")
+    main()

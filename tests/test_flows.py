@@ -1,10 +1,15 @@
 """Prefect flows against a real Prefect server (prefect_test_harness), on the tiny project."""
 
+import fcntl
+import json
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.conftest import commit, make_project, write_params
+from tests.conftest import ROOT, commit, make_project, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +25,12 @@ def prefect_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    return make_project(tmp_path_factory.mktemp("flows") / "project")
+def project(tmp_path_factory, prefect_server):
+    from pipeline.flows import ensure_limit
+
+    project = make_project(tmp_path_factory.mktemp("flows") / "project")
+    ensure_limit(project)  # the flow's concurrency limit is strict: it must exist
+    return project
 
 
 def artifact(key):
@@ -61,3 +70,41 @@ def test_a_failing_stage_fails_the_flow_once_with_its_error(prefect_server, proj
         state.result()
     assert str(e.value).count("Running stage 'train'") == 1  # failed on its own: not retried
     assert "epochs: ten" not in (project / "dvc.lock").read_text()
+
+
+def held_by_another(lock_file) -> bool:
+    with open(lock_file, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
+    from prefect.settings import PREFECT_API_URL
+
+    write_params(project, {"train": {"epochs": 4, "lr": 1e-3}})
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+
+    def start(*extra):
+        return subprocess.Popen([sys.executable, "-m", "pipeline.flows", str(project), *extra], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+    first = start()
+    lock_file = project / ".dvc/tmp/visionflow-run.lock"
+    deadline = time.monotonic() + 120
+    while not (lock_file.exists() and held_by_another(lock_file)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    skipper, waiter = start("--if-busy", "skip"), start("--if-busy", "wait")
+    skipped_out, skipped_err = skipper.communicate(timeout=300)
+    assert first.poll() is None  # the skipper ended while the first still ran
+    assert json.loads(skipped_out.splitlines()[-1]) == {"ran": []} and "skipping" in skipped_err
+    first_out, first_err = first.communicate(timeout=600)
+    assert first.returncode == 0, first_err[-2000:]
+    assert json.loads(first_out.splitlines()[-1])["ran"] == ["train", "evaluate", "export"]
+    waited_out, waited_err = waiter.communicate(timeout=300)
+    assert waiter.returncode == 0, waited_err[-2000:]
+    assert json.loads(waited_out.splitlines()[-1]) == {"ran": []}  # it waited: then nothing to do
+    assert "up to date" in waited_err
