@@ -8,6 +8,7 @@ killed, since a kill of `dvc` alone would leave the stage's command running. Onl
 contention is retried; a stage that fails on its own fails the flow with its output.
 
 Run:    .venv/bin/python -m pipeline.flows [WORKDIR] [--if-busy wait|skip]
+Serve:  .venv/bin/python -m pipeline.flows [WORKDIR] --serve --interval 3600   (or --cron '0 * * * *')
 """
 
 import argparse
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from prefect import flow, get_run_logger, task
+from prefect import flow, get_run_logger, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
@@ -190,11 +191,52 @@ def update(root: Path, stage_timeout_s: float) -> list[str]:
     return ran
 
 
+@flow(name="experiments")
+def experiments(workdir: str = ".", overrides: list[list[str]] | None = None,
+                stage_timeout_s: float = 3600) -> str:  # fmt: skip
+    """`dvc exp run -S ...` for each list of overrides, in turn; publishes `dvc exp show`.
+
+    Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
+    """
+    logger = get_run_logger()
+    root = Path(workdir).resolve()
+    with one_run_at_a_time(root, wait=True):
+        for sets in overrides or []:
+            cmd = [*dvc_command(), "exp", "run", *(arg for s in sets for arg in ("-S", s))]
+            code, tail = run_group(cmd, root, stage_timeout_s, logger.info)
+            if code != 0:
+                raise StageFailed(f"experiment {sets} failed (exit {code}):\n{tail}")
+        table = dvc(root, "exp", "show", "--md", "--no-pager").stdout
+    create_markdown_artifact(f"## Experiments\n\n{table}", key="experiments")
+    return table
+
+
+def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None) -> None:
+    """Serve `reproduce` on a schedule (and on demand), plus `experiments` on demand.
+
+    Schedules stay active when this process stops (pause_on_shutdown=False), so a restart picks
+    them up again. Trigger a run: `prefect deployment run reproduce/scheduled`.
+    """
+    ensure_limit(workdir)
+    scheduled = reproduce.to_deployment(
+        "scheduled", interval=interval_s, cron=cron,
+        parameters={"workdir": str(workdir.resolve()), "if_busy": "skip"},
+    )  # fmt: skip
+    sweep = experiments.to_deployment("on-demand", parameters={"workdir": str(workdir.resolve())})
+    serve(scheduled, sweep, pause_on_shutdown=False)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Run the reproduce flow once.")
+    parser = argparse.ArgumentParser(description="Run the reproduce flow once, or serve it.")
     parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
     parser.add_argument("--if-busy", choices=["wait", "skip"], default="wait")
+    parser.add_argument("--serve", action="store_true", help="serve the deployments instead")
+    parser.add_argument("--interval", type=float, help="with --serve: seconds between runs")
+    parser.add_argument("--cron", help="with --serve: a cron schedule, e.g. '0 * * * *'")
     args = parser.parse_args()
+    if args.serve:
+        serve_deployments(Path(args.workdir), args.interval, args.cron)
+        return
     ensure_limit(Path(args.workdir))
     print(json.dumps({"ran": reproduce(args.workdir, args.if_busy)}))
 

@@ -108,3 +108,46 @@ def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
     assert waiter.returncode == 0, waited_err[-2000:]
     assert json.loads(waited_out.splitlines()[-1]) == {"ran": []}  # it waited: then nothing to do
     assert "up to date" in waited_err
+
+
+def test_experiments_flow_runs_each_override_and_publishes_the_comparison(prefect_server, project):
+    from pipeline.flows import experiments
+
+    table = experiments(str(project), [["train.lr=0.003"], ["train.epochs=3"]])
+    assert "0.003" in table and "accuracy" in table
+    assert artifact("experiments").data.count("\n") >= 4  # header, rule, baseline, two experiments
+
+
+def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
+    prefect_server, project
+):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.flows", str(project), "--serve", "--interval", "3600"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                try:
+                    client.read_deployment_by_name("reproduce/scheduled")
+                    break
+                except Exception:
+                    time.sleep(1)
+        prefect = [sys.executable, "-m", "prefect"]
+        run = subprocess.run([*prefect, "deployment", "run", "reproduce/scheduled", "--watch"], env=env,
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        assert "COMPLETED" in (run.stdout + run.stderr).upper()
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("reproduce/scheduled")
+    assert (
+        not deployment.paused and deployment.schedules
+    )  # still scheduled after the server stopped
