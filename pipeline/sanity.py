@@ -70,13 +70,9 @@ def main() -> None:
 
     meta = data.read_cache_meta(args.data)
     report = scan(args.data, meta.classes)
-    x, y = data.read_split(args.data, "train")
-    x, y, mean, std = (
-        torch.from_numpy(x),
-        torch.from_numpy(y),
-        torch.tensor(meta.mean),
-        torch.tensor(meta.std),
-    )
+    # the trainer's loader: the split memory-mapped, read a batch at a time (any size fits)
+    x, y = data.load_for_training(args.data, "train", torch.device("cpu"), max_bytes=0)
+    mean, std = torch.tensor(meta.mean), torch.tensor(meta.std)
     report.update(check_finite(x, y, mean, std))
     report["stats"] = {"mean": meta.mean, "std": meta.std}
     rejects = json.loads((args.data / "rejects.json").read_text())
@@ -87,13 +83,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     k = params.sanity.per_class
     pick = np.concatenate(viz.pick_per_class(y.numpy(), len(meta.classes), k))
-    model_input = data.to_model_input(x[pick], mean, std)  # exactly what train feeds
+    chosen = torch.from_numpy(np.asarray(x[pick]))
+    model_input = data.to_model_input(chosen, mean, std)  # exactly what train feeds
     shown = data.from_model_input(model_input, mean, std)
     viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k).savefig(
         args.out / "labels.png", dpi=100
     )
     generator = torch.Generator().manual_seed(params.seed)
-    augmented = augment(data.to_unit(x[pick]), generator, **params.train.augment.model_dump())
+    augmented = augment(data.to_unit(chosen), generator, **params.train.augment.model_dump())
     shown = data.from_model_input(data.normalise(augmented, mean, std), mean, std)
     fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
     fig.suptitle("train split with the training augmentation (train.augment)")
