@@ -85,17 +85,13 @@ def main() -> None:
     seed_everything(params.seed, t.deterministic)
     device = pick_device(t.device)
     meta = data.read_cache_meta(args.data)
-    max_bytes = (
-        t.max_memory_gb * 2**30
-    )  # larger splits are read memory-mapped by DataLoader workers
+    max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
     x_train, y_train = data.load_for_training(args.data, "train", device, max_bytes)
     x_val, y_val = data.load_for_training(args.data, "val", device, max_bytes)
     channels, image_size = x_train.shape[3], x_train.shape[1]
     if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
-        x_train, y_train = (
-            x_train[: t.overfit_batches * t.batch_size],
-            y_train[: t.overfit_batches * t.batch_size],
-        )
+        subset = t.overfit_batches * t.batch_size
+        x_train, y_train = x_train[:subset], y_train[:subset]
         x_val, y_val = x_train, y_train
 
     model = build_model(
