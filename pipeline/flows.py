@@ -9,6 +9,7 @@ contention is retried; a stage that fails on its own fails the flow with its out
 
 Run:    .venv/bin/python -m pipeline.flows [WORKDIR] [--if-busy wait|skip]
 Serve:  .venv/bin/python -m pipeline.flows [WORKDIR] --serve --interval 3600   (or --cron '0 * * * *')
+Watch:  .venv/bin/python -m pipeline.flows [WORKDIR] --watch [--deployment reproduce/scheduled]
 """
 
 import argparse
@@ -30,6 +31,7 @@ from prefect import flow, get_run_logger, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
+from prefect.deployments import run_deployment
 
 LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
@@ -226,6 +228,52 @@ def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None)
     serve(scheduled, sweep, pause_on_shutdown=False)
 
 
+def watched_files(root: Path) -> dict[str, tuple[int, int]]:
+    """(mtime, size) of what a run depends on: params, dvc.yaml, the code, the data source."""
+    source = (
+        yaml.safe_load((root / "params.yaml").read_text())
+        .get("prepare", {})
+        .get("path", "data/raw")
+    )
+    found = {}
+    for top in ("params.yaml", "dvc.yaml", "pipeline", "src", source):
+        path = root / top
+        files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
+        for f in files:
+            if f.is_file() and "__pycache__" not in f.parts and not f.name.startswith("."):
+                stat = f.stat()
+                found[str(f)] = (stat.st_mtime_ns, stat.st_size)
+    return found
+
+
+def watch(
+    workdir: Path, settle_s: float = 2.0, poll_s: float = 0.5, deployment: str | None = None
+) -> None:
+    """Start a run when what the pipeline depends on changes, once the changes settle.
+
+    A burst of edits (an editor's save, a copy of many images) becomes one run: the run starts
+    after `settle_s` seconds without further change. With `deployment` the run is a flow run of
+    that served deployment (`prefect deployment run` semantics); otherwise `reproduce` runs here.
+    The flow itself asks `dvc status`, so a change DVC does not track runs no stage.
+    """
+    root = workdir.resolve()
+    last, changed_at = watched_files(root), None
+    print(f"watching {root} (settle {settle_s} s)", flush=True)
+    while True:
+        time.sleep(poll_s)
+        current = watched_files(root)
+        if current != last:
+            last, changed_at = current, time.monotonic()
+            continue
+        if changed_at is not None and time.monotonic() - changed_at >= settle_s:
+            changed_at = None
+            print("change settled: starting a run", flush=True)
+            if deployment:
+                run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
+            else:
+                reproduce(str(root))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the reproduce flow once, or serve it.")
     parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
@@ -233,7 +281,14 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="serve the deployments instead")
     parser.add_argument("--interval", type=float, help="with --serve: seconds between runs")
     parser.add_argument("--cron", help="with --serve: a cron schedule, e.g. '0 * * * *'")
+    parser.add_argument("--watch", action="store_true", help="run whenever the inputs change")
+    parser.add_argument("--settle", type=float, default=2.0, help="with --watch: quiet seconds")
+    parser.add_argument("--deployment", help="with --watch: start this deployment instead")
     args = parser.parse_args()
+    if args.watch:
+        ensure_limit(Path(args.workdir))
+        watch(Path(args.workdir), args.settle, deployment=args.deployment)
+        return
     if args.serve:
         serve_deployments(Path(args.workdir), args.interval, args.cron)
         return

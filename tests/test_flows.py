@@ -151,3 +151,33 @@ def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
     assert (
         not deployment.paused and deployment.schedules
     )  # still scheduled after the server stopped
+
+
+def test_watcher_turns_a_burst_of_edits_into_one_run(prefect_server, project):
+    import yaml
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.flows", str(project), "--watch", "--settle", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert watcher.stdout.readline().startswith("watching")
+        for epochs in (5, 6, 5):  # a burst: three saves within a second
+            write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
+            time.sleep(0.3)
+
+        def locked_lr():
+            stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+            return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+
+        deadline = time.monotonic() + 300
+        while locked_lr() != 2e-3 and time.monotonic() < deadline:
+            time.sleep(1)
+        assert locked_lr() == 2e-3  # the run happened and recorded the settled params
+        time.sleep(5)  # long enough for a second, unwanted run to start
+    finally:
+        os.killpg(watcher.pid, 15)
+        out, _ = watcher.communicate(timeout=60)
+    assert out.count("change settled: starting a run") == 1
