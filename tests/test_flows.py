@@ -181,3 +181,57 @@ def test_watcher_turns_a_burst_of_edits_into_one_run(prefect_server, project):
         os.killpg(watcher.pid, 15)
         out, _ = watcher.communicate(timeout=60)
     assert out.count("change settled: starting a run") == 1
+
+
+def training_processes(project) -> list[int]:
+    """Live processes running the train stage with `project` as their working folder."""
+    found = []
+    for proc in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{proc}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            if "pipeline.train" in cmdline and os.readlink(f"/proc/{proc}/cwd") == str(project):
+                found.append(int(proc))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_cancelling_a_run_during_training_leaves_no_training_process(prefect_server, project):
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL
+
+    write_params(project, {"train": {"epochs": 400, "lr": 1.5e-3}})  # long enough to cancel
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.flows", str(project), "--serve", "--interval", "3600"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        run = None
+        while run is None and time.monotonic() < deadline:
+            try:
+                run = run_deployment("reproduce/scheduled", timeout=0)
+            except Exception:
+                time.sleep(1)
+        deadline = time.monotonic() + 300
+        while not training_processes(project) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert training_processes(project), "training never started"
+        cancel = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(run.id)],
+                                env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        deadline = time.monotonic() + 120
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                state = client.read_flow_run(run.id).state
+                if state.is_final() and not training_processes(project):
+                    break
+                time.sleep(1)
+        assert state.is_cancelled(), state
+        assert training_processes(project) == []
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+    write_params(project, {"train": {"epochs": 3}})
