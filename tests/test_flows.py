@@ -235,3 +235,26 @@ def test_cancelling_a_run_during_training_leaves_no_training_process(prefect_ser
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
     write_params(project, {"train": {"epochs": 3}})
+
+
+def test_prefect_yaml_deploys_both_flows_to_a_work_pool(prefect_server, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "VISIONFLOW_WORKDIR": str(ROOT),
+    }
+    prefect = [sys.executable, "-m", "prefect"]
+    pool = subprocess.run([*prefect, "work-pool", "create", "visionflow", "--type", "process"], env=env,
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    assert pool.returncode == 0, pool.stdout + pool.stderr
+    deploy = subprocess.run([*prefect, "--no-prompt", "deploy", "--all"], env=env, capture_output=True,
+                            text=True, cwd=ROOT, timeout=300)  # fmt: skip
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    with get_client(sync_client=True) as client:
+        scheduled = client.read_deployment_by_name("reproduce/pool-scheduled")
+        sweep = client.read_deployment_by_name("experiments/pool-experiments")
+    assert scheduled.work_pool_name == sweep.work_pool_name == "visionflow"
+    assert scheduled.schedules and scheduled.parameters["if_busy"] == "skip"
