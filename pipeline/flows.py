@@ -194,23 +194,44 @@ def update(root: Path, stage_timeout_s: float) -> list[str]:
 
 
 @flow(name="experiments")
-def experiments(workdir: str = ".", overrides: list[list[str]] | None = None,
+def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, workers: int = 0,
                 stage_timeout_s: float = 3600) -> str:  # fmt: skip
-    """`dvc exp run -S ...` for each list of overrides, in turn; publishes `dvc exp show`.
+    """`dvc exp run -S ...` for each list of overrides; publishes `dvc exp show`.
 
+    `workers: 0` runs them in turn in the workspace; `workers: N` queues them all and lets DVC's
+    queue run N at a time, each in its own temporary copy of the repository.
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
     logger = get_run_logger()
     root = Path(workdir).resolve()
+    queue = ["--queue"] if workers else []
     with one_run_at_a_time(root, wait=True):
         for sets in overrides or []:
-            cmd = [*dvc_command(), "exp", "run", *(arg for s in sets for arg in ("-S", s))]
+            cmd = [*dvc_command(), "exp", "run", *queue, *(arg for s in sets for arg in ("-S", s))]
             code, tail = run_group(cmd, root, stage_timeout_s, logger.info)
             if code != 0:
                 raise StageFailed(f"experiment {sets} failed (exit {code}):\n{tail}")
+        if workers:
+            run_queue(root, workers, stage_timeout_s * max(len(overrides or []), 1), logger)
         table = dvc(root, "exp", "show", "--md", "--no-pager").stdout
     create_markdown_artifact(f"## Experiments\n\n{table}", key="experiments")
     return table
+
+
+def run_queue(root: Path, workers: int, timeout_s: float, logger) -> None:
+    """Start DVC's queue with `workers` and wait until nothing is queued or running."""
+    dvc(root, "queue", "start", "--jobs", str(workers))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = dvc(root, "queue", "status").stdout
+        if not any(word in status for word in ("Queued", "Running")):
+            if "Failed" in status:
+                raise StageFailed(f"queued experiments failed:\n{status}")
+            return
+        logger.info(status.strip().splitlines()[-1] if status.strip() else "queue: waiting")
+        time.sleep(5)
+    dvc(root, "queue", "kill", "--all")
+    raise TimeoutError(f"queued experiments ran past {timeout_s:.0f} s; killed")
 
 
 def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None) -> None:

@@ -258,3 +258,15 @@ def test_prefect_yaml_deploys_both_flows_to_a_work_pool(prefect_server, tmp_path
         sweep = client.read_deployment_by_name("experiments/pool-experiments")
     assert scheduled.work_pool_name == sweep.work_pool_name == "visionflow"
     assert scheduled.schedules and scheduled.parameters["if_busy"] == "skip"
+
+
+def test_queued_experiments_run_with_workers(prefect_server, project):
+    from pipeline.flows import experiments
+
+    commit(project, "before the queue")  # the queue runs from commits plus the stashed changes
+    table = experiments(str(project), [["train.lr=0.004"], ["train.lr=0.005"]], workers=2)
+    assert "0.004" in table and "0.005" in table
+    from pipeline.flows import dvc
+
+    status = dvc(project, "queue", "status").stdout
+    assert status.count("Success") == 2 and "Queued" not in status and "Running" not in status
