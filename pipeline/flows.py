@@ -143,7 +143,7 @@ def ensure_limit(workdir: Path) -> str:
 
 
 @contextmanager
-def one_run_at_a_time(workdir: Path, wait: bool) -> Iterator[bool]:
+def one_run_at_a_time(workdir: Path, wait: bool, say=print) -> Iterator[bool]:
     """Hold the workspace: an OS file lock (released by the kernel if the holder dies) and the
     Prefect concurrency limit, strict, so a missing limit is an error rather than a silent pass.
     Yields False at once when busy and `wait` is off."""
@@ -151,10 +151,13 @@ def one_run_at_a_time(workdir: Path, wait: bool) -> Iterator[bool]:
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "a+") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
-            return
+            if not wait:
+                yield False
+                return
+            say("another run holds this workspace: waiting for it to finish")
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             with concurrency(limit_name(workdir), occupy=1, strict=True):
                 yield True
@@ -173,7 +176,7 @@ def reproduce(
     """
     logger = get_run_logger()
     root = Path(workdir).resolve()
-    with one_run_at_a_time(root, wait=if_busy == "wait") as held:
+    with one_run_at_a_time(root, wait=if_busy == "wait", say=logger.warning) as held:
         if not held:
             logger.warning("another run holds this workspace: skipping (if_busy=skip)")
             return []
@@ -205,7 +208,7 @@ def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, wo
     logger = get_run_logger()
     root = Path(workdir).resolve()
     queue = ["--queue"] if workers else []
-    with one_run_at_a_time(root, wait=True):
+    with one_run_at_a_time(root, wait=True, say=logger.warning):
         for sets in overrides or []:
             cmd = [*dvc_command(), "exp", "run", *queue, *(arg for s in sets for arg in ("-S", s))]
             code, tail = run_group(cmd, root, stage_timeout_s, logger.info)

@@ -107,7 +107,7 @@ def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
     waited_out, waited_err = waiter.communicate(timeout=300)
     assert waiter.returncode == 0, waited_err[-2000:]
     assert json.loads(waited_out.splitlines()[-1]) == {"ran": []}  # it waited: then nothing to do
-    assert "up to date" in waited_err
+    assert "up to date" in waited_err and "waiting for it to finish" in waited_err
 
 
 def test_experiments_flow_runs_each_override_and_publishes_the_comparison(prefect_server, project):
