@@ -33,6 +33,19 @@ def project(tmp_path_factory, prefect_server):
     return project
 
 
+def flows_env() -> dict[str, str]:
+    """The environment of a flows subprocess: the test server's API, the project importable."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+
+
+def start_flows(project, *args, **popen) -> subprocess.Popen:
+    """`python -m pipeline.flows PROJECT ARGS...` in its own session (killable as a group)."""
+    command = [sys.executable, "-m", "pipeline.flows", str(project), *args]
+    return subprocess.Popen(command, env=flows_env(), start_new_session=True, **popen)
+
+
 def artifact(key):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -83,14 +96,13 @@ def held_by_another(lock_file) -> bool:
 
 
 def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
-    from prefect.settings import PREFECT_API_URL
 
     write_params(project, {"train": {"epochs": 4, "lr": 1e-3}})
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
 
     def start(*extra):
-        return subprocess.Popen([sys.executable, "-m", "pipeline.flows", str(project), *extra], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        return start_flows(
+            project, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
 
     first = start()
     lock_file = project / ".dvc/tmp/visionflow-run.lock"
@@ -122,13 +134,10 @@ def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
     prefect_server, project
 ):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.flows", str(project), "--serve", "--interval", "3600"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    env = flows_env()
+    server = start_flows(project, "--serve", "--interval", "3600", stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         with get_client(sync_client=True) as client:
@@ -155,13 +164,9 @@ def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
 
 def test_watcher_turns_a_burst_of_edits_into_one_run(prefect_server, project):
     import yaml
-    from prefect.settings import PREFECT_API_URL
 
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.flows", str(project), "--watch", "--settle", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
-    )  # fmt: skip
+    watcher = start_flows(project, "--watch", "--settle", "2", stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)  # fmt: skip
     try:
         assert watcher.stdout.readline().startswith("watching")
         for epochs in (5, 6, 5):  # a burst: three saves within a second
@@ -199,14 +204,11 @@ def training_processes(project) -> list[int]:
 def test_cancelling_a_run_during_training_leaves_no_training_process(prefect_server, project):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL
 
     write_params(project, {"train": {"epochs": 400, "lr": 1.5e-3}})  # long enough to cancel
-    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.flows", str(project), "--serve", "--interval", "3600"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    env = flows_env()
+    server = start_flows(project, "--serve", "--interval", "3600", stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         run = None
@@ -239,13 +241,8 @@ def test_cancelling_a_run_during_training_leaves_no_training_process(prefect_ser
 
 def test_prefect_yaml_deploys_both_flows_to_a_work_pool(prefect_server, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
 
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "VISIONFLOW_WORKDIR": str(ROOT),
-    }
+    env = {**flows_env(), "VISIONFLOW_WORKDIR": str(ROOT)}
     prefect = [sys.executable, "-m", "prefect"]
     pool = subprocess.run([*prefect, "work-pool", "create", "visionflow", "--type", "process"], env=env,
                           capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visionflow.data import IMAGE_SUFFIXES
+from visionflow.data import IMAGE_SUFFIXES, is_hidden
 from visionflow.inference import RUNTIMES, load_images, load_runner, normalise, top_k
 
 DEFAULT_MODELS = {
@@ -30,9 +30,7 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
             files += sorted(
                 p
                 for p in path.rglob("*")
-                if p.is_file()
-                and p.suffix.lower() in IMAGE_SUFFIXES
-                and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not is_hidden(p, path)
             )
         elif path.is_file():
             files.append(path)

@@ -68,7 +68,8 @@ def digits_source() -> Source:
     return Source(images, digits.target.astype(np.int64), classes, None, names)
 
 
-def _hidden(path: Path, root: Path) -> bool:
+def is_hidden(path: Path, root: Path) -> bool:
+    """A dot-file, or inside a dot-folder (`.git`, `.ipynb_checkpoints`), below `root`."""
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
@@ -89,7 +90,7 @@ def imagefolder_source(root: Path) -> Source:
     for label, name in enumerate(classes):
         found = 0
         for path in sorted((root / name).rglob("*")):
-            if _hidden(path, root) or path.is_dir():
+            if is_hidden(path, root) or path.is_dir():
                 continue
             relative = path.relative_to(root).as_posix()
             if not path.resolve().is_relative_to(real_root):
@@ -379,8 +380,9 @@ def write_cache(
         y = source.labels[index]
         write_split(out / f"{split}_x.npy", pixels, index)
         np.save(out / f"{split}_y.npy", y)
-        for name in (f"{split}_x.npy", f"{split}_y.npy"):
-            shape = list(np.load(out / name, mmap_mode="r").shape)
+        shapes = {"x": [len(index), *pixels.shape[1:]], "y": [len(index)]}
+        for part, shape in shapes.items():
+            name = f"{split}_{part}.npy"
             files[name] = {"sha256": sha256(out / name), "shape": shape}
         per_class = np.bincount(y, minlength=len(source.classes))
         counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
