@@ -10,7 +10,7 @@ side by side in one run:
   - ceiling: the same model stepping on one batch already in memory as a normalised tensor
 Reports images/s, wall time to reach the target validation accuracy, and final accuracy.
 
-    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9]
+    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--device cuda]
 """
 
 import argparse
@@ -29,6 +29,7 @@ from visionflow.engine import evaluate, make_optimizer, train_one_epoch
 from visionflow.models import build_model
 
 SIZE, BATCH = 32, 64
+DEVICE = torch.device("cpu")  # --device
 
 
 class PilImages(Dataset):
@@ -44,14 +45,14 @@ class PilImages(Dataset):
 
 def plain(x, y, xv, yv, mean, std, epochs, target):
     torch.manual_seed(0)
-    model = build_model("simple_cnn", 1, 10, SIZE)
+    model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     train_tf = transforms.Compose([
         transforms.RandomRotation(10), transforms.RandomCrop(SIZE, padding=2), transforms.ToTensor(),
         transforms.Normalize(mean, std),
     ])  # fmt: skip
     loader = DataLoader(PilImages(x, y, train_tf), batch_size=BATCH, shuffle=True, num_workers=2,
-                        persistent_workers=True)  # fmt: skip
+                        persistent_workers=True, pin_memory=DEVICE.type == "cuda")  # fmt: skip
     return run(
         model, epochs, target, xv, yv, mean, std, lambda: plain_epoch(model, optimizer, loader)
     )
@@ -60,6 +61,7 @@ def plain(x, y, xv, yv, mean, std, epochs, target):
 def plain_epoch(model, optimizer, loader):
     model.train()
     for images, labels in loader:
+        images, labels = images.to(DEVICE, non_blocking=True), labels.to(DEVICE, non_blocking=True)
         optimizer.zero_grad()
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
@@ -68,11 +70,11 @@ def plain_epoch(model, optimizer, loader):
 
 def stage(x, y, xv, yv, mean, std, epochs, target):
     torch.manual_seed(0)
-    model = build_model("simple_cnn", 1, 10, SIZE).to(memory_format=torch.channels_last)
+    model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
     g = torch.Generator().manual_seed(0)
-    xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-    m, s = torch.tensor(mean), torch.tensor(std)
+    xt, yt = torch.from_numpy(x).to(DEVICE), torch.from_numpy(y).to(DEVICE)
+    m, s = torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE)
 
     def aug(images):
         return augment(images, g, crop_padding=2, rotation=10)
@@ -87,9 +89,11 @@ def run(model, epochs, target, xv, yv, mean, std, one_epoch):
     for _ in range(epochs):
         start = time.perf_counter()
         one_epoch()
+        sync()
         trained += time.perf_counter() - start
-        metrics, _ = evaluate(model, torch.from_numpy(xv), torch.from_numpy(yv), torch.tensor(mean),
-                              torch.tensor(std), 512)  # fmt: skip
+        metrics, _ = evaluate(model, torch.from_numpy(xv).to(DEVICE), torch.from_numpy(yv).to(DEVICE),
+                              torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE),
+                              512)  # fmt: skip
         accuracy = metrics["accuracy"]
         if reached is None and accuracy >= target:
             reached = trained
@@ -98,23 +102,33 @@ def run(model, epochs, target, xv, yv, mean, std, one_epoch):
 
 def ceiling(x, mean, std, steps):
     torch.manual_seed(0)
-    model = build_model("simple_cnn", 1, 10, SIZE).to(memory_format=torch.channels_last)
+    model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    batch = data.to_model_input(torch.from_numpy(x[:BATCH]), torch.tensor(mean), torch.tensor(std))
-    labels = torch.zeros(BATCH, dtype=torch.long)
+    batch = data.to_model_input(torch.from_numpy(x[:BATCH]).to(DEVICE),
+                                torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE))  # fmt: skip
+    labels = torch.zeros(BATCH, dtype=torch.long, device=DEVICE)
     start = time.perf_counter()
     for _ in range(steps):
         optimizer.zero_grad()
         F.cross_entropy(model(batch), labels).backward()
         optimizer.step()
+    sync()
     return steps * BATCH / (time.perf_counter() - start)
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.9, help="validation accuracy to reach")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(2)
     source = data.load_source("digits", None)
     decode = data.Decode(SIZE, "grayscale")
@@ -129,7 +143,7 @@ def main() -> None:
         "train stage loop": stage(x, y, xv, yv, mean, std, args.epochs, args.target),
     }
     print(f"{len(x)} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, "
-          f"target val accuracy {args.target}, {torch.get_num_threads()} threads")  # fmt: skip
+          f"target val accuracy {args.target}, {torch.get_num_threads()} threads, {DEVICE}")  # fmt: skip
     print("| loop | images/s | seconds to target | final val accuracy |\n|---|---|---|---|")
     for name, (seconds, reached, accuracy) in results.items():
         to_target = f"{reached:.2f}" if reached is not None else "not reached"
