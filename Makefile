@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 
 repro: setup
 	$(PY) -m visionflow.params params.yaml
-	dvc repro
+	$(VENV)/bin/visionflow repro
 	@$(PY) -c "import json; m = json.load(open('results/evaluate/metrics.json')); \
 		print('test', {k: round(m[k], 4) for k in ('accuracy', 'top_k_accuracy', 'macro_f1', 'loss')})"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import GateError, run
+from pipeline import GateError, run, staged
 from visionflow import data, scores, viz
 from visionflow.engine import evaluate
 from visionflow.models import load_model
@@ -29,6 +29,7 @@ def main() -> None:
     p = load_params().evaluate
 
     model, meta = load_model(args.model, map_location="cpu")
+    data.verify_cache(args.data)
     classes = data.read_cache_meta(args.data).classes
     if len(classes) != len(meta["classes"]) or classes != meta["classes"]:
         raise GateError(
@@ -44,18 +45,18 @@ def main() -> None:
         "images": len(y),
     }
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    data.write_json(args.out / "metrics.json", metrics)
+    out = staged(args.out)  # moved to args.out when the stage succeeds
+    data.write_json(out / "metrics.json", metrics)
     predicted = logits.argmax(1).tolist()
     data.write_json(
-        args.out / "predictions.json",
+        out / "predictions.json",
         [
             {"actual": classes[a], "predicted": classes[b]}
             for a, b in zip(y.tolist(), predicted, strict=True)
         ],
     )
     viz.confusion_figure(scores.confusion(y, logits, len(classes)), classes).savefig(
-        args.out / "confusion.png", dpi=100
+        out / "confusion.png", dpi=100
     )
     wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
     confidence = torch.softmax(logits, 1).max(1).values
@@ -65,7 +66,7 @@ def main() -> None:
         [classes[i] for i in y[wrong].tolist()],
         [classes[predicted[i]] for i in wrong],
         confidence[wrong].tolist(),
-    ).savefig(args.out / "misclassified.png", dpi=100)
+    ).savefig(out / "misclassified.png", dpi=100)
     print(
         f"evaluate: test accuracy {metrics['accuracy']:.4f}, top-{p.top_k} "
         f"{metrics['top_k_accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f}, "

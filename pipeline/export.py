@@ -3,22 +3,20 @@
 Reads:  params.yaml (export.*); the model from train; real test images from the cache; evaluate's
         metrics (for the model card)
 Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its class names and
-        preprocessing), parity.json, latency.json, MODEL_CARD.md. Files are written to a temporary
+        preprocessing), parity.json, latency.json, MODEL_CARD.md. Files are written to a staging
         folder and moved into <out> only when every parity check passes; on a miss the stage fails
-        with the numbers and <out> holds only parity.json.
+        with the numbers, <out> keeps the last good export and <out>.miss.json the failed report.
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
             --metrics results/evaluate/metrics.json --out results/export
 """
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from pipeline import GateError, run
+from pipeline import GateError, run, staged
 from visionflow import data
 from visionflow.export import check_formats, export_all, latency_table
 from visionflow.inference import describe, module_runner, normalise, spec_of
@@ -55,31 +53,29 @@ def main() -> None:
     pixels = data.read_split(args.data, "test")[0][: e.batch_size]  # real test images, uint8
     example = torch.from_numpy(normalise(pixels, spec))
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.out.parent, prefix=".export-") as tmp:
-        metadata = describe(meta["classes"], spec)
-        paths, exporter = export_all(model, example, Path(tmp), e.opset, metadata)
-        parity, runners = check_formats(
-            model, paths, pixels, meta["classes"], spec, (e.onnx_rtol, e.onnx_atol),
-            (e.rtol, e.atol), e.min_top1_agreement)  # fmt: skip
-        passed = all(r["passed"] for results in parity.values() for r in results.values())
-        report = {"exporter": exporter, "opset": e.opset, "passed": passed, **parity}
-        data.write_json(args.out / "parity.json", report)
-        print_parity(parity)
-        if not passed:
-            raise GateError(
-                f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol "
-                f"{e.rtol} atol {e.atol}); nothing promoted; see {args.out / 'parity.json'}"
-            )
+    out = staged(args.out)  # moved to args.out only when every parity check passes
+    metadata = describe(meta["classes"], spec)
+    paths, exporter = export_all(model, example, out, e.opset, metadata)
+    parity, runners = check_formats(
+        model, paths, pixels, meta["classes"], spec, (e.onnx_rtol, e.onnx_atol), (e.rtol, e.atol),
+        e.min_top1_agreement)  # fmt: skip
+    passed = all(r["passed"] for results in parity.values() for r in results.values())
+    report = {"exporter": exporter, "opset": e.opset, "passed": passed, **parity}
+    data.write_json(out / "parity.json", report)
+    print_parity(parity)
+    if not passed:
+        miss = args.out.with_name(args.out.name + ".miss.json")
+        data.write_json(miss, report)
+        raise GateError(
+            f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol {e.rtol} "
+            f"atol {e.atol}); nothing promoted, {args.out} keeps the last good export; see {miss}"
+        )
 
-        runners = {"eager": module_runner(model), **runners}
-        latency = latency_table(runners, example.numpy(), (1, 64), e.latency_repeats)
-        data.write_json(args.out / "latency.json", {"unit": "ms (median)", **latency})
-        metrics = json.loads(args.metrics.read_text())
-        card = model_card(meta, params, metrics, report, latency, spec)
-        (args.out / "MODEL_CARD.md").write_text(card)
-        for path in paths.values():  # every check passed: promote
-            shutil.move(path, args.out / path.name)
+    runners = {"eager": module_runner(model), **runners}
+    latency = latency_table(runners, example.numpy(), (1, 64), e.latency_repeats)
+    data.write_json(out / "latency.json", {"unit": "ms (median)", **latency})
+    metrics = json.loads(args.metrics.read_text())
+    (out / "MODEL_CARD.md").write_text(model_card(meta, params, metrics, report, latency, spec))
     print(
         f"export: {', '.join(p.name for p in paths.values())} in {args.out} "
         f"(ONNX via the {exporter} exporter)"

@@ -13,13 +13,9 @@ Watch:  .venv/bin/python -m pipeline.flows [WORKDIR] --watch [--deployment repro
 """
 
 import argparse
-import fcntl
 import hashlib
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +28,8 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
+
+from visionflow.runner import dvc_command, environment, run_group, workspace_lock
 
 LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
@@ -47,15 +45,6 @@ def dvc(workdir: Path, *args: str, timeout: float = 120) -> subprocess.Completed
                           text=True, timeout=timeout)  # fmt: skip
 
 
-def dvc_command() -> list[str]:
-    return [sys.executable, "-m", "dvc"]
-
-
-def environment() -> dict[str, str]:
-    """Stages run `python -m ...`: this interpreter's folder goes first on PATH."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-
-
 def stages_in_order(workdir: Path) -> list[str]:
     """The stages of dvc.yaml as written (they are listed in dependency order)."""
     return list(yaml.safe_load((workdir / "dvc.yaml").read_text())["stages"])
@@ -67,27 +56,6 @@ def changed(workdir: Path) -> dict:
     if result.returncode != 0:
         raise StageFailed(f"dvc status failed:\n{result.stderr[-2000:]}")
     return json.loads(result.stdout or "{}")
-
-
-def run_group(cmd: list[str], workdir: Path, timeout_s: float, log) -> tuple[int, str]:
-    """Run `cmd` in its own process group, streaming lines to `log`; kill the group on any exit.
-
-    Returns the exit code and the output's last 4,000 characters.
-    """
-    process = subprocess.Popen(cmd, cwd=workdir, env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    tail, deadline = "", time.monotonic() + timeout_s
-    try:
-        for line in process.stdout:
-            log(line.rstrip())
-            tail = (tail + line)[-4000:]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s; killed")
-        return process.wait(), tail
-    finally:
-        if process.poll() is None:  # timeout, cancellation, an error: nothing may survive
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @task(task_run_name="{stage}")
@@ -147,22 +115,12 @@ def one_run_at_a_time(workdir: Path, wait: bool, say=print) -> Iterator[bool]:
     """Hold the workspace: an OS file lock (released by the kernel if the holder dies) and the
     Prefect concurrency limit, strict, so a missing limit is an error rather than a silent pass.
     Yields False at once when busy and `wait` is off."""
-    lock_file = workdir / ".dvc" / "tmp" / "visionflow-run.lock"
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_file, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            say("another run holds this workspace: waiting for it to finish")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            with concurrency(limit_name(workdir), occupy=1, strict=True):
-                yield True
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with workspace_lock(workdir, wait, say) as held:
+        if not held:
+            yield False
+            return
+        with concurrency(limit_name(workdir), occupy=1, strict=True):
+            yield True
 
 
 @flow(name="reproduce")

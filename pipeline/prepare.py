@@ -12,7 +12,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from pipeline import run
+from pipeline import run, staged
 from visionflow import archive, data
 from visionflow.params import load_params
 
@@ -33,7 +33,7 @@ def main() -> None:
         source = data.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         manifest = data.build_cache(
-            source, args.out, decode, val_fraction=p.val_fraction, test_fraction=p.test_fraction,
+            source, staged(args.out), decode, val_fraction=p.val_fraction, test_fraction=p.test_fraction,
             seed=params.seed, workers=p.workers, max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class, dedupe=p.dedupe)  # fmt: skip
     sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())

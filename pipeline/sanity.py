@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import GateError, run
+from pipeline import GateError, run, staged
 from visionflow import data, viz
 from visionflow.augment import augment
 from visionflow.params import load_params
@@ -80,28 +80,28 @@ def main() -> None:
     report["rejected_files"] = rejects["rejected"]
     report["duplicates"] = {k: duplicates[k] for k in ("across_splits", "removed", "within_split")}
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = staged(args.out)  # moved to args.out when the stage succeeds
     k = params.sanity.per_class
     pick = np.concatenate(viz.pick_per_class(y.numpy(), len(meta.classes), k))
     chosen = torch.from_numpy(np.asarray(x[pick]))
     model_input = data.to_model_input(chosen, mean, std)  # exactly what train feeds
     shown = data.from_model_input(model_input, mean, std)
     viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k).savefig(
-        args.out / "labels.png", dpi=100
+        out / "labels.png", dpi=100
     )
     generator = torch.Generator().manual_seed(params.seed)
     augmented = augment(data.to_unit(chosen), generator, **params.train.augment.model_dump())
     shown = data.from_model_input(data.normalise(augmented, mean, std), mean, std)
     fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
     fig.suptitle("train split with the training augmentation (train.augment)")
-    fig.savefig(args.out / "augmented.png", dpi=100)
+    fig.savefig(out / "augmented.png", dpi=100)
     counts = {split: r["per_class"] for split, r in report["splits"].items()}
-    viz.counts_figure(counts).savefig(args.out / "counts.png", dpi=100)
-    (args.out / "counts").mkdir(exist_ok=True)
+    viz.counts_figure(counts).savefig(out / "counts.png", dpi=100)
+    (out / "counts").mkdir(exist_ok=True)
     for split, per_class in counts.items():
-        data.write_json(args.out / "counts" / f"{split}.json",
+        data.write_json(out / "counts" / f"{split}.json",
                         [{"class": c, "images": n} for c, n in per_class.items()])  # fmt: skip
-    data.write_json(args.out / "scan.json", report)
+    data.write_json(out / "scan.json", report)
     print(
         f"sanity: {args.out}/labels.png, augmented.png, counts.png; "
         + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())

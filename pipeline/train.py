@@ -15,6 +15,8 @@ import os
 import random
 import resource
 import shutil
+import signal
+import sys
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -26,8 +28,8 @@ import torch.distributed as dist
 from dvclive import Live
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline import GateError, run
-from visionflow import checkpoint, data
+from pipeline import GateError, Interrupted, run, staged
+from visionflow import checkpoint, data, faults
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
@@ -70,6 +72,23 @@ def start_distributed(device_name: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+class StopRequest:
+    """The first Ctrl-C or SIGTERM asks the run to finish its epoch, checkpoint it and stop; a
+    second Ctrl-C stops at once (the previous epoch's checkpoint is kept)."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGINT, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
+              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train on the cached train split.")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
@@ -84,6 +103,7 @@ def main() -> None:
     say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
     seed_everything(params.seed, t.deterministic)
     device = pick_device(t.device)
+    data.verify_cache(args.data)  # a flipped byte is an error here, not a silently worse model
     meta = data.read_cache_meta(args.data)
     max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
     x_train, y_train = data.load_for_training(args.data, "train", device, max_bytes)
@@ -153,7 +173,9 @@ def main() -> None:
           f"{len(y_val)} val images, {sum(p.numel() for p in model.parameters())} parameters")  # fmt: skip
 
     # --- the epoch loop ------------------------------------------------------------------------
-    live_dir = str(args.out / "live")
+    out = staged(args.out) if rank == 0 else None  # moved to args.out when the run succeeds
+    stop = StopRequest()
+    live_dir = str(out / "live") if rank == 0 else ""
     with (
         Live(live_dir, dvcyaml=False, save_dvc_exp=False, report=None)
         if rank == 0
@@ -216,18 +238,22 @@ def main() -> None:
                     "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
                             "augment": augment_rng.get_state()},
                 })  # fmt: skip
+            if faults.ACTIVE:
+                faults.fault("train.epoch_end", epoch=epoch)
             say(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
                 f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
                 f"acc {val_metrics['accuracy']:.4f}  lr {lr:.2e}  {record['train/images_per_s']:7.0f} img/s"
                 + (f"  {train_metrics['skipped_steps']} skipped" if train_metrics["skipped_steps"] else "")
                 + ("  (best)" if improved else ""))  # fmt: skip
+            if stop.requested:
+                raise Interrupted(f"train stopped after epoch {epoch}; its checkpoint is in "
+                                  f"{args.checkpoints}, and `dvc repro` resumes from it")  # fmt: skip
 
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        shutil.move(best_path, args.out / "model.pt")
+        shutil.move(best_path, out / "model.pt")
         checkpoint.clear(
             args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best}
         )

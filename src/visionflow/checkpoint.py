@@ -26,7 +26,7 @@ def fingerprint(params: dict, data_manifest: str) -> str:
 
 def save_checkpoint(folder: Path, state: dict) -> Path:
     path = folder / f"epoch-{state['epoch']:04d}.pt"
-    save_atomic(state, path)
+    save_atomic(state, path, epoch=state["epoch"])
     for old in sorted(folder.glob("epoch-*.pt"))[:-KEEP]:
         old.unlink()
     return path
@@ -34,6 +34,8 @@ def save_checkpoint(folder: Path, state: dict) -> Path:
 
 def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None, str]:
     """The newest readable checkpoint with the expected fingerprint, and a line saying why."""
+    for stray in folder.glob(".epoch-*.tmp"):  # left by a write that was killed
+        stray.unlink()
     for path in sorted(folder.glob("epoch-*.pt"), reverse=True):
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)

@@ -1,7 +1,10 @@
-"""`visionflow` command line: predictions from an exported model.
+"""`visionflow` command line.
 
 visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript|pt2|torch]
-                   [--top-k K] [--json]
+                   [--top-k K] [--json]          classify images with an exported model
+visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
+                                                 `dvc repro`, one run at a time, nothing orphaned
+visionflow verify [--data data/prepared]         re-hash the prepared cache and DVC's objects
 """
 
 import argparse
@@ -88,7 +91,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--top-k", type=int, default=3, help="classes to show per image (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    r = commands.add_parser(
+        "repro", help="`dvc repro` under the workspace lock, in its own process group"
+    )
+    r.add_argument("--if-busy", choices=("wait", "skip"), default="wait",
+                   help="when another run holds the workspace (default: wait)")  # fmt: skip
+    r.add_argument("dvc_args", nargs="*", help="passed to `dvc repro` (after --)")
+    v = commands.add_parser("verify", help="re-hash the prepared cache and the DVC cache objects")
+    v.add_argument("--data", type=Path, default=Path("data/prepared"), help="prepared cache folder")
     args = parser.parse_args(argv)
+    if args.command == "repro":
+        from visionflow.runner import repro
+
+        return repro(Path.cwd(), args.dvc_args, wait=args.if_busy == "wait")
+    if args.command == "verify":
+        from visionflow.verify import verify
+
+        return verify(Path.cwd(), args.data)
     if args.top_k < 1:
         parser.error("--top-k must be at least 1")
     return predict(args)

@@ -483,6 +483,26 @@ class Cache(NamedTuple):
     background: list[int]  # what transparent pixels were composited on
 
 
+def verify_cache(cache: Path) -> list[str]:
+    """Re-hash every array against the manifest written by prepare; raises DataError naming each
+    file that differs, with both hashes. Returns the files checked."""
+    manifest_path = cache / "manifest.json"
+    if not manifest_path.exists():
+        raise DataError(f"{manifest_path} is missing: run `dvc repro prepare`")
+    bad = []
+    for name, entry in json.loads(manifest_path.read_text())["files"].items():
+        path = cache / name
+        actual = sha256(path) if path.exists() else "missing"
+        if actual != entry["sha256"]:
+            bad.append(f"{path}: sha256 {actual}, manifest says {entry['sha256']}")
+    if bad:
+        raise DataError(
+            "the prepared cache is corrupted: " + "; ".join(bad) + ". Restore it with "
+            f"`dvc checkout {cache}` or rebuild it with `dvc repro --force prepare`"
+        )
+    return [str(cache / name) for name in json.loads(manifest_path.read_text())["files"]]
+
+
 def read_cache_meta(cache: Path) -> Cache:
     stats = json.loads((cache / "stats.json").read_text())
     decode = json.loads((cache / "decode.json").read_text())

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from visionflow import faults
 from visionflow.data import batches, normalise, to_model_input, to_unit
 
 
@@ -133,6 +134,8 @@ def train_one_epoch(
         ):
             logits = model(normalise(images, mean, std))
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
+        if faults.ACTIVE:
+            loss = faults.fault("train.loss", loss, epoch=epoch, step=i + 1)
         finite = torch.isfinite(loss.detach()).to(torch.int32)
         if world > 1:  # every rank must skip together, or DDP's gradient all-reduce would hang
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)

@@ -9,6 +9,8 @@ import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from visionflow import faults
+
 
 class SimpleCNN(nn.Module):
     """The classic small CNN: conv 16 -> conv 32 -> fc 128 -> classes (logits)."""
@@ -168,13 +170,17 @@ def build_model(
     return model.train()
 
 
-def save_atomic(obj: dict, path: Path) -> None:
-    """torch.save to a temp file in the same folder, fsync, then rename: never a half file."""
+def save_atomic(obj: dict, path: Path, **where) -> None:
+    """torch.save to a temp file in the same folder, fsync, then rename: never a half file.
+
+    `where` names the write for fault injection (`checkpoint.write@epoch=N`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
+            if faults.ACTIVE and where:  # a kill here leaves a half-written temp file
+                faults.fault("checkpoint.write", **where)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

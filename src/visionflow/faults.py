@@ -1,0 +1,62 @@
+"""Fault injection for tests: make a named point in the code kill, raise, turn NaN or pause.
+
+    VISIONFLOW_FAULT="<point>[@<key>=<value>,...]:<action>[=<arg>]"    (several joined by ";")
+
+    train.epoch_end@epoch=3:kill          SIGKILL the process after epoch 3's checkpoint
+    checkpoint.write@epoch=2:kill         SIGKILL it halfway through writing epoch 2's checkpoint
+    train.loss@epoch=2:nan                every loss of epoch 2 becomes NaN
+    stage.start@stage=evaluate:raise      the evaluate stage fails at once (FaultInjected)
+    train.loss@epoch=2,step=1:pause=go    wait there until the file `go` exists
+
+The points: stage.start (stage), train.loss (epoch, step), train.epoch_end (epoch),
+checkpoint.write (epoch). Unset, the normal case, a point costs one test of `ACTIVE`.
+"""
+
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+class FaultInjected(RuntimeError):
+    """Raised by a `raise` fault."""
+
+
+def parse(spec: str) -> list[tuple[str, dict[str, str], str, str]]:
+    """`spec` as (point, where, action, argument) tuples; a malformed one is a ValueError."""
+    faults = []
+    for item in filter(None, (part.strip() for part in spec.split(";"))):
+        target, sep, action = item.partition(":")
+        point, _, where = target.partition("@")
+        action, _, argument = action.partition("=")
+        if not sep or action not in {"kill", "raise", "nan", "pause"}:
+            raise ValueError(f"VISIONFLOW_FAULT: {item!r} is not <point>[@k=v,...]:"
+                             "kill|raise|nan|pause=<file>")  # fmt: skip
+        pairs = dict(pair.split("=", 1) for pair in filter(None, where.split(",")))
+        faults.append((point, pairs, action, argument))
+    return faults
+
+
+FAULTS = parse(os.environ.get("VISIONFLOW_FAULT", ""))
+ACTIVE = bool(FAULTS)
+
+
+def fault(point: str, value=None, **where):
+    """Apply the faults aimed at `point` where every given key matches; returns `value`
+    (NaN for a `nan` fault). Call it as `if faults.ACTIVE: x = faults.fault(...)`."""
+    for name, pairs, action, argument in FAULTS:
+        if name != point or any(str(where.get(k)) != v for k, v in pairs.items()):
+            continue
+        print(f"fault: {action} at {point} {where}", file=sys.stderr, flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "raise":
+            raise FaultInjected(f"injected fault at {point} {where}")
+        elif action == "nan":
+            value = value * math.nan
+        elif action == "pause":
+            while not Path(argument).exists():
+                time.sleep(0.05)
+    return value
