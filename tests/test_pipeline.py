@@ -137,15 +137,17 @@ def test_rerun_only_what_changed_and_the_gate_holds(reproduced):
     write_params(project, {"sanity": {"per_class": 3}})
     assert ran(sh(project, "dvc", "repro")) == ["sanity"]  # same scan.json: train is not rerun
 
-    # A parity miss fails export, promotes no model, and dvc.lock keeps the last good export.
+    # A parity miss fails export and promotes nothing: the last good export and its dvc.lock
+    # entry stay as they were; the failed report is kept beside them.
+    before = {p.name: p.read_bytes() for p in (project / "results/export").iterdir()}
     write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})
     failed = sh(project, "dvc", "repro", check=False)
     assert failed.returncode != 0 and ran(failed) == ["export"]
     assert "parity missed" in failed.stderr
-    for name in ("model.onnx", "model.pt2", "model.torchscript.pt", "MODEL_CARD.md"):
-        assert not (project / "results/export" / name).exists()
-    parity = json.loads((project / "results/export/parity.json").read_text())
-    assert parity["passed"] is False and parity["onnx"]["batch_8"]["max_abs_diff"] > 0
+    assert {p.name: p.read_bytes() for p in (project / "results/export").iterdir()} == before
+    assert json.loads(before["parity.json"])["passed"] is True
+    miss = json.loads((project / "results/export.miss.json").read_text())
+    assert miss["passed"] is False and miss["onnx"]["batch_8"]["max_abs_diff"] > 0
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert float(lock["stages"]["export"]["params"]["params.yaml"]["export.onnx_atol"]) == 1e-5
 

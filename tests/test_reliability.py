@@ -1,0 +1,287 @@
+"""Nothing is lost when a run is killed, interrupted, raced or fed a corrupted cache.
+
+Real DVC in a temporary git repo, driven through the project's runner (`visionflow repro`), with
+faults injected through VISIONFLOW_FAULT. The tests share one reproduced project and run in
+order; each ends with the invariants: dvc.lock parses, every checkpoint loads with
+weights_only=True, `dvc status` works, and a clean run afterwards succeeds.
+"""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from tests.conftest import commit, make_project, sh, write_params
+
+pytestmark = pytest.mark.slow
+EPOCHS = 4
+BASELINE = {}  # the weights of the last uninterrupted run with the current params
+
+
+def env(project: Path, fault: str = "") -> dict:
+    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1",
+            "VISIONFLOW_FAULT": fault}  # fmt: skip
+
+
+def repro_cmd(*dvc_args: str) -> list[str]:
+    return [sys.executable, "-m", "visionflow.cli", "repro", "--", *dvc_args]
+
+
+def repro(project: Path, *dvc_args: str, fault: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(repro_cmd(*dvc_args), cwd=project, env=env(project, fault),
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def start(project: Path, *dvc_args: str, fault: str = "") -> subprocess.Popen:
+    """The runner in its own session, as a terminal's foreground job would be."""
+    return subprocess.Popen(repro_cmd(*dvc_args), cwd=project, env=env(project, fault),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def read_until(process: subprocess.Popen, marker: str, timeout: float = 300) -> str:
+    seen, deadline = "", time.monotonic() + timeout
+    while marker not in seen:
+        line = process.stdout.readline()
+        assert line and time.monotonic() < deadline, f"no {marker!r} in:\n{seen}"
+        seen += line
+    return seen
+
+
+def ran(output: str) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", output)
+
+
+def trainers(project: Path) -> list[psutil.Process]:
+    """Live training processes started in this project."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "pipeline.train" in cmd and p.info["cwd"] == str(project) and p.status() != "zombie":
+            found.append(p)
+    return found
+
+
+def weights(project: Path) -> dict:
+    return torch.load(project / "results/train/model.pt", weights_only=True)["state_dict"]
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def file_hashes(project: Path) -> dict[str, str]:
+    """sha256 of every file of the project but git's and DVC's own scratch folders."""
+    skip = (project / ".git", project / ".dvc" / "tmp")
+    return {
+        str(p.relative_to(project)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(project.rglob("*"))
+        if p.is_file() and not any(p.is_relative_to(s) for s in skip)
+    }
+
+
+def assert_invariants(project: Path) -> None:
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert set(lock["stages"]) == {"prepare", "sanity", "train", "evaluate", "export"}
+    for path in (project / "checkpoints/train").glob("*.pt"):
+        torch.load(path, weights_only=True)
+    assert not trainers(project)
+    sh(project, "dvc", "status")
+    clean = repro(project)  # the workspace lock and DVC's own are free again
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    assert sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The tiny project, reproduced once with EPOCHS epochs; its model is the uninterrupted one."""
+    project = make_project(tmp_path_factory.mktemp("reliability") / "project")
+    write_params(project, {"train": {"epochs": EPOCHS}})
+    first = repro(project)
+    assert first.returncode == 0, first.stdout + first.stderr
+    commit(project, "first run")
+    BASELINE.update(weights(project))
+    return project
+
+
+def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(project):
+    killed = repro(
+        project, "--force", "--single-item", "train", fault="train.epoch_end@epoch=3:kill"
+    )
+    assert killed.returncode != 0
+    assert same_weights(weights(project), BASELINE)  # the previous model is in place
+    assert (project / "checkpoints/train/epoch-0003.pt").exists()
+    resumed = repro(project, "--force", "--single-item", "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from checkpoints/train/epoch-0003.pt" in resumed.stdout
+    assert same_weights(weights(project), BASELINE)
+    assert_invariants(project)
+
+
+def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
+    killed = repro(project, "-f", "-s", "train", fault="checkpoint.write@epoch=3:kill")
+    assert killed.returncode != 0
+    folder = project / "checkpoints/train"
+    assert list(folder.glob(".epoch-0003.pt.*.tmp"))  # the half-written file
+    assert not (folder / "epoch-0003.pt").exists()
+    assert torch.load(folder / "epoch-0002.pt", weights_only=True)["epoch"] == 2
+    resumed = repro(project, "-f", "-s", "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from checkpoints/train/epoch-0002.pt" in resumed.stdout
+    assert not list(folder.glob(".*.tmp"))
+    assert same_weights(weights(project), BASELINE)
+    assert_invariants(project)
+
+
+def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
+    failed = repro(project, "-f", "-s", "train", fault="train.loss@epoch=2:nan")
+    assert failed.returncode != 0
+    assert "loss was not finite for 5 steps in a row (epoch 2, step 5)" in failed.stdout
+    folder = project / "checkpoints/train"
+    assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-0001.pt"]
+    assert torch.load(folder / "epoch-0001.pt", weights_only=True)["epoch"] == 1
+    assert same_weights(weights(project), BASELINE)
+    resumed = repro(project, "-f", "-s", "train")
+    assert "resuming from checkpoints/train/epoch-0001.pt" in resumed.stdout
+    assert same_weights(weights(project), BASELINE)
+    assert_invariants(project)
+
+
+def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
+    lock = (project / "dvc.lock").read_bytes()
+    results = {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()}
+    write_params(project, {"evaluate": {"top_k": 2}})
+    failed = repro(project, fault="stage.start@stage=evaluate:raise")
+    assert failed.returncode != 0 and ran(failed.stdout) == ["evaluate"]
+    assert "injected fault at stage.start" in failed.stdout
+    assert (project / "dvc.lock").read_bytes() == lock
+    assert {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()} == results
+    fixed = repro(project)
+    assert fixed.returncode == 0 and ran(fixed.stdout) == ["evaluate", "export"]
+    commit(project, "top_k 2")
+    assert_invariants(project)
+
+
+def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_path):
+    go = tmp_path / "go"
+    run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=2:pause={go}")
+    read_until(run, "fault: pause")
+    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal: the foreground process group
+    time.sleep(1)
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0
+    assert "train stopped after epoch 2" in output, output
+    assert torch.load(project / "checkpoints/train/epoch-0002.pt", weights_only=True)["epoch"] == 2
+    assert same_weights(weights(project), BASELINE)
+    resumed = repro(project, "-f", "-s", "train")
+    assert "resuming from checkpoints/train/epoch-0002.pt" in resumed.stdout
+    assert same_weights(weights(project), BASELINE)
+    assert_invariants(project)
+
+
+def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
+    run = start(
+        project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=1:pause={tmp_path / 'never'}"
+    )
+    read_until(run, "fault: pause")
+    assert trainers(project)
+    dvc = next(c for c in psutil.Process(run.pid).children() if "dvc" in " ".join(c.cmdline()))
+    dvc.send_signal(signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert run.returncode != 0
+    deadline = time.monotonic() + 10
+    while trainers(project) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not trainers(project)
+    assert_invariants(project)
+
+
+def test_two_runs_started_together_never_overlap(project):
+    write_params(project, {"train": {"lr": 2e-3}})
+    runs = [start(project), start(project)]
+    outputs = [r.communicate(timeout=600)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], outputs
+    waited = [o for o in outputs if "another run holds this workspace: waiting" in o]
+    assert len(waited) == 1  # the other went first
+    assert ran(waited[0]) == [] and "Data and pipelines are up to date" in waited[0]
+    first = next(o for o in outputs if o is not waited[0])
+    assert ran(first) == ["train", "evaluate", "export"]
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 2e-3
+    commit(project, "lr 2e-3")
+    BASELINE.clear()
+    BASELINE.update(weights(project))
+    assert_invariants(project)
+
+
+def test_params_edited_while_training_is_reported_and_the_next_run_retrains(project, tmp_path):
+    lock = (project / "dvc.lock").read_bytes()
+    go = tmp_path / "go"
+    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=1:pause={go}")
+    read_until(run, "fault: pause")
+    write_params(project, {"train": {"lr": 3e-3}})
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0
+    assert "changed while the stage ran: params.yaml train.lr: 0.002 -> 0.003" in output, output
+    assert (project / "dvc.lock").read_bytes() == lock
+    assert same_weights(weights(project), BASELINE)  # not replaced by the mixed run
+    rerun = repro(project)
+    assert rerun.returncode == 0 and ran(rerun.stdout)[0] == "train"
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 3e-3
+    commit(project, "lr 3e-3")
+    assert_invariants(project)
+
+
+def test_a_flipped_byte_in_the_cache_is_found_before_training(project):
+    array = project / "data/prepared/train_x.npy"
+    good = array.read_bytes()
+    flipped = bytearray(good)
+    flipped[-10] ^= 0xFF
+    array.write_bytes(bytes(flipped))
+    verify = sh(project, sys.executable, "-m", "visionflow.cli", "verify", check=False)
+    assert verify.returncode == 1 and "data/prepared/train_x.npy: sha256" in verify.stdout
+    failed = repro(project, "-f", "-s", "train")
+    assert failed.returncode != 0
+    assert "the prepared cache is corrupted: data/prepared/train_x.npy: sha256" in failed.stdout
+    assert "epoch   1" not in failed.stdout  # refused before any training
+    sh(project, "dvc", "checkout", "--force", "data/prepared")
+    assert array.read_bytes() == good
+    assert sh(project, sys.executable, "-m", "visionflow.cli", "verify").returncode == 0
+    assert_invariants(project)
+
+
+def test_verify_names_a_corrupted_dvc_cache_object(project):
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    out = next(o for o in lock["stages"]["evaluate"]["outs"] if o["path"] == "results/evaluate")
+    listing = project / ".dvc/cache/files/md5" / out["md5"][:2] / out["md5"][2:]
+    entry = next(e for e in json.loads(listing.read_text()) if e["relpath"] == "metrics.json")
+    obj = project / ".dvc/cache/files/md5" / entry["md5"][:2] / entry["md5"][2:]
+    good = obj.read_bytes()
+    obj.chmod(0o644)
+    obj.write_bytes(good.replace(b"{", b"[", 1))
+    verify = sh(project, sys.executable, "-m", "visionflow.cli", "verify", check=False)
+    assert verify.returncode == 1
+    assert f"results/evaluate/metrics.json: object {obj} has md5" in verify.stdout
+    obj.write_bytes(good)
+    assert "all good" in sh(project, sys.executable, "-m", "visionflow.cli", "verify").stdout
+
+
+def test_a_run_with_nothing_changed_changes_no_file(project):
+    before = file_hashes(project)
+    again = repro(project)
+    assert again.returncode == 0 and ran(again.stdout) == []
+    assert file_hashes(project) == before
