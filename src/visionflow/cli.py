@@ -12,11 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from visionflow.data import IMAGE_SUFFIXES, is_hidden
-from visionflow.inference import RUNTIMES, load_images, load_runner, normalise, top_k
-
+# Each command imports what it needs when it runs: `repro` and `verify` start without torch.
 DEFAULT_MODELS = {
     "onnx": "results/export/model.onnx",
     "torchscript": "results/export/model.torchscript.pt",
@@ -27,6 +23,8 @@ DEFAULT_MODELS = {
 
 def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
     """Files as given; folders searched for image files (hidden entries skipped), sorted."""
+    from visionflow.data import IMAGE_SUFFIXES, is_hidden
+
     files, errors = [], {}
     for path in inputs:
         if path.is_dir():
@@ -43,6 +41,10 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
 
 
 def predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from visionflow.inference import load_images, load_runner, normalise, top_k
+
     model = args.model or Path(DEFAULT_MODELS[args.runtime])
     try:
         runner, classes, spec = load_runner(args.runtime, model)
@@ -87,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", type=Path, help="image files or folders of images")
     p.add_argument("--model", type=Path, help="model file (default: the pipeline's, per runtime)")
     p.add_argument(
-        "--runtime", choices=RUNTIMES, default="onnx", help="default: onnx (ONNX Runtime)"
+        "--runtime",
+        choices=list(DEFAULT_MODELS),
+        default="onnx",
+        help="default: onnx (ONNX Runtime)",
     )
     p.add_argument("--top-k", type=int, default=3, help="classes to show per image (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")

@@ -23,9 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
-from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, Dataset
-from torchvision import datasets
 from tqdm import tqdm
 
 SPLITS = ("train", "val", "test")
@@ -107,16 +105,14 @@ def imagefolder_source(root: Path) -> Source:
     return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
 
 
-TORCHVISION = {
-    "cifar10": datasets.CIFAR10,
-    "mnist": datasets.MNIST,
-    "fashion_mnist": datasets.FashionMNIST,
-}
+TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
 
 
 def torchvision_source(name: str, root: Path, download: bool) -> Source:
     """A torchvision dataset read from `root` in its standard layout (downloaded there if asked)."""
-    dataset_class = TORCHVISION[name]
+    from torchvision import datasets  # imported on use: it costs seconds at every stage start
+
+    dataset_class = getattr(datasets, TORCHVISION[name])
     parts = []
     for train in (True, False):
         try:
@@ -271,6 +267,8 @@ def split_indices(
     is_test: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Stratified train/val/test indices; an official test split is kept as the test split."""
+    from sklearn.model_selection import train_test_split  # on use: seconds to import
+
     index = np.arange(len(labels))
     try:
         if is_test is None:

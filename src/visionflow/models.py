@@ -5,7 +5,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torchvision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -90,6 +89,8 @@ class SmallResNet(nn.Module):
 def resnet18(in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0,
              checkpointing: bool = False) -> nn.Module:  # fmt: skip
     """torchvision's ResNet-18 with its input and head resized (weights: `load_pretrained`)."""
+    import torchvision  # imported on use: it costs seconds at every stage start
+
     model = torchvision.models.resnet18(weights=None)
     if in_channels != 3:
         model.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
@@ -124,6 +125,8 @@ def load_pretrained(model: nn.Module, source: str) -> None:
     mean of the pretrained RGB filters.
     """
     if source == "imagenet":
+        import torchvision
+
         weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
     else:
         weights = torch.load(source, map_location="cpu", weights_only=True)
