@@ -11,6 +11,7 @@ weights and metrics as an uninterrupted one (CPU, train.deterministic: true).
 """
 
 import argparse
+import io
 import os
 import random
 import resource
@@ -29,7 +30,7 @@ from dvclive import Live
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, run, staged
-from visionflow import checkpoint, data, faults
+from visionflow import checkpoint, data, faults, health
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
@@ -155,6 +156,7 @@ def main() -> None:
     state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
     say(f"train: {why}")
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
+    monitor = health.Monitor(t.health, meta.classes, say)
     if state:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -165,12 +167,64 @@ def main() -> None:
         shuffle.set_state(state["rng"]["shuffle"].cpu())
         augment_rng.set_state(state["rng"]["augment"].cpu())
         history, best, stale = state["history"], state["best"], state["stale"]
+        monitor.load_state_dict(state["health"])
         start = state["epoch"] + 1
     elif rank == 0:
         best_path.unlink(missing_ok=True)
+    parameters, mapped = sum(p.numel() for p in model.parameters()), not torch.is_tensor(x_train)
     say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
-        f"({'on the device' if torch.is_tensor(x_train) else 'memory-mapped'}) / "
-          f"{len(y_val)} val images, {sum(p.numel() for p in model.parameters())} parameters")  # fmt: skip
+        f"({'memory-mapped' if mapped else 'on the device'}) / {len(y_val)} val images, "
+        f"{parameters} parameters")  # fmt: skip
+
+    def fail(message: str) -> GateError:
+        """The run stops: the health report goes beside the (untouched) previous results."""
+        if rank == 0:
+            data.write_json(args.out.with_name(args.out.name + ".health.json"), monitor.report())
+            say(monitor.summary())
+        return GateError(message)
+
+    sizes = {"batch": t.batch_size, "accumulate": t.accumulate, "retried": False}
+
+    def one_epoch(epoch: int) -> dict:
+        """`train_one_epoch`; on a GPU out-of-memory, report it with the numbers and, with
+        train.auto_batch, retry the epoch once from its start with half the batch and twice the
+        accumulation (the same effective batch)."""
+        saved = None
+        if t.auto_batch and not sizes["retried"]:
+            saved = io.BytesIO()
+            torch.save([model.state_dict(), optimizer.state_dict(), scaler.state_dict(),
+                        torch.get_rng_state(), shuffle.get_state(), augment_rng.get_state()], saved)  # fmt: skip
+        while True:
+            try:
+                return train_one_epoch(
+                    runner, optimizer, x_train, y_train, mean, std, sizes["batch"], shuffle,
+                    augmentation, scaler=scaler, dtype=dtype, accumulate=sizes["accumulate"],
+                    grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
+                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch, rank=rank, world=world,
+                    record_losses=monitor.steps_wanted(),
+                )  # fmt: skip
+            except torch.OutOfMemoryError:
+                retry = saved is not None and sizes["batch"] > 1
+                monitor.add(health.out_of_memory(epoch, sizes["batch"], sizes["accumulate"],
+                                                 parameters, peak_memory_mb(device), retry))  # fmt: skip
+                if not retry:
+                    raise fail(
+                        f"out of memory at epoch {epoch}; see the health line above"
+                    ) from None
+                saved.seek(0)
+                m, o, s, rng, shuffle_state, augment_state = torch.load(saved, weights_only=True)
+                model.load_state_dict(m)
+                optimizer.load_state_dict(o)
+                scaler.load_state_dict(s)
+                torch.set_rng_state(rng)
+                shuffle.set_state(shuffle_state)
+                augment_rng.set_state(augment_state)
+                sizes.update(
+                    batch=sizes["batch"] // 2, accumulate=sizes["accumulate"] * 2, retried=True
+                )
+                saved = None
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
 
     # --- the epoch loop ------------------------------------------------------------------------
     out = staged(args.out) if rank == 0 else None  # moved to args.out when the run succeeds
@@ -193,16 +247,10 @@ def main() -> None:
                 break
             start_time = time.perf_counter()
             try:
-                train_metrics = train_one_epoch(
-                    runner, optimizer, x_train, y_train, mean, std, t.batch_size, shuffle,
-                    augmentation, scaler=scaler, dtype=dtype, accumulate=t.accumulate,
-                    grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
-                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch, rank=rank, world=world,
-                )  # fmt: skip
+                train_metrics = one_epoch(epoch)
             except NonFiniteLoss as e:
-                raise GateError(
-                    f"{e}; the last good checkpoint is kept in {args.checkpoints}"
-                ) from None
+                monitor.add(health.Finding("diverging", epoch, f"diverging: {e}"))
+                raise fail(f"{e}; the last good checkpoint is kept in {args.checkpoints}") from None
             seconds = time.perf_counter() - start_time
             val_metrics, _ = evaluate(
                 model, x_val, y_val, mean, std, 1024
@@ -216,9 +264,11 @@ def main() -> None:
                 "skipped_steps": train_metrics["skipped_steps"],
                 "train/images_per_s": train_metrics["images"] / seconds, "epoch_seconds": seconds,
                 "peak_memory_mb": peak_memory_mb(device),
+                "data_wait_fraction": train_metrics["data_seconds"] / train_metrics["seconds"],
                 **{f"grad_norm_layer/{k}": v for k, v in train_metrics["layer_grad_norms"].items()},
             }  # fmt: skip
             history.append(record)
+            monitor.epoch(epoch, train_metrics, history, lr, mapped, last=epoch == t.epochs)
             improved = val_metrics["accuracy"] > best["accuracy"]
             stale = 0 if improved else stale + 1
             if improved:
@@ -235,6 +285,7 @@ def main() -> None:
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "scaler": scaler.state_dict(), "best": best, "stale": stale, "history": history,
+                    "health": monitor.state_dict(),
                     "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
                             "augment": augment_rng.get_state()},
                 })  # fmt: skip
@@ -254,6 +305,8 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         shutil.move(best_path, out / "model.pt")
+        data.write_json(out / "health.json", monitor.report())
+        say(monitor.summary())
         checkpoint.clear(
             args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best}
         )

@@ -5,6 +5,8 @@ path: `torch.autocast(..., enabled=...)` and a `GradScaler(enabled=...)` that is
 """
 
 import math
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -107,6 +109,7 @@ def train_one_epoch(
     layer_norm_every: int = 50,
     rank: int = 0,
     world: int = 1,
+    record_losses: int = 0,
 ) -> dict:
     """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
 
@@ -114,18 +117,33 @@ def train_one_epoch(
     each micro-batch is divided by `accumulate`, so `accumulate` steps of batch b equal one of
     batch `accumulate * b`. A non-finite loss skips its optimizer step; `max_nonfinite` in a row
     raise NonFiniteLoss. The global gradient norm (every step when clipping) and per-layer norms
-    are sampled every `layer_norm_every` optimizer steps.
+    are sampled every `layer_norm_every` optimizer steps. The losses and label counts of the first
+    `record_losses` batches are returned for the health checks, and the seconds spent waiting for
+    batches (`data_seconds`) beside the epoch's.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     total_loss, correct, seen, steps, skipped, in_a_row = 0.0, 0, 0, 0, 0, 0
     norms: list[float] = []
     layers: dict[str, float] = {}
+    first_losses: list[float] = []
+    first_labels: Counter[int] = Counter()
+    data_seconds, started = 0.0, time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     progress = tqdm(batches(x, y, batch_size, generator, rank, world, mean.device),
                     total=math.ceil(len(x) / world / batch_size),
                     desc=f"epoch {epoch}", unit="batch", leave=False, disable=None)  # fmt: skip
-    for i, (xb, yb) in enumerate(progress):
+    source, i = iter(progress), -1
+    while True:
+        wait = time.perf_counter()
+        try:
+            xb, yb = next(source)
+        except StopIteration:
+            break
+        i += 1
+        if faults.ACTIVE:  # `sleep` here stands for a slow loader
+            faults.fault("train.batch", epoch=epoch, step=i + 1)
+        data_seconds += time.perf_counter() - wait
         images = to_unit(xb)
         if augment is not None:
             images = augment(images)
@@ -136,6 +154,9 @@ def train_one_epoch(
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
         if faults.ACTIVE:
             loss = faults.fault("train.loss", loss, epoch=epoch, step=i + 1)
+        if i < record_losses:  # a sync per step, for the first steps only
+            first_losses.append(loss.item())
+            first_labels.update(yb.tolist())
         finite = torch.isfinite(loss.detach()).to(torch.int32)
         if world > 1:  # every rank must skip together, or DDP's gradient all-reduce would hang
             dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -176,6 +197,10 @@ def train_one_epoch(
         "skipped_steps": skipped,
         "images": seen,
         "layer_grad_norms": layers,
+        "first_losses": first_losses,
+        "first_labels": dict(sorted(first_labels.items())),
+        "data_seconds": data_seconds,
+        "seconds": time.perf_counter() - started,
     }
 
 

@@ -7,9 +7,11 @@
     train.loss@epoch=2:nan                every loss of epoch 2 becomes NaN
     stage.start@stage=evaluate:raise      the evaluate stage fails at once (FaultInjected)
     train.loss@epoch=2,step=1:pause=go    wait there until the file `go` exists
+    train.batch:sleep=0.05                every batch arrives 50 ms late (a slow loader)
+    train.loss@epoch=1,step=2:oom         torch.OutOfMemoryError, as a GPU that is too small
 
-The points: stage.start (stage), train.loss (epoch, step), train.epoch_end (epoch),
-checkpoint.write (epoch). Unset, the normal case, a point costs one test of `ACTIVE`.
+The points: stage.start (stage), train.batch (epoch, step), train.loss (epoch, step),
+train.epoch_end (epoch), checkpoint.write (epoch). Unset, the normal case, a point costs one test of `ACTIVE`.
 """
 
 import math
@@ -18,6 +20,8 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+ACTIONS = ("kill", "raise", "nan", "pause", "sleep", "oom")
 
 
 class FaultInjected(RuntimeError):
@@ -31,9 +35,9 @@ def parse(spec: str) -> list[tuple[str, dict[str, str], str, str]]:
         target, sep, action = item.partition(":")
         point, _, where = target.partition("@")
         action, _, argument = action.partition("=")
-        if not sep or action not in {"kill", "raise", "nan", "pause"}:
+        if not sep or action not in ACTIONS:
             raise ValueError(f"VISIONFLOW_FAULT: {item!r} is not <point>[@k=v,...]:"
-                             "kill|raise|nan|pause=<file>")  # fmt: skip
+                             f"{'|'.join(ACTIONS)}")  # fmt: skip
         pairs = dict(pair.split("=", 1) for pair in filter(None, where.split(",")))
         faults.append((point, pairs, action, argument))
     return faults
@@ -59,4 +63,10 @@ def fault(point: str, value=None, **where):
         elif action == "pause":
             while not Path(argument).exists():
                 time.sleep(0.05)
+        elif action == "sleep":
+            time.sleep(float(argument))
+        elif action == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected at {point} {where})")
     return value

@@ -50,6 +50,15 @@ class Augment(Section):
     color_jitter: float = Field(0.0, ge=0, lt=1)
 
 
+class Health(Section):
+    first_steps: int = Field(50, ge=4)
+    min_loss_drop: float = Field(0.05, ge=0, lt=1)
+    data_bound: float = Field(0.5, gt=0, le=1)
+    max_grad_norm: float = Field(1000.0, gt=0)
+    min_grad_norm: float = Field(1e-7, ge=0)
+    overfit_epochs: int = Field(3, ge=1)
+
+
 class Train(Section):
     model: Literal["simple_cnn", "small_resnet", "resnet18"] = "simple_cnn"
     pretrained: str = ""
@@ -78,7 +87,9 @@ class Train(Section):
     max_memory_gb: float = Field(4.0, ge=0)
     compile: bool = False
     dropout: float = Field(0.25, ge=0, lt=1)
+    auto_batch: bool = False
     augment: Augment = Augment()
+    health: Health = Health()
 
 
 class Evaluate(Section):

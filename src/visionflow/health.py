@@ -1,0 +1,232 @@
+"""Training health: the checklist an experienced engineer runs when training goes wrong, run by
+the train stage on itself, in plain words and with the numbers.
+
+Each check reads numbers the loop already has (per-epoch records, the losses and labels of the
+first steps, per-layer gradient norms, time spent waiting for data) and returns a Finding or
+None. Causes are named in the order the checklist teaches: data and labels first, then
+preprocessing, output shapes and loss, learning rate, optimiser, and the architecture last.
+docs/troubleshooting.md says what to change for each.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+
+from visionflow.params import Health
+
+CHECKS = (
+    "data_bound",
+    "loss_not_falling",
+    "diverging",
+    "gradients",
+    "overfitting",
+    "out_of_memory",
+)
+
+
+@dataclass
+class Finding:
+    check: str  # one of CHECKS
+    epoch: int
+    message: str
+    evidence: dict = field(default_factory=dict)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def data_bound(
+    epoch: int, data_s: float, epoch_s: float, limit: float, mapped: bool
+) -> Finding | None:
+    share = data_s / epoch_s if epoch_s > 0 else 0.0
+    if share <= limit:
+        return None
+    where = (
+        "the split is memory-mapped and read by DataLoader workers: raise train.max_memory_gb so "
+        "it is held on the device, or put the cache on faster storage"
+        if mapped
+        else "the split is already held on the device: look for a slow augmentation or a busy machine"
+    )
+    return Finding("data_bound", epoch, f"data-bound: the loop waited for data {share:.0%} of epoch "
+                   f"{epoch} ({data_s:.1f} of {epoch_s:.1f} s, over train.health.data_bound "
+                   f"{limit:.0%}); {where}. Pinned memory and more loader workers help when the "
+                   "data comes from disk", {"data_wait_fraction": share})  # fmt: skip
+
+
+def first_steps(
+    losses: list[float], labels: dict, classes: list[str], lr: float, min_drop: float
+) -> Finding | None:
+    """The loss over the first steps: rising (diverging) or not falling (with the checklist)."""
+    k = max(1, len(losses) // 5)
+    first, last = mean(losses[:k]), mean(losses[-k:])
+    chance = math.log(len(classes))
+    drop = (first - last) / first if first > 0 else 0.0
+    total = sum(labels.values()) or 1
+    top_label, top_count = max(labels.items(), key=lambda item: item[1], default=(0, 0))
+    evidence = {"steps": len(losses), "first_loss": first, "last_loss": last, "loss_drop": drop,
+                "chance_loss": chance, "lr": lr,
+                "first_labels": {classes[int(c)]: n for c, n in sorted(labels.items())}}  # fmt: skip
+    if not math.isfinite(last) or last > first * 1.5:
+        return Finding("diverging", 1, f"diverging: the loss rose from {first:.3g} to {last:.3g} over "
+                       f"the first {len(losses)} steps; the learning rate ({lr:g}) is likely too high: "
+                       "divide train.lr by 10, or set train.grad_clip", evidence)  # fmt: skip
+    if drop >= min_drop:
+        return None
+    share = top_count / total
+    labels_line = (
+        f"{share:.0%} of the first {total} labels are class '{classes[int(top_label)]}': is the "
+        "data shuffled, are the classes balanced?"
+        if share > max(0.5, 2 / len(classes))
+        else f"the first {total} labels spread over {len(labels)} classes"
+    )
+    return Finding("loss_not_falling", 1, (
+        f"loss not falling: {first:.3f} -> {last:.3f} over the first {len(losses)} steps "
+        f"({drop:+.1%}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
+        f"{len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and labels: do "
+        f"the images in results/sanity/labels.png match their labels? {labels_line}; "
+        "(2) preprocessing: mean/std in results/sanity/scan.json; (3) output shapes and loss: one "
+        f"logit per class ({len(classes)}); (4) learning rate: train.lr {lr:g}, try 10x up and "
+        "down; (5) optimiser: train.optimizer; (6) the architecture, last"), evidence)  # fmt: skip
+
+
+def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float) -> Finding | None:
+    exploding = {k: v for k, v in layer_norms.items() if not math.isfinite(v) or v > high}
+    vanishing = {k: v for k, v in layer_norms.items() if v < low}
+    if not (exploding or vanishing):
+        return None
+    parts = []
+    if exploding:
+        parts.append("exploding in " + ", ".join(f"{k} ({v:.3g})" for k, v in exploding.items())
+                     + f" (over train.health.max_grad_norm {high:g}): lower train.lr or set "
+                     "train.grad_clip")  # fmt: skip
+    if vanishing:
+        parts.append("vanishing in " + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
+                     + f" (under train.health.min_grad_norm {low:g}): these layers barely learn; "
+                     "try a ResNet (skip connections) or a higher train.lr")  # fmt: skip
+    return Finding("gradients", epoch, f"gradients at epoch {epoch}: " + "; ".join(parts),
+                   {"exploding": exploding, "vanishing": vanishing})  # fmt: skip
+
+
+def diverging(history: list[dict]) -> Finding | None:
+    """The epoch's train loss well above the best so far."""
+    losses = [h["train/loss"] for h in history]
+    if len(losses) < 2 or losses[-1] <= 2 * min(losses[:-1]):
+        return None
+    epoch = len(losses)
+    return Finding("diverging", epoch, f"diverging at epoch {epoch}: train loss {losses[-1]:.3g}, "
+                   f"more than twice its best {min(losses[:-1]):.3g}; lower train.lr or set "
+                   "train.grad_clip", {"train_loss": losses[-1], "best": min(losses[:-1])})  # fmt: skip
+
+
+def overfitting(history: list[dict], epochs: int) -> Finding | None:
+    """Validation loss rising `epochs` epochs in a row while the train loss falls."""
+    if len(history) < epochs + 1:
+        return None
+    window = history[-(epochs + 1) :]
+    val = [h["val/loss"] for h in window]
+    train = [h["train/loss"] for h in window]
+    if not (all(b > a for a, b in pairwise(val)) and train[-1] < train[0]):
+        return None
+    began = len(history) - epochs  # the last epoch before validation loss turned
+    return Finding("overfitting", began, (
+        f"overfitting from epoch {began}: val loss rose {val[0]:.3f} -> {val[-1]:.3f} over "
+        f"{epochs} epochs while train loss fell {train[0]:.3f} -> {train[-1]:.3f}. The best epoch "
+        "by val accuracy is the one kept; to generalise better: more data or augmentation "
+        "(train.augment), train.dropout, train.weight_decay, train.early_stop or fewer epochs"),
+        {"began_epoch": began, "val_loss": val, "train_loss": train})  # fmt: skip
+
+
+def out_of_memory(
+    epoch: int, batch: int, accumulate: int, parameters: int, peak_mb: float, retry: bool
+) -> Finding:
+    options = (f"train.batch_size {batch // 2} with train.accumulate {accumulate * 2} (the same "
+               "effective batch), train.amp: bf16 or fp16, train.checkpointing: true (ResNets), "
+               "or train.auto_batch: true to retry so automatically")  # fmt: skip
+    then = (f"retrying once with batch_size {batch // 2} and accumulate {accumulate * 2}"
+            if retry else f"options: {options}")  # fmt: skip
+    return Finding("out_of_memory", epoch, f"out of memory on the GPU at epoch {epoch} with "
+                   f"batch_size {batch} (accumulate {accumulate}), {parameters:,} parameters, peak "
+                   f"{peak_mb:.0f} MB; {then}", {"batch_size": batch, "accumulate": accumulate,
+                   "parameters": parameters, "peak_memory_mb": peak_mb, "retried": retry})  # fmt: skip
+
+
+class Monitor:
+    """Runs the checks as training goes; reports each finding once, as it is found."""
+
+    def __init__(self, config: Health, classes: list[str], say=print):
+        self.config, self.classes, self.say = config, classes, say
+        self.findings: list[Finding] = []
+        self.losses: list[float] = []
+        self.labels: dict[int, int] = {}
+        self.data_wait = 0.0
+
+    def steps_wanted(self) -> int:
+        return max(0, self.config.first_steps - len(self.losses))
+
+    def add(self, finding: Finding | None) -> None:
+        if finding and finding.check not in {f.check for f in self.findings}:
+            self.findings.append(finding)
+            self.say(f"health: {finding.message}")
+
+    def epoch(
+        self, epoch: int, metrics: dict, history: list[dict], lr: float, mapped: bool, last: bool
+    ) -> None:
+        c = self.config
+        self.data_wait = max(
+            self.data_wait, metrics["data_seconds"] / max(metrics["seconds"], 1e-9)
+        )
+        self.add(
+            data_bound(epoch, metrics["data_seconds"], metrics["seconds"], c.data_bound, mapped)
+        )
+        wanted = self.steps_wanted()
+        self.losses += metrics["first_losses"][:wanted]
+        for label, n in metrics["first_labels"].items():
+            self.labels[label] = self.labels.get(label, 0) + n
+        if wanted and (not self.steps_wanted() or last) and len(self.losses) >= 4:
+            self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
+        self.add(gradients(epoch, metrics["layer_grad_norms"], c.max_grad_norm, c.min_grad_norm))
+        self.add(diverging(history))
+        self.add(overfitting(history, c.overfit_epochs))
+
+    def report(self) -> dict:
+        """health.json: flat numbers first (what `dvc metrics show` and `dvc exp show` list)."""
+        found = {f.check for f in self.findings}
+        k = max(1, len(self.losses) // 5)
+        drop = (
+            (mean(self.losses[:k]) - mean(self.losses[-k:])) / mean(self.losses[:k])
+            if len(self.losses) >= 4 and mean(self.losses[:k]) > 0
+            else 0.0
+        )
+        overfit = next((f.epoch for f in self.findings if f.check == "overfitting"), 0)
+        return {
+            "healthy": not self.findings,
+            "findings": len(self.findings),
+            **{check: check in found for check in CHECKS},
+            "data_wait_fraction": self.data_wait,
+            "loss_drop_first_steps": drop if math.isfinite(drop) else -1.0,
+            "overfit_from_epoch": overfit,
+            "messages": [f.message for f in self.findings],
+            "details": [asdict(f) for f in self.findings],
+        }
+
+    def summary(self) -> str:
+        r = self.report()
+        if r["healthy"]:
+            return (f"health: healthy: no finding in {len(CHECKS)} checks (data wait "
+                    f"{r['data_wait_fraction']:.0%} at most; loss fell {r['loss_drop_first_steps']:.0%} "
+                    f"over the first {len(self.losses)} steps)")  # fmt: skip
+        return f"health: {r['findings']} finding(s): " + "; ".join(f.check for f in self.findings) + \
+            " (results/train/health.json; docs/troubleshooting.md)"  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"findings": [asdict(f) for f in self.findings], "losses": self.losses,
+                "labels": self.labels, "data_wait": self.data_wait}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        self.findings = [Finding(**f) for f in state["findings"]]
+        self.losses, self.labels, self.data_wait = (
+            state["losses"],
+            state["labels"],
+            state["data_wait"],
+        )
