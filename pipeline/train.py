@@ -249,7 +249,8 @@ def main() -> None:
             try:
                 train_metrics = one_epoch(epoch)
             except NonFiniteLoss as e:
-                monitor.add(health.Finding("diverging", epoch, f"diverging: {e}"))
+                monitor.add(health.Finding("diverging", epoch, f"diverging: {e}; train.lr is "
+                    f"{t.lr:g}: divide it by 10, or set train.grad_clip", {"lr": t.lr}))  # fmt: skip
                 raise fail(f"{e}; the last good checkpoint is kept in {args.checkpoints}") from None
             seconds = time.perf_counter() - start_time
             val_metrics, _ = evaluate(
@@ -268,7 +269,7 @@ def main() -> None:
                 **{f"grad_norm_layer/{k}": v for k, v in train_metrics["layer_grad_norms"].items()},
             }  # fmt: skip
             history.append(record)
-            monitor.epoch(epoch, train_metrics, history, lr, mapped, last=epoch == t.epochs)
+            monitor.epoch(epoch, train_metrics, history, lr, mapped)
             improved = val_metrics["accuracy"] > best["accuracy"]
             stale = 0 if improved else stale + 1
             if improved:

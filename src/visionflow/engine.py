@@ -153,7 +153,7 @@ def train_one_epoch(
             logits = model(normalise(images, mean, std))
             loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
         if faults.ACTIVE:
-            loss = faults.fault("train.loss", loss, epoch=epoch, step=i + 1)
+            loss = faults.fault("train.loss", loss, epoch=epoch, step=i + 1, batch=len(yb))
         if i < record_losses:  # a sync per step, for the first steps only
             first_losses.append(loss.item())
             first_labels.update(yb.tolist())

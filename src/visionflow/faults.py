@@ -8,9 +8,10 @@
     stage.start@stage=evaluate:raise      the evaluate stage fails at once (FaultInjected)
     train.loss@epoch=2,step=1:pause=go    wait there until the file `go` exists
     train.batch:sleep=0.05                every batch arrives 50 ms late (a slow loader)
-    train.loss@epoch=1,step=2:oom         torch.OutOfMemoryError, as a GPU that is too small
+    train.loss:oom=64                     torch.OutOfMemoryError for batches over 64 images, as
+                                          on a GPU too small for more (no number: every batch)
 
-The points: stage.start (stage), train.batch (epoch, step), train.loss (epoch, step),
+The points: stage.start (stage), train.batch (epoch, step), train.loss (epoch, step, batch),
 train.epoch_end (epoch), checkpoint.write (epoch). Unset, the normal case, a point costs one test of `ACTIVE`.
 """
 
@@ -53,6 +54,8 @@ def fault(point: str, value=None, **where):
     for name, pairs, action, argument in FAULTS:
         if name != point or any(str(where.get(k)) != v for k, v in pairs.items()):
             continue
+        if action == "oom" and argument and where["batch"] <= int(argument):
+            continue  # this batch fits
         print(f"fault: {action} at {point} {where}", file=sys.stderr, flush=True)
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -101,22 +101,30 @@ def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float
                      + f" (over train.health.max_grad_norm {high:g}): lower train.lr or set "
                      "train.grad_clip")  # fmt: skip
     if vanishing:
+        dead = all(k in vanishing for k in layer_norms if k.endswith("weight"))
         parts.append("vanishing in " + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
-                     + f" (under train.health.min_grad_norm {low:g}): these layers barely learn; "
-                     "try a ResNet (skip connections) or a higher train.lr")  # fmt: skip
+                     + f" (under train.health.min_grad_norm {low:g}): "
+                     + ("every weight: the network has stopped learning, typically dead ReLUs after "
+                        "a learning rate far too high; lower train.lr" if dead else
+                        "these layers barely learn; try a ResNet (skip connections) or a higher "
+                        "train.lr"))  # fmt: skip
     return Finding("gradients", epoch, f"gradients at epoch {epoch}: " + "; ".join(parts),
                    {"exploding": exploding, "vanishing": vanishing})  # fmt: skip
 
 
-def diverging(history: list[dict]) -> Finding | None:
-    """The epoch's train loss well above the best so far."""
+def diverging(history: list[dict], chance: float) -> Finding | None:
+    """The epoch's train loss far above chance level, or well above the best so far."""
     losses = [h["train/loss"] for h in history]
-    if len(losses) < 2 or losses[-1] <= 2 * min(losses[:-1]):
+    epoch, loss = len(losses), losses[-1]
+    if loss > 10 * chance or not math.isfinite(loss):
+        why = f"over 10x the chance level {chance:.3f}"
+    elif len(losses) > 1 and loss > 2 * min(losses[:-1]):
+        why = f"more than twice its best {min(losses[:-1]):.3g}"
+    else:
         return None
-    epoch = len(losses)
-    return Finding("diverging", epoch, f"diverging at epoch {epoch}: train loss {losses[-1]:.3g}, "
-                   f"more than twice its best {min(losses[:-1]):.3g}; lower train.lr or set "
-                   "train.grad_clip", {"train_loss": losses[-1], "best": min(losses[:-1])})  # fmt: skip
+    return Finding("diverging", epoch, f"diverging at epoch {epoch}: train loss {loss:.3g}, {why}; "
+                   "the learning rate is likely too high: divide train.lr by 10, or set "
+                   "train.grad_clip", {"train_loss": loss, "chance_loss": chance})  # fmt: skip
 
 
 def overfitting(history: list[dict], epochs: int) -> Finding | None:
@@ -128,10 +136,12 @@ def overfitting(history: list[dict], epochs: int) -> Finding | None:
     train = [h["train/loss"] for h in window]
     if not (all(b > a for a, b in pairwise(val)) and train[-1] < train[0]):
         return None
-    began = len(history) - epochs  # the last epoch before validation loss turned
+    losses = [h["val/loss"] for h in history]
+    began = 1 + losses.index(min(losses))  # where validation loss turned
     return Finding("overfitting", began, (
-        f"overfitting from epoch {began}: val loss rose {val[0]:.3f} -> {val[-1]:.3f} over "
-        f"{epochs} epochs while train loss fell {train[0]:.3f} -> {train[-1]:.3f}. The best epoch "
+        f"overfitting from epoch {began} (lowest val loss, {min(losses):.3f}): val loss rose "
+        f"{val[0]:.3f} -> {val[-1]:.3f} over the last {epochs} epochs while train loss fell "
+        f"{train[0]:.3f} -> {train[-1]:.3f}. The best epoch "
         "by val accuracy is the one kept; to generalise better: more data or augmentation "
         "(train.augment), train.dropout, train.weight_decay, train.early_stop or fewer epochs"),
         {"began_epoch": began, "val_loss": val, "train_loss": train})  # fmt: skip
@@ -170,7 +180,7 @@ class Monitor:
             self.say(f"health: {finding.message}")
 
     def epoch(
-        self, epoch: int, metrics: dict, history: list[dict], lr: float, mapped: bool, last: bool
+        self, epoch: int, metrics: dict, history: list[dict], lr: float, mapped: bool
     ) -> None:
         c = self.config
         self.data_wait = max(
@@ -183,10 +193,10 @@ class Monitor:
         self.losses += metrics["first_losses"][:wanted]
         for label, n in metrics["first_labels"].items():
             self.labels[label] = self.labels.get(label, 0) + n
-        if wanted and (not self.steps_wanted() or last) and len(self.losses) >= 4:
+        if wanted and not self.steps_wanted():  # a run shorter than first_steps is not judged
             self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
         self.add(gradients(epoch, metrics["layer_grad_norms"], c.max_grad_norm, c.min_grad_norm))
-        self.add(diverging(history))
+        self.add(diverging(history, math.log(len(self.classes))))
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:

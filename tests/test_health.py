@@ -1,0 +1,188 @@
+"""Training health: each check fires on a case built to trigger it and stays silent on a healthy run."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, write_params
+from visionflow import data, health
+from visionflow.params import Health
+
+CLASSES = [str(i) for i in range(10)]
+STILL = {"crop_padding": 0, "rotation": 0.0}  # no augmentation: the runs below are about the data
+
+
+# --- the checks, on numbers built for them ---------------------------------------------------
+
+
+def test_a_flat_loss_names_the_checklist_and_the_label_evidence():
+    spread = {c: 10 for c in range(10)}
+    finding = health.first_steps([2.30, 2.31, 2.29, 2.30, 2.30] * 10, spread, CLASSES, 1e-3, 0.05)
+    assert finding.check == "loss_not_falling"
+    assert "chance level for 10 classes is 2.303" in finding.message
+    assert finding.message.index("data and labels") < finding.message.index("learning rate")
+    assert "train.lr 0.001" in finding.message
+    skewed = health.first_steps([2.3] * 50, {3: 90, 4: 10}, CLASSES, 1e-3, 0.05)
+    assert "90% of the first 100 labels are class '3': is the data shuffled" in skewed.message
+    falling = [2.3 - 0.03 * i for i in range(50)]
+    assert health.first_steps(falling, spread, CLASSES, 1e-3, 0.05) is None
+
+
+def test_a_rising_or_non_finite_loss_is_divergence():
+    rising = health.first_steps([2.3 + i for i in range(50)], {0: 5}, CLASSES, 3.0, 0.05)
+    assert rising.check == "diverging" and "learning rate (3) is likely too high" in rising.message
+    nan = health.first_steps([2.3] * 40 + [float("nan")] * 10, {0: 5}, CLASSES, 3.0, 0.05)
+    assert nan.check == "diverging"
+    history = [{"train/loss": v} for v in (1.0, 0.5, 1.4)]
+    assert health.diverging(history, 2.3).message.startswith("diverging at epoch 3")
+    assert health.diverging(history[:2], 2.3) is None
+    exploded = health.diverging([{"train/loss": 2e13}], 2.3)
+    assert "train loss 2e+13, over 10x the chance level 2.300" in exploded.message
+
+
+def test_gradients_out_of_range_are_named_by_layer():
+    finding = health.gradients(
+        2, {"conv1.weight": 5e3, "fc.weight": 1.0, "fc.bias": 0.0}, 1e3, 1e-7
+    )
+    assert "exploding in conv1.weight (5e+03)" in finding.message
+    assert "vanishing in fc.bias (0)" in finding.message
+    assert finding.evidence["exploding"] == {"conv1.weight": 5e3}
+    dead = health.gradients(2, {"a": 0.0, "b": 0.0}, 1e3, 1e-7)
+    assert "every weight" in dead.message
+    assert health.gradients(2, {"a": 1.0}, 1e3, 1e-7) is None
+
+
+def test_overfitting_names_the_epoch_where_it_began():
+    val = [1.0, 0.6, 0.5, 0.55, 0.6, 0.7]
+    train = [1.0, 0.5, 0.3, 0.2, 0.1, 0.05]
+    history = [{"val/loss": v, "train/loss": t} for v, t in zip(val, train, strict=True)]
+    finding = health.overfitting(history, 3)
+    assert finding.epoch == 3 and finding.message.startswith("overfitting from epoch 3")
+    assert health.overfitting(history[:5], 3) is None  # rising for only 2 epochs
+    both_rising = [{"val/loss": v, "train/loss": v} for v in val]
+    assert health.overfitting(both_rising, 3) is None
+
+
+def test_data_wait_over_the_limit_is_data_bound():
+    assert health.data_bound(1, 1.0, 10.0, 0.5, mapped=False) is None
+    finding = health.data_bound(1, 6.0, 10.0, 0.5, mapped=True)
+    assert (
+        "waited for data 60% of epoch 1" in finding.message and "max_memory_gb" in finding.message
+    )
+
+
+def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
+    said = []
+    monitor = health.Monitor(Health(first_steps=4), CLASSES, said.append)
+    metrics = {"data_seconds": 0.1, "seconds": 1.0, "first_losses": [2.3, 2.0, 1.5, 1.0],
+               "first_labels": {0: 4}, "layer_grad_norms": {"w": 1.0}}  # fmt: skip
+    monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
+    assert said == [] and monitor.report()["healthy"] is True
+    assert monitor.summary().startswith("health: healthy: no finding in 6 checks")
+    slow = {**metrics, "data_seconds": 0.9, "first_losses": []}
+    monitor.epoch(2, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 2, 1e-3, False)
+    monitor.epoch(3, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 3, 1e-3, False)
+    report = monitor.report()
+    assert len(said) == 1 and report["findings"] == 1 and report["data_bound"] is True
+    assert report["data_wait_fraction"] == 0.9
+    restored = health.Monitor(Health(first_steps=4), CLASSES)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.report() == report
+
+
+# --- the train stage, on data built to trigger each check ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """Digits at 8x8: as they are, with shuffled labels, and a tiny subset."""
+    root = tmp_path_factory.mktemp("health")
+    source = data.load_source("digits", None)
+    decode = data.Decode(8, "grayscale")
+    rng = np.random.default_rng(0)
+    data.build_cache(source, root / "digits", decode, val_fraction=0.15, test_fraction=0.2, seed=0)
+    shuffled = source._replace(labels=rng.permutation(source.labels))
+    data.build_cache(
+        shuffled, root / "shuffled", decode, val_fraction=0.15, test_fraction=0.2, seed=0
+    )
+    few = rng.choice(len(source.labels), 150, replace=False)
+    tiny = source._replace(images=source.images[few], labels=source.labels[few],
+                           names=[source.names[i] for i in few])  # fmt: skip
+    data.build_cache(tiny, root / "tiny", decode, val_fraction=0.3, test_fraction=0.2, seed=0)
+    return root
+
+
+def train(caches, tmp_path, cache: str, change: dict, fault: str = ""):
+    """The train stage on one of the caches; returns (exit code, log, health report)."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    write_params(tmp_path, {"train": {"epochs": 3, "batch_size": 32, "augment": STILL, **change}})
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VISIONFLOW_FAULT": fault}
+    cmd = [sys.executable, "-m", "pipeline.train", "--data", str(caches / cache), "--out", "out",
+           "--checkpoints", "ckpt"]  # fmt: skip
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+    report = tmp_path / ("out/health.json" if result.returncode == 0 else "out.health.json")
+    log = result.stdout + result.stderr
+    assert report.exists(), log
+    return result.returncode, log, json.loads(report.read_text())
+
+
+def only(report: dict) -> list[str]:
+    return [d["check"] for d in report["details"]]
+
+
+@pytest.mark.slow
+def test_a_healthy_run_says_it_is_healthy(caches, tmp_path):
+    code, log, report = train(caches, tmp_path, "digits", {})
+    assert code == 0 and report["healthy"] is True and report["findings"] == 0, log
+    assert "health: healthy: no finding in 6 checks" in log
+    assert report["loss_drop_first_steps"] > 0.05
+
+
+@pytest.mark.slow
+def test_shuffled_labels_give_a_flat_loss_warning(caches, tmp_path):
+    code, log, report = train(caches, tmp_path, "shuffled", {})
+    assert code == 0 and only(report) == ["loss_not_falling"], log
+    assert "health: loss not falling" in log and "chance level for 10 classes is 2.303" in log
+
+
+@pytest.mark.slow
+def test_a_learning_rate_far_too_high_is_reported_as_divergence(caches, tmp_path):
+    code, log, report = train(caches, tmp_path, "digits", {"optimizer": "sgd", "lr": 10.0})
+    assert only(report)[0] == "diverging", log
+    assert "health: diverging at epoch 1: train loss" in log and "divide train.lr by 10" in log
+
+
+@pytest.mark.slow
+def test_a_tiny_dataset_trained_long_overfits(caches, tmp_path):
+    change = {"epochs": 40, "batch_size": 16, "lr": 3e-3, "dropout": 0.0, "scheduler": "none"}
+    code, log, report = train(caches, tmp_path, "tiny", change)
+    assert code == 0 and "overfitting" in only(report), log
+    assert report["overfit_from_epoch"] > 1 and "health: overfitting from epoch" in log
+
+
+@pytest.mark.slow
+def test_out_of_memory_is_reported_and_auto_batch_retries_once(caches, tmp_path):
+    small_gpu = "train.loss:oom=16"  # batches over 16 images do not fit
+    code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, small_gpu)
+    assert code == 1 and only(report) == ["out_of_memory"], log
+    message = report["messages"][0]
+    assert "batch_size 32 (accumulate 1), 22,602 parameters, peak" in message
+    assert "train.batch_size 16 with train.accumulate 2" in message and "train.amp" in message
+    code, log, report = train(
+        caches, tmp_path, "digits", {"epochs": 1, "auto_batch": True}, small_gpu
+    )
+    assert code == 0 and only(report) == ["out_of_memory"], log
+    assert "retrying once with batch_size 16 and accumulate 2" in log
+    assert report["details"][0]["evidence"]["retried"] is True
+
+
+@pytest.mark.slow
+def test_a_slow_loader_is_reported_as_data_bound(caches, tmp_path):
+    code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, "train.batch:sleep=0.05")
+    assert code == 0 and only(report) == ["data_bound"], log
+    assert report["data_wait_fraction"] > 0.5 and "health: data-bound" in log
