@@ -5,6 +5,7 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
                                                  `dvc repro`, one run at a time, nothing orphaned
 visionflow verify [--data data/prepared]         re-hash the prepared cache and DVC's objects
+visionflow doctor [--json]                       versions, GPU, disk, pipeline and Prefect, with fixes
 """
 
 import argparse
@@ -104,7 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("dvc_args", nargs="*", help="passed to `dvc repro` (after --)")
     v = commands.add_parser("verify", help="re-hash the prepared cache and the DVC cache objects")
     v.add_argument("--data", type=Path, default=Path("data/prepared"), help="prepared cache folder")
+    d = commands.add_parser(
+        "doctor", help="check the environment and workspace; fixes for problems"
+    )
+    d.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from visionflow.doctor import doctor
+
+        return doctor(Path.cwd(), args.json)
     if args.command == "repro":
         from visionflow.runner import repro
 

@@ -1,0 +1,91 @@
+"""`visionflow doctor` on this machine (no GPU), with a package missing, and its single checks."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from visionflow import doctor
+
+
+def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
+           **(env_change or {})}  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "visionflow.cli", "doctor", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def by_name(report: dict) -> dict:
+    return {c["check"]: c for c in report["checks"]}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads what a machine without a GPU reports")
+def test_doctor_reports_this_machine_and_passes():
+    result = run_doctor("--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    checks = by_name(report)
+    assert report["ok"] is True and not [c for c in report["checks"] if c["status"] == "FAIL"]
+    for name in ("python", "torch", "torchvision", "onnx", "onnxruntime", "dvc", "prefect"):
+        assert checks[name]["status"] == "ok" and checks[name]["found"][0].isdigit(), name
+    assert checks["torch"]["found"] == torch.__version__.split("+")[0]
+    assert checks["gpu"]["found"].startswith("none visible")
+    assert "CPUExecutionProvider" in checks["onnxruntime providers"]["found"]
+    assert checks["dvc repo"]["status"] == "ok" and checks["pipeline"]["status"] in ("ok", "warn")
+    assert checks["torch/torchvision"]["found"].endswith("(a matching pair)")
+    assert "GiB free" in checks["disk"]["found"]
+
+
+def test_a_missing_package_fails_with_the_fix(tmp_path):
+    shadow = tmp_path / "onnxruntime"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
+    result = run_doctor(pythonpath=str(tmp_path))
+    assert result.returncode == 1
+    assert "FAIL  onnxruntime" in result.stdout and "simulated: not installed" in result.stdout
+    assert "fix: run `make setup`" in result.stdout
+    assert "doctor: 1 failure(s)" in result.stdout
+
+
+def test_an_unreachable_prefect_api_is_a_warning_with_the_fix():
+    result = run_doctor("--json", env_change={"PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    check = by_name(json.loads(result.stdout))["prefect api"]
+    assert check["status"] == "warn" and "does not answer" in check["found"]
+    assert "prefect server start" in check["fix"]
+
+
+def fake_torch(cuda_build: str | None) -> SimpleNamespace:
+    """The attributes `doctor.gpu` reads, for builds this machine does not have."""
+    return SimpleNamespace(
+        version=SimpleNamespace(cuda=cuda_build),
+        backends=SimpleNamespace(cudnn=SimpleNamespace(is_available=lambda: False)),
+        cuda=SimpleNamespace(is_available=lambda: False),
+    )
+
+
+def test_a_cpu_only_torch_beside_an_nvidia_driver_fails_with_the_fix():
+    checks = {c["check"]: c for c in doctor.gpu(fake_torch(None), driver=True)}
+    assert checks["torch build"]["found"] == "CPU-only"
+    assert checks["gpu"]["status"] == "FAIL" and "CPU-only build" in checks["gpu"]["found"]
+    assert "download.pytorch.org/whl/cu" in checks["gpu"]["fix"]
+    unseen = {c["check"]: c for c in doctor.gpu(fake_torch("12.6"), driver=True)}["gpu"]
+    assert unseen["status"] == "FAIL" and "torch sees no GPU" in unseen["found"]
+    assert {c["check"]: c for c in doctor.gpu(fake_torch(None), driver=False)}["gpu"][
+        "status"
+    ] == "ok"
+
+
+def test_a_torch_torchvision_mismatch_fails():
+    pair = doctor.torch_pair(
+        SimpleNamespace(__version__="2.14.1"), SimpleNamespace(__version__="0.28.0")
+    )
+    assert pair["status"] == "FAIL" and "torchvision==0.29.*" in pair["fix"]
+    ok = doctor.torch_pair(
+        SimpleNamespace(__version__="2.14.1"), SimpleNamespace(__version__="0.29.1")
+    )
+    assert ok["status"] == "ok"
