@@ -309,3 +309,29 @@ def test_fp16_on_the_gpu_scales_and_steps():
     assert (
         metrics["steps"] == 4 and scaler.get_scale() > 0 and amp_dtype("auto", torch.device("cuda"))
     )
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trains_like_the_eager_one():
+    """`train.compile: true` wraps the model in torch.compile (inductor, C++ on the CPU)."""
+    x, y = toy()
+    losses = []
+    for compiled in (False, True):
+        model = fresh_model()
+        runner = torch.compile(model) if compiled else model
+        optimizer = make_optimizer("sgd", model, 0.05, 0, 0.9, False)
+        metrics = train_one_epoch(runner, optimizer, x, y, MEAN, STD, 16,
+                                  torch.Generator().manual_seed(0))  # fmt: skip
+        losses.append(metrics["loss"])
+        assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_gpu_out_of_memory_is_the_error_the_stage_catches():
+    """The stage's retry path catches torch.OutOfMemoryError: prove a real CUDA OOM is one."""
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(int(free * 2), dtype=torch.uint8, device="cuda")
+    torch.cuda.empty_cache()
