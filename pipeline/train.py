@@ -123,6 +123,10 @@ def main() -> None:
         if t.model != "resnet18":
             raise GateError(f"train.pretrained is for resnet18, not {t.model}")
         load_pretrained(model, t.pretrained)
+        tracked = Path("data/pretrained").resolve()
+        if t.pretrained != "imagenet" and not Path(t.pretrained).resolve().is_relative_to(tracked):
+            say(f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
+                "tracks: DVC will not rerun train when that file changes")  # fmt: skip
         norm_mean, norm_std = IMAGENET_MEAN[:channels], IMAGENET_STD[:channels]
         if channels == 1:
             norm_mean, norm_std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
@@ -150,9 +154,12 @@ def main() -> None:
     # --- resume --------------------------------------------------------------------------------
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     best_path = args.checkpoints / "best.pt"
-    run_fingerprint = checkpoint.fingerprint(
-        {"seed": params.seed, "train": t.model_dump()}, (args.data / "manifest.json").read_text()
-    )
+    weights_file = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
+    run_fingerprint = checkpoint.fingerprint(  # what a resumable checkpoint must match
+        {"seed": params.seed, "train": t.model_dump(),
+         "pretrained": data.sha256(weights_file) if weights_file else None},
+        (args.data / "manifest.json").read_text(),
+    )  # fmt: skip
     state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
     say(f"train: {why}")
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0

@@ -22,6 +22,7 @@ PROJECT_FILES = [
     "pipeline",
     "src",
     "data/raw",
+    "data/pretrained",
 ]
 
 # Small enough for seconds per stage on 2 CPU cores; still the real stages and the real data.

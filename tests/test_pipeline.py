@@ -124,6 +124,17 @@ def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(reproduced, t
     assert str(bad) in rows[1]["error"]
 
 
+def test_a_new_pretrained_weights_file_makes_train_stale(reproduced):
+    weights = reproduced / "data/pretrained/resnet18.pt"
+    weights.write_bytes(b"weights")
+    try:
+        stale = json.loads(sh(reproduced, "dvc", "status", "--json").stdout)
+        assert set(stale) == {"train"}  # and what follows it, once train has rerun
+    finally:
+        weights.unlink()
+    assert json.loads(sh(reproduced, "dvc", "status", "--json").stdout or "{}") == {}
+
+
 def test_rerun_only_what_changed_and_the_gate_holds(reproduced):
     project = reproduced
     assert ran(sh(project, "dvc", "repro")) == []
