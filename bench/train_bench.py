@@ -8,9 +8,11 @@ side by side in one run:
   - stage:   visionflow.engine.train_one_epoch: the uint8 cache held in memory, batches sliced,
              augmented and normalised as tensors, channels_last
   - ceiling: the same model stepping on one batch already in memory as a normalised tensor
-Reports images/s, wall time to reach the target validation accuracy, and final accuracy.
+Reports images/s, wall time to reach the target validation accuracy, and final accuracy. Each
+loop runs with `--seeds` seeds, alternating, and the medians are reported: which epoch first
+crosses the target moves with the seed, and one epoch more or less halves or doubles that time.
 
-    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--device cuda]
+    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--seeds 3] [--device cuda]
 """
 
 import argparse
@@ -43,8 +45,8 @@ class PilImages(Dataset):
         return self.transform(Image.fromarray(self.x[i, ..., 0], "L")), int(self.y[i])
 
 
-def plain(x, y, xv, yv, mean, std, epochs, target):
-    torch.manual_seed(0)
+def plain(x, y, xv, yv, mean, std, epochs, target, seed):
+    torch.manual_seed(seed)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     train_tf = transforms.Compose([
@@ -68,11 +70,11 @@ def plain_epoch(model, optimizer, loader):
         optimizer.step()
 
 
-def stage(x, y, xv, yv, mean, std, epochs, target):
-    torch.manual_seed(0)
+def stage(x, y, xv, yv, mean, std, epochs, target, seed):
+    torch.manual_seed(seed)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     xt, yt = torch.from_numpy(x).to(DEVICE), torch.from_numpy(y).to(DEVICE)
     m, s = torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE)
 
@@ -125,6 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.9, help="validation accuracy to reach")
+    parser.add_argument("--seeds", type=int, default=3, help="runs of each loop (medians reported)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args()
     global DEVICE
@@ -138,25 +141,31 @@ def main() -> None:
     xv, yv = pixels[splits["val"]], source.labels[splits["val"]]
     mean, std = data.channel_stats(x)
 
-    results = {
-        "plain tutorial loop": plain(x, y, xv, yv, mean, std, args.epochs, args.target),
-        "train stage loop": stage(x, y, xv, yv, mean, std, args.epochs, args.target),
-    }
-    print(f"{len(x)} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, "
-          f"target val accuracy {args.target}, {torch.get_num_threads()} threads, {DEVICE}")  # fmt: skip
+    loops = {"plain tutorial loop": plain, "train stage loop": stage}
+    runs = {name: [] for name in loops}
+    for seed in range(args.seeds):  # alternating, so a noisy spell hits both
+        for name, loop in loops.items():
+            runs[name].append(loop(x, y, xv, yv, mean, std, args.epochs, args.target, seed))
+    images = len(x) * args.epochs
+    print(f"{len(x)} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, target val "
+          f"accuracy {args.target}, {args.seeds} seeds (medians), {torch.get_num_threads()} threads, "
+          f"{DEVICE}")  # fmt: skip
     print("| loop | images/s | seconds to target | final val accuracy |\n|---|---|---|---|")
-    for name, (seconds, reached, accuracy) in results.items():
-        to_target = f"{reached:.2f}" if reached is not None else "not reached"
-        print(f"| {name} | {len(x) * args.epochs / seconds:.0f} | {to_target} | {accuracy:.4f} |")
-    top = ceiling(x, mean, std, steps=len(x) * args.epochs // BATCH)
-    stage_rate = len(x) * args.epochs / results["train stage loop"][0]
-    plain_rate = len(x) * args.epochs / results["plain tutorial loop"][0]
+    rate, to_target = {}, {}
+    for name, results in runs.items():
+        rate[name] = float(np.median([images / seconds for seconds, _, _ in results]))
+        to_target[name] = float(np.median([r if r is not None else np.inf for _, r, _ in results]))
+        accuracy = float(np.median([a for _, _, a in results]))
+        shown = f"{to_target[name]:.2f}" if np.isfinite(to_target[name]) else "not reached"
+        print(f"| {name} | {rate[name]:.0f} | {shown} | {accuracy:.4f} |")
+    top = ceiling(x, mean, std, steps=images // BATCH)
     print(f"| compute ceiling (one batch in memory) | {top:.0f} | | |")
+    stage_rate, plain_rate = rate["train stage loop"], rate["plain tutorial loop"]
     print(f"stage / plain images/s: {stage_rate / plain_rate:.2f}x")
-    p_r, s_r = results["plain tutorial loop"][1], results["train stage loop"][1]
-    if p_r is not None and s_r is not None:
-        print(f"stage / plain time to target: {p_r / s_r:.2f}x")
+    print(f"stage / plain time to target: "
+          f"{to_target['plain tutorial loop'] / to_target['train stage loop']:.2f}x")  # fmt: skip
     print(f"stage / ceiling images/s: {stage_rate / top:.2f}")
+    print(f"ceiling / plain images/s: {top / plain_rate:.2f}x")
 
 
 if __name__ == "__main__":

@@ -157,7 +157,7 @@ def main() -> None:
     weights_file = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
     run_fingerprint = checkpoint.fingerprint(  # what a resumable checkpoint must match
         {"seed": params.seed, "train": t.model_dump(),
-         "pretrained": data.sha256(weights_file) if weights_file else None},
+         "pretrained": data.file_hash(weights_file) if weights_file else None},
         (args.data / "manifest.json").read_text(),
     )  # fmt: skip
     state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)

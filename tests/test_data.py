@@ -178,7 +178,7 @@ def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folde
         ).read_bytes(), name
     manifest = json.loads((tmp_path / "serial/manifest.json").read_text())
     for name, entry in manifest["files"].items():
-        assert data.sha256(tmp_path / "serial" / name) == entry["sha256"]
+        assert data.file_hash(tmp_path / "serial" / name) == entry["sha256"]
 
 
 def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():

@@ -103,6 +103,15 @@ def assert_invariants(project: Path) -> None:
     assert sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
 
 
+def assert_resumes_to_the_baseline(project: Path, epoch: int) -> None:
+    """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted run."""
+    resumed = repro(project, "-f", "-s", "train")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert f"resuming from checkpoints/train/epoch-{epoch:04d}.pt" in resumed.stdout
+    assert same_weights(weights(project), BASELINE)
+    assert_invariants(project)
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """The tiny project, reproduced once with EPOCHS epochs; its model is the uninterrupted one."""
@@ -122,11 +131,7 @@ def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(project):
     assert killed.returncode != 0
     assert same_weights(weights(project), BASELINE)  # the previous model is in place
     assert (project / "checkpoints/train/epoch-0003.pt").exists()
-    resumed = repro(project, "--force", "--single-item", "train")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from checkpoints/train/epoch-0003.pt" in resumed.stdout
-    assert same_weights(weights(project), BASELINE)
-    assert_invariants(project)
+    assert_resumes_to_the_baseline(project, 3)
 
 
 def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
@@ -136,12 +141,8 @@ def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
     assert list(folder.glob(".epoch-0003.pt.*.tmp"))  # the half-written file
     assert not (folder / "epoch-0003.pt").exists()
     assert torch.load(folder / "epoch-0002.pt", weights_only=True)["epoch"] == 2
-    resumed = repro(project, "-f", "-s", "train")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resuming from checkpoints/train/epoch-0002.pt" in resumed.stdout
-    assert not list(folder.glob(".*.tmp"))
-    assert same_weights(weights(project), BASELINE)
-    assert_invariants(project)
+    assert_resumes_to_the_baseline(project, 2)
+    assert not list(folder.glob(".*.tmp"))  # the stray was removed
 
 
 def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
@@ -152,10 +153,7 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-0001.pt"]
     assert torch.load(folder / "epoch-0001.pt", weights_only=True)["epoch"] == 1
     assert same_weights(weights(project), BASELINE)
-    resumed = repro(project, "-f", "-s", "train")
-    assert "resuming from checkpoints/train/epoch-0001.pt" in resumed.stdout
-    assert same_weights(weights(project), BASELINE)
-    assert_invariants(project)
+    assert_resumes_to_the_baseline(project, 1)
 
 
 def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
@@ -185,10 +183,7 @@ def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_p
     assert "train stopped after epoch 2" in output, output
     assert torch.load(project / "checkpoints/train/epoch-0002.pt", weights_only=True)["epoch"] == 2
     assert same_weights(weights(project), BASELINE)
-    resumed = repro(project, "-f", "-s", "train")
-    assert "resuming from checkpoints/train/epoch-0002.pt" in resumed.stdout
-    assert same_weights(weights(project), BASELINE)
-    assert_invariants(project)
+    assert_resumes_to_the_baseline(project, 2)
 
 
 def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):

@@ -345,8 +345,9 @@ def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[f
     return mean.tolist(), std.tolist()
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+def file_hash(path: Path, algorithm: str = "sha256") -> str:
+    """A file's hash (hex), read a block at a time."""
+    digest = hashlib.new(algorithm)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
@@ -381,7 +382,7 @@ def write_cache(
         shapes = {"x": [len(index), *pixels.shape[1:]], "y": [len(index)]}
         for part, shape in shapes.items():
             name = f"{split}_{part}.npy"
-            files[name] = {"sha256": sha256(out / name), "shape": shape}
+            files[name] = {"sha256": file_hash(out / name), "shape": shape}
         per_class = np.bincount(y, minlength=len(source.classes))
         counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
     mean, std = channel_stats(np.load(out / "train_x.npy", mmap_mode="r"))
@@ -490,7 +491,7 @@ def verify_cache(cache: Path) -> list[str]:
     bad = []
     for name, entry in json.loads(manifest_path.read_text())["files"].items():
         path = cache / name
-        actual = sha256(path) if path.exists() else "missing"
+        actual = file_hash(path) if path.exists() else "missing"
         if actual != entry["sha256"]:
             bad.append(f"{path}: sha256 {actual}, manifest says {entry['sha256']}")
     if bad:

@@ -5,21 +5,12 @@ dvc.lock's outs point at (directories through their `.dir` listing) is re-hashed
 hash DVC names it by. Outs declared `cache: false` have no object and are skipped.
 """
 
-import hashlib
 import json
 from pathlib import Path
 
 import yaml
 
-from visionflow.data import DataError, verify_cache
-
-
-def md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from visionflow.data import DataError, file_hash, verify_cache
 
 
 def uncached_outs(root: Path) -> set[str]:
@@ -52,7 +43,7 @@ def dvc_objects(root: Path) -> tuple[int, list[str]]:
         if not path.exists():
             problems.append(f"{label}: object {path} is missing (`dvc repro` or `dvc pull`)")
             return False
-        actual = md5(path)
+        actual = file_hash(path, "md5")  # the hash DVC names objects by
         if actual != oid.removesuffix(".dir"):
             problems.append(f"{label}: object {path} has md5 {actual}, dvc.lock says {oid}")
             return False
