@@ -205,7 +205,11 @@ def kill_after_checkpoint(cwd, out, epoch):
 def final_state(cwd, out):
     model = torch.load(cwd / out / "model.pt", weights_only=True)
     metrics = json.loads((cwd / out / "live/metrics.json").read_text())
-    steady = {k: v for k, v in metrics.items() if k not in {"epoch_seconds", "peak_memory_mb"}}
+    steady = {
+        k: v
+        for k, v in metrics.items()
+        if k not in {"epoch_seconds", "peak_memory_mb", "data_wait_fraction"}
+    }  # timings
     steady["train"].pop("images_per_s")
     return model, steady
 
@@ -215,8 +219,7 @@ def test_killed_training_resumes_and_equals_an_uninterrupted_run(workdir):
     whole = run_train(workdir, "whole")
     assert whole.returncode == 0, whole.stderr
     kill_after_checkpoint(workdir, "cut", epoch=2)
-    assert not (workdir / "cut/model.pt").exists()
-    shutil.rmtree(workdir / "cut")  # as DVC does with the stage's output before a rerun
+    assert not (workdir / "cut").exists()  # outputs are moved into place only on success
     resumed = run_train(workdir, "cut")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
