@@ -244,7 +244,7 @@ def main() -> None:
     ):
         for past in (
             history if live else []
-        ):  # DVC deleted the curves with <out>; the checkpoint kept them
+        ):  # a fresh staging folder: the checkpoint kept the curves so far
             for name, value in past.items():
                 live.log_metric(name, value)
             live.next_step()
