@@ -21,6 +21,7 @@ import yaml
 from visionflow import faults
 from visionflow.data import DataError
 from visionflow.params import ParamsError
+from visionflow.runner import file_stats
 
 
 class GateError(RuntimeError):
@@ -75,14 +76,14 @@ def snapshot(stage: str) -> dict | None:
     if spec is None:
         return None
     params = yaml.safe_load(Path("params.yaml").read_text()) or {}
-    state = {f"param {key}": lookup(params, key) for key in spec.get("params", [])}
-    for dep in spec.get("deps", []):
-        path = Path(re.sub(r"\$\{([^}]+)\}", lambda m: str(lookup(params, m[1])), dep))
-        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        for file in files:
-            stat = file.stat() if file.exists() else None
-            state[str(file)] = (stat.st_size, stat.st_mtime_ns) if stat else None
-    return state
+    deps = [
+        re.sub(r"\$\{([^}]+)\}", lambda m: str(lookup(params, m[1])), d)
+        for d in spec.get("deps", [])
+    ]
+    return {
+        **{f"param {key}": lookup(params, key) for key in spec.get("params", [])},
+        **file_stats(deps),
+    }
 
 
 def changes(before: dict, after: dict) -> list[str]:

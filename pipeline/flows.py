@@ -29,7 +29,7 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 
-from visionflow.runner import dvc_command, environment, run_group, workspace_lock
+from visionflow.runner import dvc_command, environment, file_stats, run_group, workspace_lock
 
 LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
@@ -211,21 +211,13 @@ def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None)
 
 
 def watched_files(root: Path) -> dict[str, tuple[int, int]]:
-    """(mtime, size) of what a run depends on: params, dvc.yaml, the code, the data source."""
+    """(size, mtime) of what a run depends on: params, dvc.yaml, the code, the data source."""
     source = (
         yaml.safe_load((root / "params.yaml").read_text())
         .get("prepare", {})
         .get("path", "data/raw")
     )
-    found = {}
-    for top in ("params.yaml", "dvc.yaml", "pipeline", "src", source):
-        path = root / top
-        files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
-        for f in files:
-            if f.is_file() and "__pycache__" not in f.parts and not f.name.startswith("."):
-                stat = f.stat()
-                found[str(f)] = (stat.st_mtime_ns, stat.st_size)
-    return found
+    return file_stats(root / top for top in ("params.yaml", "dvc.yaml", "pipeline", "src", source))
 
 
 def watch(

@@ -151,6 +151,21 @@ def main() -> None:
         "checkpointing": t.checkpointing,
     }  # fmt: skip
 
+    def training_state() -> dict:
+        """What stepping changes: saved in each checkpoint, restored on resume and OOM retry."""
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
+                        "augment": augment_rng.get_state()}}  # fmt: skip
+
+    def restore(state: dict) -> None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        shuffle.set_state(state["rng"]["shuffle"].cpu())
+        augment_rng.set_state(state["rng"]["augment"].cpu())
+
     # --- resume --------------------------------------------------------------------------------
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     best_path = args.checkpoints / "best.pt"
@@ -165,14 +180,9 @@ def main() -> None:
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
     monitor = health.Monitor(t.health, meta.classes, say)
     if state:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        restore(state)
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        shuffle.set_state(state["rng"]["shuffle"].cpu())
-        augment_rng.set_state(state["rng"]["augment"].cpu())
         history, best, stale = state["history"], state["best"], state["stale"]
         monitor.load_state_dict(state["health"])
         start = state["epoch"] + 1
@@ -198,9 +208,8 @@ def main() -> None:
         accumulation (the same effective batch)."""
         saved = None
         if t.auto_batch and not sizes["retried"]:
-            saved = io.BytesIO()
-            torch.save([model.state_dict(), optimizer.state_dict(), scaler.state_dict(),
-                        torch.get_rng_state(), shuffle.get_state(), augment_rng.get_state()], saved)  # fmt: skip
+            saved = io.BytesIO()  # a copy off the device: state_dict() holds references
+            torch.save(training_state(), saved)
         while True:
             try:
                 return train_one_epoch(
@@ -219,13 +228,7 @@ def main() -> None:
                         f"out of memory at epoch {epoch}; see the health line above"
                     ) from None
                 saved.seek(0)
-                m, o, s, rng, shuffle_state, augment_state = torch.load(saved, weights_only=True)
-                model.load_state_dict(m)
-                optimizer.load_state_dict(o)
-                scaler.load_state_dict(s)
-                torch.set_rng_state(rng)
-                shuffle.set_state(shuffle_state)
-                augment_rng.set_state(augment_state)
+                restore(torch.load(saved, weights_only=True))
                 sizes.update(
                     batch=sizes["batch"] // 2, accumulate=sizes["accumulate"] * 2, retried=True
                 )
@@ -289,13 +292,9 @@ def main() -> None:
                     save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]},
                                best_path)  # fmt: skip
                 checkpoint.save_checkpoint(args.checkpoints, {
-                    "epoch": epoch, "fingerprint": run_fingerprint, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
+                    **training_state(), "epoch": epoch, "fingerprint": run_fingerprint,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "scaler": scaler.state_dict(), "best": best, "stale": stale, "history": history,
-                    "health": monitor.state_dict(),
-                    "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
-                            "augment": augment_rng.get_state()},
+                    "best": best, "stale": stale, "history": history, "health": monitor.state_dict(),
                 })  # fmt: skip
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)

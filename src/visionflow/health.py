@@ -54,14 +54,19 @@ def data_bound(
                    "data comes from disk", {"data_wait_fraction": share})  # fmt: skip
 
 
+def loss_drop(losses: list[float]) -> tuple[float, float, float]:
+    """Mean loss of the first and last fifth of `losses`, and the share it fell between them."""
+    k = max(1, len(losses) // 5)
+    first, last = mean(losses[:k]), mean(losses[-k:])
+    return first, last, (first - last) / first if first > 0 else 0.0
+
+
 def first_steps(
     losses: list[float], labels: dict, classes: list[str], lr: float, min_drop: float
 ) -> Finding | None:
     """The loss over the first steps: rising (diverging) or not falling (with the checklist)."""
-    k = max(1, len(losses) // 5)
-    first, last = mean(losses[:k]), mean(losses[-k:])
+    first, last, drop = loss_drop(losses)
     chance = math.log(len(classes))
-    drop = (first - last) / first if first > 0 else 0.0
     total = sum(labels.values()) or 1
     top_label, top_count = max(labels.items(), key=lambda item: item[1], default=(0, 0))
     evidence = {"steps": len(losses), "first_loss": first, "last_loss": last, "loss_drop": drop,
@@ -202,12 +207,7 @@ class Monitor:
     def report(self) -> dict:
         """health.json: flat numbers first (what `dvc metrics show` and `dvc exp show` list)."""
         found = {f.check for f in self.findings}
-        k = max(1, len(self.losses) // 5)
-        drop = (
-            (mean(self.losses[:k]) - mean(self.losses[-k:])) / mean(self.losses[:k])
-            if len(self.losses) >= 4 and mean(self.losses[:k]) > 0
-            else 0.0
-        )
+        drop = loss_drop(self.losses)[2] if len(self.losses) >= 4 else 0.0
         overfit = next((f.epoch for f in self.findings if f.check == "overfitting"), 0)
         return {
             "healthy": not self.findings,

@@ -30,6 +30,19 @@ def dvc_command() -> list[str]:
     return [sys.executable, "-m", "dvc"]
 
 
+def file_stats(paths) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file at or under `paths`, hidden files and __pycache__ skipped:
+    cheap enough to compare before and after a run, or every half second while watching."""
+    found = {}
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
+        for f in files:
+            if f.is_file() and "__pycache__" not in f.parts and not f.name.startswith("."):
+                stat = f.stat()
+                found[str(f)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
 @contextmanager
 def workspace_lock(workdir: Path, wait: bool, say: Callable[[str], None] = print) -> Iterator[bool]:
     """Hold the workspace's run lock; yields False at once when busy and `wait` is off."""
