@@ -38,3 +38,21 @@ def test_rotation_and_jitter_are_seeded_and_bounded():
     c = augment(x, torch.Generator().manual_seed(2), rotation=15, color_jitter=0.3)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert a.min() >= 0 and a.max() <= 1 and not torch.equal(a, x)
+
+
+def test_shift_and_rotation_sample_where_affine_grid_would():
+    import math
+
+    import torch.nn.functional as F
+
+    x = torch.rand(6, 3, 9, 14)
+    out = augment(x, torch.Generator().manual_seed(3), crop_padding=2, rotation=20)
+    g = torch.Generator().manual_seed(3)  # the same draws, in augment's order
+    angle = (torch.rand(6, generator=g) * 40 - 20) * (math.pi / 180)
+    shift = torch.randint(-2, 3, (2, 6), generator=g)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    theta = torch.stack([torch.stack([cos, -sin, 2 * shift[0] / 14], 1),
+                         torch.stack([sin, cos, 2 * shift[1] / 9], 1)], 1)  # fmt: skip
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    expected = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    assert torch.allclose(out, expected, atol=1e-5)

@@ -62,3 +62,18 @@ def test_device_auto_falls_back_to_cpu_and_cuda_without_gpu_is_an_error():
     assert pick_device("auto") == torch.device("cpu")
     with pytest.raises(RuntimeError, match="no usable GPU"):
         pick_device("cuda")
+
+
+def test_simple_cnn_pooling_before_relu_is_the_usual_conv_relu_pool():
+    model = build_model("simple_cnn", 1, 10, 16, dropout=0.0)
+    conv1, _, _, conv2, _, _ = model.features
+    usual = torch.nn.Sequential(conv1, torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                                conv2, torch.nn.ReLU(), torch.nn.MaxPool2d(2), model.classifier)  # fmt: skip
+    x = torch.randn(8, 1, 16, 16)
+    ours = model(x)
+    grads = torch.autograd.grad(ours.sum(), list(model.parameters()))
+    reference = usual(x)
+    assert torch.equal(ours, reference)
+    expected = torch.autograd.grad(reference.sum(), list(model.parameters()))
+    for a, b in zip(grads, expected, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

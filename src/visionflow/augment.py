@@ -36,11 +36,13 @@ def augment(
         shift = torch.randint(-crop_padding, crop_padding + 1, (2, n), generator=generator).to(
             x.device
         )
-        theta = torch.zeros(n, 2, 3, device=x.device)
-        theta[:, 0, 0], theta[:, 0, 1] = torch.cos(angle), -torch.sin(angle)
-        theta[:, 1, 0], theta[:, 1, 1] = torch.sin(angle), torch.cos(angle)
-        theta[:, 0, 2], theta[:, 1, 2] = 2 * shift[0] / width, 2 * shift[1] / height  # px -> -1..1
-        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        cos, sin = torch.cos(angle).view(n, 1, 1), torch.sin(angle).view(n, 1, 1)
+        dx, dy = (2 * shift[0] / width).view(n, 1, 1), (2 * shift[1] / height).view(n, 1, 1)
+        # Pixel centres in -1..1 (affine_grid's align_corners=False), written out: affine_grid's
+        # batched matrix product with an inner size of 3 cost 4% of a training step on the CPU.
+        u = ((torch.arange(width, device=x.device) * 2 + 1) / width - 1).view(1, 1, width)
+        v = ((torch.arange(height, device=x.device) * 2 + 1) / height - 1).view(1, height, 1)
+        grid = torch.stack([cos * u - sin * v + dx, sin * u + cos * v + dy], dim=-1)
         x = F.grid_sample(x, grid, mode="bilinear" if rotation else "nearest",
                           padding_mode="zeros", align_corners=False)  # fmt: skip
     if hflip:
