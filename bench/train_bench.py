@@ -6,16 +6,18 @@ side by side in one run:
   - plain:   a per-item Dataset returning PIL images with torchvision transforms, DataLoader with
              2 workers, fp32, NCHW: the way tutorials teach it
   - stage:   visionflow.engine.train_one_epoch: the uint8 cache held in memory, batches sliced,
-             augmented and normalised as tensors, channels_last
-  - ceiling: the same model stepping on one batch already in memory as a normalised tensor
+             augmented and normalised as tensors, channels_last, the stage's fused Adam
+  - ceiling: the same model and optimizer as the stage, stepping on one batch already in memory
+             as a normalised tensor: no data handling at all
 Every run is a fresh Python process, so no contender inherits another's allocator state, threads
 or caches. Reports images/s, wall time to reach the target validation accuracy, and final accuracy.
 Each loop runs with `--seeds` seeds, alternating. Images/s and final accuracy are medians; the
 epochs and seconds to the target are means: which epoch first crosses the target moves with the
-seed (with 16 seeds both loops took 2.8 epochs on average, each anywhere from 2 to 4), and a median
-of such whole numbers jumps by a whole epoch between runs.
+seed (over 40 seeds the plain loop took 2.5 epochs on average and the stage 2.6, each run 2, 3 or
+4), and a median of such whole numbers jumps by a whole epoch between runs. 40 seeds take about
+25 minutes on 2 CPU cores; the default 10, about 6.
 
-    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--seeds 5] [--device cuda]
+    .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--seeds 10] [--device cuda]
 """
 
 import argparse
@@ -23,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -113,7 +116,7 @@ def ceiling(x, mean, std, epochs):
     """images/s of bare steps on one normalised batch, as many as `epochs` epochs take."""
     torch.manual_seed(0)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
     batch = data.to_model_input(torch.from_numpy(x[:BATCH]).to(DEVICE),
                                 torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE))  # fmt: skip
     labels = torch.zeros(BATCH, dtype=torch.long, device=DEVICE)
@@ -199,18 +202,28 @@ def main() -> None:
         if name == "ceiling":
             print(f"| {names[name]} | {rate[name]:.0f} | | | |")
             continue
-        if any(r["seconds_to_target"] is None for r in results):
-            sys.exit(f"{names[name]} did not reach {args.target} in {args.epochs} epochs with every "
-                     f"seed: {results}")  # fmt: skip
+        accuracy = float(np.median([r["accuracy"] for r in results]))
+        reached = [r for r in results if r["seconds_to_target"] is not None]
+        if len(reached) < len(results):  # a mean over the lucky runs would flatter the loop
+            print(f"| {names[name]} | {rate[name]:.0f} | {len(results) - len(reached)} of "
+                  f"{len(results)} runs never reached it | | {accuracy:.4f} |")  # fmt: skip
+            continue
         to_target[name] = float(np.mean([r["seconds_to_target"] for r in results]))
         epochs = float(np.mean([r["epochs_to_target"] for r in results]))
-        accuracy = float(np.median([r["accuracy"] for r in results]))
         print(f"| {names[name]} | {rate[name]:.0f} | {epochs:.1f} | {to_target[name]:.2f} | "
               f"{accuracy:.4f} |")  # fmt: skip
     print(f"stage / plain images/s: {rate['stage'] / rate['plain']:.2f}x")
-    print(f"stage / plain time to target: {to_target['plain'] / to_target['stage']:.2f}x")
+    if len(to_target) == 2:
+        print(f"stage / plain time to target: {to_target['plain'] / to_target['stage']:.2f}x")
+    else:
+        print("stage / plain time to target: not every run reached the target; raise --epochs")
     print(f"stage / ceiling images/s: {rate['stage'] / rate['ceiling']:.2f}")
     print(f"ceiling / plain images/s: {rate['ceiling'] / rate['plain']:.2f}x")
+    for name in ("plain", "stage"):
+        counts = Counter(r["epochs_to_target"] or args.epochs + 1 for r in runs[name])
+        shown = ", ".join(f"{'never' if epoch > args.epochs else f'epoch {epoch}'}: {n}"
+                          for epoch, n in sorted(counts.items()))  # fmt: skip
+        print(f"{names[name]}: runs first reaching the target at {shown}")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,38 @@ def start_distributed(device_name: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def fingerprint(params, cache: Path) -> str:
+    """What a resumable checkpoint must match: the seed, train params, pretrained file and data."""
+    t = params.train
+    weights = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
+    return checkpoint.fingerprint(
+        {"seed": params.seed, "train": t.model_dump(),
+         "pretrained": data.file_hash(weights) if weights else None},
+        (cache / "manifest.json").read_text(),
+    )  # fmt: skip
+
+
+def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
+    """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
+    return {
+        "train/loss": train["loss"], "train/accuracy": train["accuracy"],
+        "val/loss": val["loss"], "val/accuracy": val["accuracy"],
+        "lr": lr, "grad_norm": train["grad_norm"], "skipped_steps": train["skipped_steps"],
+        "train/images_per_s": train["images"] / seconds, "epoch_seconds": seconds,
+        "peak_memory_mb": peak_mb, "data_wait_fraction": train["data_seconds"] / train["seconds"],
+        **{f"grad_norm_layer/{k}": v for k, v in train["layer_grad_norms"].items()},
+    }  # fmt: skip
+
+
+def epoch_line(record: dict) -> str:
+    """The log line's numbers for one epoch's record."""
+    r = record
+    return (f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
+            f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
+            f"{r['train/images_per_s']:7.0f} img/s"
+            + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else ""))  # fmt: skip
+
+
 class StopRequest:
     """The first Ctrl-C or SIGTERM asks the run to finish its epoch, checkpoint it and stop; a
     second Ctrl-C stops at once (the previous epoch's checkpoint is kept)."""
@@ -169,12 +201,7 @@ def main() -> None:
     # --- resume --------------------------------------------------------------------------------
     args.checkpoints.mkdir(parents=True, exist_ok=True)
     best_path = args.checkpoints / "best.pt"
-    weights_file = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
-    run_fingerprint = checkpoint.fingerprint(  # what a resumable checkpoint must match
-        {"seed": params.seed, "train": t.model_dump(),
-         "pretrained": data.file_hash(weights_file) if weights_file else None},
-        (args.data / "manifest.json").read_text(),
-    )  # fmt: skip
+    run_fingerprint = fingerprint(params, args.data)
     state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
     say(f"train: {why}")
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
@@ -268,16 +295,7 @@ def main() -> None:
             )  # every rank: same answer
             lr = optimizer.param_groups[0]["lr"]
             step_scheduler(scheduler, val_metrics["loss"])
-            record = {
-                "train/loss": train_metrics["loss"], "train/accuracy": train_metrics["accuracy"],
-                "val/loss": val_metrics["loss"], "val/accuracy": val_metrics["accuracy"],
-                "lr": lr, "grad_norm": train_metrics["grad_norm"],
-                "skipped_steps": train_metrics["skipped_steps"],
-                "train/images_per_s": train_metrics["images"] / seconds, "epoch_seconds": seconds,
-                "peak_memory_mb": peak_memory_mb(device),
-                "data_wait_fraction": train_metrics["data_seconds"] / train_metrics["seconds"],
-                **{f"grad_norm_layer/{k}": v for k, v in train_metrics["layer_grad_norms"].items()},
-            }  # fmt: skip
+            record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(device))
             history.append(record)
             monitor.epoch(epoch, train_metrics, history, lr, mapped)
             improved = val_metrics["accuracy"] > best["accuracy"]
@@ -298,11 +316,11 @@ def main() -> None:
                 })  # fmt: skip
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
-            say(f"epoch {epoch:3d}/{t.epochs}  train loss {train_metrics['loss']:.4f} "
-                f"acc {train_metrics['accuracy']:.4f}  val loss {val_metrics['loss']:.4f} "
-                f"acc {val_metrics['accuracy']:.4f}  lr {lr:.2e}  {record['train/images_per_s']:7.0f} img/s"
-                + (f"  {train_metrics['skipped_steps']} skipped" if train_metrics["skipped_steps"] else "")
-                + ("  (best)" if improved else ""))  # fmt: skip
+            say(
+                f"epoch {epoch:3d}/{t.epochs}  "
+                + epoch_line(record)
+                + ("  (best)" if improved else "")
+            )
             if stop.requested:
                 raise Interrupted(f"train stopped after epoch {epoch}; its checkpoint is in "
                                   f"{args.checkpoints}, and `dvc repro` resumes from it")  # fmt: skip

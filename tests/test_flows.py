@@ -173,9 +173,11 @@ def test_watcher_turns_a_burst_of_edits_into_one_run(prefect_server, project):
             write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
             time.sleep(0.3)
 
-        def locked_lr():
-            stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
-            return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+        def locked_lr():  # None until train has run (when this test runs alone, say)
+            lock = project / "dvc.lock"
+            stages = yaml.safe_load(lock.read_text())["stages"] if lock.exists() else {}
+            train = stages.get("train")
+            return float(train["params"]["params.yaml"]["train.lr"]) if train else None
 
         deadline = time.monotonic() + 300
         while locked_lr() != 2e-3 and time.monotonic() < deadline:

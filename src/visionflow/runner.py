@@ -86,7 +86,10 @@ def run_group(
         kill_group()
 
     def forward(signum, frame) -> None:
-        os.killpg(process.pid, signum)
+        try:
+            os.killpg(process.pid, signum)
+        except ProcessLookupError:  # `dvc` and its group ended in this same instant
+            pass
 
     watcher = threading.Thread(target=reap, daemon=True)
     watcher.start()
