@@ -56,3 +56,41 @@ def test_shift_and_rotation_sample_where_affine_grid_would():
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     expected = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+def test_draws_the_same_distribution_as_torchvision_rotation_and_padded_crop():
+    """What the bench's plain loop does per PIL image, augment does per batch: the same spread of
+    shifts and angles (2 px and 12 degrees instead of 2 and 10 fail the checks below)."""
+    import math
+
+    import numpy as np
+    from PIL import Image
+    from torchvision import transforms
+
+    image = np.zeros((32, 32), np.uint8)
+    image[14:18, 6:26], image[10:14, 6:10] = 255, 200  # a bar with a knob: it has an orientation
+    n = 2000
+    torch.manual_seed(0)
+    reference = transforms.Compose([transforms.RandomRotation(10),
+                                    transforms.RandomCrop(32, padding=2), transforms.ToTensor()])  # fmt: skip
+    theirs = torch.stack([reference(Image.fromarray(image)) for _ in range(n)])
+    batch = torch.from_numpy(image).float().div(255).expand(n, 1, 32, 32)
+    ours = augment(batch, torch.Generator().manual_seed(0), crop_padding=2, rotation=10)
+
+    def moments(x):
+        """Per image: mass, centre of mass (y, x) and orientation in degrees."""
+        w = x[:, 0]
+        ys, xs = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
+        mass = w.sum((1, 2))
+        cy, cx = (w * ys).sum((1, 2)) / mass, (w * xs).sum((1, 2)) / mass
+        dy, dx = ys - cy.view(-1, 1, 1), xs - cx.view(-1, 1, 1)
+        mu20, mu02, mu11 = ((w * a * b).sum((1, 2)) for a, b in ((dx, dx), (dy, dy), (dx, dy)))
+        return mass, cy, cx, torch.atan2(2 * mu11, mu20 - mu02) * 90 / math.pi
+
+    (mass, cy, cx, angle), (mass_t, cy_t, cx_t, angle_t) = moments(ours), moments(theirs)
+    assert abs(mass.mean() / mass_t.mean() - 1) < 0.02  # zero fill keeps as much of the shape
+    assert abs(cy.mean() - cy_t.mean()) < 0.1 and abs(cx.mean() - cx_t.mean()) < 0.1
+    assert abs(angle.mean() - angle_t.mean()) < 0.5
+    for spread, expected in ((cy.std(), cy_t.std()), (cx.std(), cx_t.std()),
+                             (angle.std(), angle_t.std())):  # fmt: skip
+        assert abs(spread / expected - 1) < 0.08
