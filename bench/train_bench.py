@@ -152,7 +152,7 @@ def one(name: str, seed: int, epochs: int, target: float) -> dict:
     if name in ("plain", "stage"):
         loop = plain if name == "plain" else stage
         seconds, reached, accuracy = loop(x, y, xv, yv, mean, std, epochs, target, seed)
-        return {"rate": len(x) * epochs / seconds, "accuracy": accuracy,
+        return {"rate": len(x) * epochs / seconds, "accuracy": accuracy, "images": len(x),
                 "seconds_to_target": reached[0] if reached else None,
                 "epochs_to_target": reached[1] if reached else None}  # fmt: skip
     return {"rate": ceiling(x, mean, std, epochs)}
@@ -190,8 +190,7 @@ def main() -> None:
         for name in names:
             runs[name].append(in_fresh_process(args, name, seed))
             print(f"seed {seed} {name}: {runs[name][-1]}", file=sys.stderr)
-    x_train = len(digits()[0])
-    print(f"{x_train} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, target val "
+    print(f"{runs['stage'][0]['images']} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, target val "
           f"accuracy {args.target}, {args.seeds} seeds, {torch.get_num_threads()} threads, "
           f"{DEVICE}, a fresh process per run")  # fmt: skip
     print("| loop | images/s (median) | epochs to target (mean) | seconds to target (mean) | "

@@ -96,9 +96,8 @@ def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: flo
     }  # fmt: skip
 
 
-def epoch_line(record: dict) -> str:
-    """The log line's numbers for one epoch's record."""
-    r = record
+def epoch_line(r: dict) -> str:
+    """The log line's numbers for one epoch's record `r`."""
     return (f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
             f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
             f"{r['train/images_per_s']:7.0f} img/s"

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-# Each command imports what it needs when it runs: `repro` and `verify` start without torch.
+# Each command imports what it needs when it runs: `repro` starts without torch.
 DEFAULT_MODELS = {
     "onnx": "results/export/model.onnx",
     "torchscript": "results/export/model.torchscript.pt",

@@ -11,6 +11,7 @@ docs/troubleshooting.md says what to change for each.
 import math
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
+from statistics import fmean
 
 from visionflow.params import Health
 
@@ -30,10 +31,6 @@ class Finding:
     epoch: int
     message: str
     evidence: dict = field(default_factory=dict)
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def data_bound(
@@ -57,7 +54,7 @@ def data_bound(
 def loss_drop(losses: list[float]) -> tuple[float, float, float]:
     """Mean loss of the first and last fifth of `losses`, and the share it fell between them."""
     k = max(1, len(losses) // 5)
-    first, last = mean(losses[:k]), mean(losses[-k:])
+    first, last = fmean(losses[:k]), fmean(losses[-k:])
     return first, last, (first - last) / first if first > 0 else 0.0
 
 
