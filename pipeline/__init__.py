@@ -16,11 +16,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
 from visionflow import faults
-from visionflow.data import DataError
-from visionflow.params import ParamsError
+from visionflow.errors import DataError
+from visionflow.params import ParamsError, read_yaml
 from visionflow.runner import file_stats
 
 
@@ -72,10 +70,10 @@ def snapshot(stage: str) -> dict | None:
     DVC project (a stage run by hand)."""
     if not (Path("dvc.yaml").exists() and Path("params.yaml").exists()):
         return None
-    spec = (yaml.safe_load(Path("dvc.yaml").read_text()).get("stages") or {}).get(stage)
+    spec = (read_yaml("dvc.yaml").get("stages") or {}).get(stage)
     if spec is None:
         return None
-    params = yaml.safe_load(Path("params.yaml").read_text()) or {}
+    params = read_yaml("params.yaml") or {}
     deps = [
         re.sub(r"\$\{([^}]+)\}", lambda m: str(lookup(params, m[1])), d)
         for d in spec.get("deps", [])

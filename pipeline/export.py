@@ -3,7 +3,9 @@
 Reads:  params.yaml (export.*); the model from train; real test images from the cache; evaluate's
         metrics (for the model card)
 Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its class names and
-        preprocessing), parity.json, latency.json, MODEL_CARD.md. Files are written to a staging
+        preprocessing), parity.json (every check), latency.json, MODEL_CARD.md, metrics.json (what
+        `dvc metrics` compares: parity passed, the worst logit difference of any format in units
+        of 1e-6, so that DVC's 5-decimal rounding keeps it, and ONNX latency at batch 1). Files are written to a staging
         folder and moved into <out> only when every parity check passes; on a miss the stage fails
         with the numbers, <out> keeps the last good export and <out>.miss.json the failed report.
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
@@ -36,6 +38,22 @@ def print_parity(parity: dict) -> None:
                 f"max rel {r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
                 + ("ok" if r["passed"] else "MISS")
             )
+
+
+def summary(report: dict, latency: dict) -> dict:
+    """metrics.json: a few numbers to compare across runs; short names, so that
+    `dvc exp show --only-changed` fits 160 columns with the params beside them."""
+    worst = max(
+        r["max_abs_diff"]
+        for runtime in ("onnx", "pt2", "torchscript")
+        for r in report[runtime].values()
+        if "max_abs_diff" in r
+    )
+    return {
+        "parity_passed": report["passed"],
+        "diff_e6": round(worst * 1e6, 4),  # the worst |logit difference| of any format, x 1e6
+        "onnx_ms": round(latency["batch_1"]["onnx"], 4),  # ONNX Runtime at batch 1, median ms
+    }
 
 
 def main() -> None:
@@ -74,6 +92,7 @@ def main() -> None:
     runners = {"eager": module_runner(model), **runners}
     latency = latency_table(runners, example.numpy(), (1, 64), e.latency_repeats)
     data.write_json(out / "latency.json", {"unit": "ms (median)", **latency})
+    data.write_json(out / "metrics.json", summary(report, latency))
     metrics = json.loads(args.metrics.read_text())
     (out / "MODEL_CARD.md").write_text(model_card(meta, params, metrics, report, latency, spec))
     print(

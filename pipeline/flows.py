@@ -81,10 +81,14 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
 
 def publish(workdir: Path) -> None:
     """Artifacts: the metrics table, the diff against the last commit, and export parity."""
-    metrics = dvc(workdir, "metrics", "show", "--md").stdout
-    create_markdown_artifact(
-        f"## Metrics\n\n{metrics}", key="metrics", description="dvc metrics show"
-    )
+    shown = json.loads(dvc(workdir, "metrics", "show", "--json").stdout or "{}")
+    files = shown.get("", {}).get("data", {})
+    rows = [  # one row per number: three columns, however many metrics (dvc.yaml keeps them few)
+        {"file": path, "metric": name, "value": value}
+        for path, content in files.items()
+        for name, value in flatten(content.get("data", {})).items()
+    ]
+    create_table_artifact(rows, key="metrics", description="dvc metrics show")
     diff = dvc(workdir, "metrics", "diff", "--md").stdout or "no change against the last commit"
     create_markdown_artifact(f"## Metrics diff (workspace vs HEAD)\n\n{diff}", key="metrics-diff")
     parity_file = workdir / "results/export/parity.json"
@@ -95,6 +99,17 @@ def publish(workdir: Path) -> None:
         create_table_artifact(
             rows, key="export-parity", description=f"exporter {parity['exporter']}"
         )
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}, as `dvc metrics show` names nested metrics."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def limit_name(workdir: Path) -> str:
@@ -157,7 +172,7 @@ def update(root: Path, stage_timeout_s: float) -> list[str]:
 @flow(name="experiments")
 def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, workers: int = 0,
                 stage_timeout_s: float = 3600) -> str:  # fmt: skip
-    """`dvc exp run -S ...` for each list of overrides; publishes `dvc exp show`.
+    """`dvc exp run -S ...` for each list of overrides; publishes `dvc exp show --only-changed`.
 
     `workers: 0` runs them in turn in the workspace; `workers: N` queues them all and lets DVC's
     queue run N at a time, each in its own temporary copy of the repository.
@@ -174,7 +189,7 @@ def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, wo
                 raise StageFailed(f"experiment {sets} failed (exit {code}):\n{tail}")
         if workers:
             run_queue(root, workers, stage_timeout_s * max(len(overrides or []), 1), logger)
-        table = dvc(root, "exp", "show", "--md", "--no-pager").stdout
+        table = dvc(root, "exp", "show", "--md", "--no-pager", "--only-changed").stdout
     create_markdown_artifact(f"## Experiments\n\n{table}", key="experiments")
     return table
 

@@ -2,8 +2,10 @@
 
 Reads:  params.yaml (seed, train.*); the cache from prepare; sanity's scan (train runs after the check)
 Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=True),
-        <out>/live/ (DVCLive: per-epoch curves and metrics.json), <checkpoints>/ (one resumable
-        checkpoint per epoch; kept by DVC between runs, cleared when the run completes)
+        <out>/metrics.json (what `dvc metrics` compares: the kept epoch and its val accuracy,
+        healthy and the count of findings), <out>/health.json (every check),
+        <out>/live/ (DVCLive: per-epoch curves, x = epoch), <checkpoints>/ (resumable state, one
+        checkpoint per epoch; not a DVC output, so DVC neither deletes nor tracks it)
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
 
 A killed run resumes from its last checkpoint on the next `dvc repro` and ends with the same
@@ -92,7 +94,8 @@ def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: flo
         "lr": lr, "grad_norm": train["grad_norm"], "skipped_steps": train["skipped_steps"],
         "train/images_per_s": train["images"] / seconds, "epoch_seconds": seconds,
         "peak_memory_mb": peak_mb, "data_wait_fraction": train["data_seconds"] / train["seconds"],
-        **{f"grad_norm_layer/{k}": v for k, v in train["layer_grad_norms"].items()},
+        # "classifier.1.bias" -> "classifier_1_bias": Vega reads a dot in a field name as nesting
+        **{f"grad_norm_layer/{k.replace('.', '_')}": v for k, v in train["layer_grad_norms"].items()},
     }  # fmt: skip
 
 
@@ -271,9 +274,8 @@ def main() -> None:
         if rank == 0
         else nullcontext() as live
     ):
-        for past in (
-            history if live else []
-        ):  # a fresh staging folder: the checkpoint kept the curves so far
+        for epoch, past in enumerate(history if live else [], 1):  # a fresh staging folder: the
+            live.step = epoch  # checkpoint kept the curves so far
             for name, value in past.items():
                 live.log_metric(name, value)
             live.next_step()
@@ -302,6 +304,7 @@ def main() -> None:
             if improved:
                 best = {"accuracy": val_metrics["accuracy"], "epoch": epoch}
             if live:
+                live.step = epoch  # the curves' x is the epoch
                 for name, value in record.items():
                     live.log_metric(name, value)
                 live.next_step()
@@ -329,7 +332,11 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         shutil.move(best_path, out / "model.pt")
-        data.write_json(out / "health.json", monitor.report())
+        report = monitor.report()
+        data.write_json(out / "health.json", report)
+        compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
+        compared |= {k: report[k] for k in ("healthy", "findings")}
+        data.write_json(out / "metrics.json", compared)
         say(monitor.summary())
         checkpoint.clear(
             args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best}

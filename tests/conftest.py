@@ -19,6 +19,7 @@ PROJECT_FILES = [
     ".gitignore",
     ".dvc/config",
     ".dvc/.gitignore",
+    ".dvc/plots",
     "pipeline",
     "src",
     "data/raw",
@@ -137,3 +138,23 @@ def project(tmp_path) -> Path:
 def commit(project: Path, message: str) -> None:
     sh(project, "git", "add", "-A")
     sh(project, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+
+
+def copy_project(src: Path, dest: Path) -> Path:
+    """A copy of a project with its git history and DVC cache (not its .dvc/tmp: locks, state)."""
+
+    def skip(folder, names):
+        return ["tmp"] if Path(folder).name == ".dvc" else []
+
+    shutil.copytree(src, dest, symlinks=True, ignore=skip)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def reproduced_base(tmp_path_factory) -> Path:
+    """One full `dvc repro` of the tiny project, committed, shared by the whole session.
+    Read it as it is; a test or module that changes anything works on `copy_project` of it."""
+    project = make_project(tmp_path_factory.mktemp("base") / "project")
+    sh(project, "dvc", "repro")
+    commit(project, "first run")
+    return project

@@ -60,13 +60,13 @@ def artifact(key):
 def test_reproduce_runs_then_does_nothing_then_only_what_changed(prefect_server, project):
     from pipeline.flows import reproduce
 
-    assert reproduce(str(project)) == ["prepare", "sanity", "train", "evaluate", "export"]
+    assert reproduce(str(project)) == ["check", "prepare", "sanity", "train", "evaluate", "export"]
     assert "accuracy" in artifact("metrics").data
     assert "onnx" in str(artifact("export-parity").data)
     commit(project, "first run")
     assert reproduce(str(project)) == []  # up to date: no stage runs
     write_params(project, {"train": {"epochs": 3, "lr": 3e-3}})
-    assert reproduce(str(project)) == ["train", "evaluate", "export"]
+    assert reproduce(str(project)) == ["check", "train", "evaluate", "export"]
     assert "results/evaluate/metrics.json" in artifact("metrics-diff").data
 
 
@@ -78,10 +78,10 @@ def test_a_failing_stage_fails_the_flow_once_with_its_error(prefect_server, proj
     assert state.is_failed()
     with pytest.raises(
         Exception,
-        match=r"(?s)stage train failed \(exit \d+\).*train.epochs: Input should be a valid integer",
+        match=r"(?s)stage check failed \(exit \d+\).*train.epochs: Input should be a valid integer",
     ) as e:
         state.result()
-    assert str(e.value).count("Running stage 'train'") == 1  # failed on its own: not retried
+    assert str(e.value).count("Running stage 'check'") == 1  # failed on its own: not retried
     assert "epochs: ten" not in (project / "dvc.lock").read_text()
 
 
@@ -115,7 +115,7 @@ def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
     assert json.loads(skipped_out.splitlines()[-1]) == {"ran": []} and "skipping" in skipped_err
     first_out, first_err = first.communicate(timeout=600)
     assert first.returncode == 0, first_err[-2000:]
-    assert json.loads(first_out.splitlines()[-1])["ran"] == ["train", "evaluate", "export"]
+    assert json.loads(first_out.splitlines()[-1])["ran"] == ["check", "train", "evaluate", "export"]
     waited_out, waited_err = waiter.communicate(timeout=300)
     assert waiter.returncode == 0, waited_err[-2000:]
     assert json.loads(waited_out.splitlines()[-1]) == {"ran": []}  # it waited: then nothing to do

@@ -6,11 +6,21 @@ import yaml
 from pydantic import ValidationError
 
 from tests.conftest import ROOT
-from visionflow.params import Params, ParamsError, load_params, parse_params
+from visionflow.params import (
+    Augment,
+    Health,
+    ParamsError,
+    Prepare,
+    load_params,
+    parse_params,
+    read_yaml,
+)
+
+SHIPPED = (ROOT / "params.yaml").read_text()
 
 
 def params_with(**sections) -> dict:
-    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw = read_yaml(ROOT / "params.yaml")
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values} if isinstance(values, dict) else values
     return raw
@@ -52,9 +62,40 @@ def test_out_of_range_is_rejected():
 
 def test_float_written_1e_minus_3_is_a_float(tmp_path):
     path = tmp_path / "params.yaml"
-    path.write_text("train:\n  lr: 1e-3\n")
-    assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-3"  # PyYAML's reading
+    path.write_text(SHIPPED.replace("  lr: 1.0e-3", "  lr: 1e-3"))
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "1e-3"  # PyYAML's reading, not DVC's
     assert load_params(path).train.lr == pytest.approx(0.001)
+
+
+def test_yaml_1_1_words_are_strings_as_in_dvc(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(SHIPPED.replace("  amp: auto", "  amp: off"))
+    assert load_params(path).train.amp == "off"  # PyYAML would read False
+    path.write_text(SHIPPED.replace("  hflip: false", "  hflip: yes"))
+    with pytest.raises(
+        ParamsError, match=r"train.augment.hflip: must be true or false \(got 'yes'\)"
+    ):
+        load_params(path)
+
+
+def test_a_boolean_is_not_a_number():
+    with pytest.raises(ParamsError, match=r"train.epochs: .*integer.*True"):
+        parse_params(params_with(train={"epochs": True}))
+    with pytest.raises(ParamsError, match=r"train.lr: .*number.*False"):
+        parse_params(params_with(train={"lr": False}))
+    assert parse_params(params_with(train={"lr": 1})).train.lr == 1.0  # an int is a float
+
+
+def test_duplicate_keys_and_missing_sections_are_refused(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(SHIPPED.replace("  lr: 1.0e-3", "  lr: 1.0e-3\n  lr: 3.0e-3"))
+    with pytest.raises(ParamsError, match=r'duplicate key "lr".*\(line \d+\)'):
+        load_params(path)
+    with pytest.raises(ParamsError, match=r"sanity: missing"):
+        parse_params({k: v for k, v in params_with().items() if k != "sanity"})
+    with pytest.raises(ParamsError, match=r"train.lr: missing"):
+        parse_params(params_with(train={"lr": None}) | {"train": {
+            k: v for k, v in params_with()["train"].items() if k != "lr"}})  # fmt: skip
 
 
 def test_every_problem_is_listed_at_once():
@@ -64,16 +105,19 @@ def test_every_problem_is_listed_at_once():
 
 
 def test_defaults_match_the_shipped_file():
-    assert load_params(ROOT / "params.yaml") == Params()
+    """Keys that no stage lists keep a default (DVC does not need them); it is the shipped value."""
+    shipped = load_params(ROOT / "params.yaml")
+    assert Prepare.model_fields["workers"].default == shipped.prepare.workers
+    assert Augment() == shipped.train.augment and Health() == shipped.train.health
 
 
 def test_check_command_exits_nonzero_naming_file_and_key(tmp_path):
     path = tmp_path / "params.yaml"
-    path.write_text("seed: 0\ntrain:\n  epocs: 3\n")
+    path.write_text(SHIPPED.replace("  epochs: 20", "  epocs: 3"))
     result = subprocess.run(
         [sys.executable, "-m", "visionflow.params", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 1
     assert str(path) in result.stderr and "train.epocs" in result.stderr
-    path.write_text("seed: 0\n")
+    path.write_text(SHIPPED)
     assert subprocess.run([sys.executable, "-m", "visionflow.params", str(path)]).returncode == 0

@@ -93,7 +93,7 @@ def file_hashes(project: Path) -> dict[str, str]:
 
 def assert_invariants(project: Path) -> None:
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"prepare", "sanity", "train", "evaluate", "export"}
+    assert set(lock["stages"]) == {"check", "prepare", "sanity", "train", "evaluate", "export"}
     for path in (project / "checkpoints/train").glob("*.pt"):
         torch.load(path, weights_only=True)
     assert not trainers(project)
@@ -157,13 +157,13 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
 
 
 def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
-    lock = (project / "dvc.lock").read_bytes()
+    entry = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["evaluate"]
     results = {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()}
     write_params(project, {"evaluate": {"top_k": 2}})
     failed = repro(project, fault="stage.start@stage=evaluate:raise")
-    assert failed.returncode != 0 and ran(failed.stdout) == ["evaluate"]
+    assert failed.returncode != 0 and ran(failed.stdout) == ["check", "evaluate"]
     assert "injected fault at stage.start" in failed.stdout
-    assert (project / "dvc.lock").read_bytes() == lock
+    assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["evaluate"] == entry
     assert {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()} == results
     fixed = repro(project)
     assert fixed.returncode == 0 and ran(fixed.stdout) == ["evaluate", "export"]
@@ -212,7 +212,7 @@ def test_two_runs_started_together_never_overlap(project):
     assert len(waited) == 1  # the other went first
     assert ran(waited[0]) == [] and "Data and pipelines are up to date" in waited[0]
     first = next(o for o in outputs if o is not waited[0])
-    assert ran(first) == ["train", "evaluate", "export"]
+    assert ran(first) == ["check", "train", "evaluate", "export"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 2e-3
     commit(project, "lr 2e-3")
@@ -234,7 +234,7 @@ def test_params_edited_while_training_is_reported_and_the_next_run_retrains(proj
     assert (project / "dvc.lock").read_bytes() == lock
     assert same_weights(weights(project), BASELINE)  # not replaced by the mixed run
     rerun = repro(project)
-    assert rerun.returncode == 0 and ran(rerun.stdout)[0] == "train"
+    assert rerun.returncode == 0 and ran(rerun.stdout)[:2] == ["check", "train"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 3e-3
     commit(project, "lr 3e-3")

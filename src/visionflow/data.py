@@ -26,6 +26,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from visionflow.errors import DataError
+
 SPLITS = ("train", "val", "test")
 RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -49,10 +51,6 @@ class Decode(NamedTuple):
     background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels
     max_pixels: int = 50_000_000  # larger images are rejected from their header, undecoded
     formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
-
-
-class DataError(ValueError):
-    """The source data cannot be used; the message names the file, folder or class."""
 
 
 def digits_source() -> Source:

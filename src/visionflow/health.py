@@ -202,7 +202,7 @@ class Monitor:
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:
-        """health.json: flat numbers first (what `dvc metrics show` and `dvc exp show` list)."""
+        """health.json: flat numbers first; `healthy` and `findings` also go to the train metrics."""
         found = {f.check for f in self.findings}
         drop = loss_drop(self.losses)[2] if len(self.losses) >= 4 else 0.0
         overfit = next((f.epoch for f in self.findings if f.check == "overfitting"), 0)

@@ -1,20 +1,30 @@
 """Typed, frozen params: `params.yaml` is checked whole before any stage does work.
 
-Unknown keys, wrong types and out-of-range values are rejected with a message that names the key
-(`train.lerning_rate: unknown key; did you mean ...`). PyYAML reads `1e-3` as a string while DVC
-reads a float; pydantic's number parsing accepts both, so either spelling works.
+The file is read as DVC reads it (ruamel.yaml, YAML 1.2: `off`, `on`, `yes`, `no` are strings, `1e-3`
+is a float, a duplicate key is an error), so the checker and DVC never disagree on a value.
+Unknown keys, wrong types (a boolean is not a number) and out-of-range values are rejected with a
+message that names the key (`train.lerning_rate: unknown key; did you mean 'lr'?`). A key is
+required exactly when a stage in dvc.yaml lists it, so a missing one fails here as it would in DVC
+(tests/test_params.py holds the two together); the others have defaults.
 """
 
 import difflib
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
+def read_yaml(path: str | Path):
+    """A YAML file as DVC reads params.yaml (`dvc.utils.serialize.parse_yaml`: ruamel, safe)."""
+    from ruamel.yaml import YAML
+
+    return YAML(typ="safe").load(Path(path).read_text())
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `epochs: true` is not 1 and `hflip: 1` is not true; a float key takes an int
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 ImageFormat = Literal["PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF"]
@@ -22,25 +32,25 @@ Byte = Annotated[int, Field(ge=0, le=255)]
 
 
 class Prepare(Section):
-    source: Literal["digits", "imagefolder", "cifar10", "mnist", "fashion_mnist"] = "digits"
-    path: str = "data/raw"
-    download: bool = False
-    image_size: int = Field(16, ge=8, le=1024)
-    color: Literal["grayscale", "rgb"] = "grayscale"
-    background: tuple[Byte, Byte, Byte] = (255, 255, 255)
-    val_fraction: float = Field(0.15, gt=0, le=0.5)
-    test_fraction: float = Field(0.2, gt=0, le=0.5)
-    formats: tuple[ImageFormat, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")
-    max_pixels: int = Field(50_000_000, ge=1)
-    max_bad_fraction: float = Field(0.05, ge=0, le=1)
-    min_per_class: int = Field(5, ge=1)
-    dedupe: bool = True
-    workers: int = Field(0, ge=0)
-    max_extract_mb: int = Field(20_000, ge=1)
+    source: Literal["digits", "imagefolder", "cifar10", "mnist", "fashion_mnist"]
+    path: str
+    download: bool
+    image_size: int = Field(ge=8, le=1024)
+    color: Literal["grayscale", "rgb"]
+    background: tuple[Byte, Byte, Byte] = Field(strict=False)  # a YAML list
+    val_fraction: float = Field(gt=0, le=0.5)
+    test_fraction: float = Field(gt=0, le=0.5)
+    formats: tuple[ImageFormat, ...] = Field(strict=False)
+    max_pixels: int = Field(ge=1)
+    max_bad_fraction: float = Field(ge=0, le=1)
+    min_per_class: int = Field(ge=1)
+    dedupe: bool
+    workers: int = Field(0, ge=0)  # not in dvc.yaml: does not change the cache
+    max_extract_mb: int = Field(ge=1)
 
 
 class Sanity(Section):
-    per_class: int = Field(8, ge=1, le=32)
+    per_class: int = Field(ge=1, le=32)
 
 
 class Augment(Section):
@@ -60,62 +70,62 @@ class Health(Section):
 
 
 class Train(Section):
-    model: Literal["simple_cnn", "small_resnet", "resnet18"] = "simple_cnn"
-    pretrained: str = ""
-    checkpointing: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    epochs: int = Field(20, ge=1)
-    batch_size: int = Field(64, ge=1)
-    optimizer: Literal["adam", "adamw", "sgd"] = "adam"
-    lr: float = Field(1e-3, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    grad_clip: float = Field(0.0, ge=0)
-    accumulate: int = Field(1, ge=1)
-    amp: Literal["auto", "bf16", "fp16", "off"] = "auto"
-    scheduler: Literal["plateau", "cosine", "step", "none"] = "plateau"
-    lr_patience: int = Field(2, ge=0)
-    lr_factor: float = Field(0.5, gt=0, lt=1)
-    lr_step: int = Field(10, ge=1)
-    early_stop: int = Field(0, ge=0)
-    max_nonfinite_steps: int = Field(5, ge=1)
-    overfit_batches: int = Field(0, ge=0)
-    deterministic: bool = True
-    channels_last: bool = True
-    max_memory_gb: float = Field(4.0, ge=0)
-    compile: bool = False
-    dropout: float = Field(0.25, ge=0, lt=1)
-    auto_batch: bool = False
-    augment: Augment = Augment()
-    health: Health = Health()
+    model: Literal["simple_cnn", "small_resnet", "resnet18"]
+    pretrained: str
+    checkpointing: bool
+    device: Literal["auto", "cpu", "cuda"]
+    epochs: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    optimizer: Literal["adam", "adamw", "sgd"]
+    lr: float = Field(gt=0)
+    momentum: float = Field(ge=0, lt=1)
+    nesterov: bool
+    weight_decay: float = Field(ge=0)
+    label_smoothing: float = Field(ge=0, lt=1)
+    grad_clip: float = Field(ge=0)
+    accumulate: int = Field(ge=1)
+    amp: Literal["auto", "bf16", "fp16", "off"]
+    scheduler: Literal["plateau", "cosine", "step", "none"]
+    lr_patience: int = Field(ge=0)
+    lr_factor: float = Field(gt=0, lt=1)
+    lr_step: int = Field(ge=1)
+    early_stop: int = Field(ge=0)
+    max_nonfinite_steps: int = Field(ge=1)
+    overfit_batches: int = Field(ge=0)
+    deterministic: bool
+    channels_last: bool
+    max_memory_gb: float = Field(ge=0)
+    compile: bool
+    dropout: float = Field(ge=0, lt=1)
+    auto_batch: bool
+    augment: Augment
+    health: Health
 
 
 class Evaluate(Section):
-    batch_size: int = Field(256, ge=1)
-    top_k: int = Field(3, ge=1)
-    misclassified: int = Field(16, ge=0, le=100)
+    batch_size: int = Field(ge=1)
+    top_k: int = Field(ge=1)
+    misclassified: int = Field(ge=0, le=100)
 
 
 class Export(Section):
-    batch_size: int = Field(32, ge=3)
-    opset: int = Field(18, ge=17)
-    onnx_rtol: float = Field(1e-3, ge=0)
-    onnx_atol: float = Field(1e-5, ge=0)
-    rtol: float = Field(1e-5, ge=0)
-    atol: float = Field(1e-6, ge=0)
-    min_top1_agreement: float = Field(1.0, ge=0, le=1)
-    latency_repeats: int = Field(20, ge=1)
+    batch_size: int = Field(ge=3)
+    opset: int = Field(ge=17)
+    onnx_rtol: float = Field(ge=0)
+    onnx_atol: float = Field(ge=0)
+    rtol: float = Field(ge=0)
+    atol: float = Field(ge=0)
+    min_top1_agreement: float = Field(ge=0, le=1)
+    latency_repeats: int = Field(ge=1)
 
 
 class Params(Section):
-    seed: int = 0
-    prepare: Prepare = Prepare()
-    sanity: Sanity = Sanity()
-    train: Train = Train()
-    evaluate: Evaluate = Evaluate()
-    export: Export = Export()
+    seed: int
+    prepare: Prepare
+    sanity: Sanity
+    train: Train
+    evaluate: Evaluate
+    export: Export
 
 
 class ParamsError(ValueError):
@@ -136,6 +146,10 @@ def _model_at(loc: tuple) -> type[BaseModel]:
 def _describe(error: dict) -> str:
     loc = tuple(str(p) for p in error["loc"])
     key = ".".join(loc)
+    if error["type"] == "missing":
+        return f"{key}: missing (a stage in dvc.yaml reads it)"
+    if error["type"] == "bool_type":
+        return f"{key}: must be true or false (got {error['input']!r})"
     if error["type"] != "extra_forbidden":
         return f"{key}: {error['msg']} (got {error['input']!r})"
     valid = sorted(_model_at(loc).model_fields)
@@ -161,10 +175,18 @@ def parse_params(raw: object) -> Params:
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate a params file; any problem is a ParamsError that names the file and key."""
     path = Path(path)
+    from ruamel.yaml import YAMLError
+
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
+        raw = read_yaml(path)
+    except OSError as e:
         raise ParamsError(f"cannot read {path}: {e}") from None
+    except YAMLError as e:  # a duplicate key, a tab, an unclosed bracket: as DVC refuses them
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ParamsError(
+            f"cannot read {path}: {getattr(e, 'problem', None) or e}{where}"
+        ) from None
     try:
         return parse_params(raw)
     except ParamsError as e:

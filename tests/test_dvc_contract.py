@@ -1,0 +1,385 @@
+"""The promises hold through DVC's own commands: `dvc repro`, `dvc exp run -S`, `dvc exp show`,
+`dvc metrics`, `dvc plots`, `dvc push`/`pull`, `dvc exp push`/`pull` (not through our wrappers).
+
+Real DVC in temporary git repos copied from the session's one reproduced project.
+"""
+
+import ast
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from tests.conftest import ROOT, commit, copy_project, sh
+from visionflow.params import Params, ParamsError, Section, load_params, read_yaml
+
+STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
+
+
+def ran(result) -> list[str]:
+    return re.findall(r"Running stage '(\w+)'", result.stdout)
+
+
+def outputs(project: Path) -> dict[str, str]:
+    """sha256 of every file a stage wrote, and of dvc.lock."""
+    files = [project / "dvc.lock"]
+    for top in ("results", "data/prepared"):
+        files += [f for f in sorted((project / top).rglob("*")) if f.is_file()]
+    return {str(f.relative_to(project)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+@pytest.fixture(scope="module")
+def project(reproduced_base, tmp_path_factory) -> Path:
+    """A copy of the reproduced project that this module's tests may change (each puts it back)."""
+    return copy_project(reproduced_base, tmp_path_factory.mktemp("contract") / "project")
+
+
+# --- 1. params are checked wherever DVC would run anything -------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["dvc", "repro"],
+        ["dvc", "repro", "train"],
+        ["dvc", "exp", "run"],
+        ["dvc", "exp", "run", "-S", "train.lerning_rate=0.2"],
+    ],
+)
+def test_a_typo_stops_plain_dvc_before_any_stage(project, command):
+    params = (project / "params.yaml").read_text()
+    (project / "params.yaml").write_text(params.replace("  lr: ", "  lerning_rate: 0.1\n  lr: "))
+    before = outputs(project)
+    try:
+        result = sh(project, *command, check=False)
+        assert result.returncode != 0
+        assert "train.lerning_rate: unknown key; did you mean 'lr'?" in result.stderr
+        assert ran(result) == ["check"]  # no other stage ran
+        assert outputs(project) == before  # and no output, nor dvc.lock, was touched
+    finally:
+        (project / "params.yaml").write_text(params)
+    assert ran(sh(project, "dvc", "repro")) == []
+
+
+@pytest.mark.slow
+def test_a_valid_edit_reruns_only_the_check(project):
+    params = (project / "params.yaml").read_text()
+    before = outputs(project)
+    (project / "params.yaml").write_text("# a comment\n" + params)
+    try:
+        assert ran(sh(project, "dvc", "repro")) == ["check"]
+        after = outputs(project)
+        assert {k for k in before if before[k] != after[k]} == {"dvc.lock"}  # the same check output
+    finally:
+        (project / "params.yaml").write_text(params)
+        sh(project, "dvc", "repro")
+
+
+@pytest.mark.slow
+def test_an_appended_key_fails_the_experiment(project):
+    result = sh(project, "dvc", "exp", "run", "-S", "+train.epocs=3", check=False)
+    assert result.returncode != 0
+    assert "train.epocs: unknown key; did you mean 'epochs'?" in result.stderr
+    sh(project, "git", "checkout", "params.yaml")
+    assert ran(sh(project, "dvc", "repro")) == []
+
+
+# --- 2. one YAML for the checker and for DVC --------------------------------------------------
+
+SHIPPED = (ROOT / "params.yaml").read_text()
+CASES = {  # name: (the file, does our checker accept it)
+    "off is a string (YAML 1.2)": (SHIPPED.replace("  amp: auto", "  amp: off"), True),
+    "1e-3 is a float": (SHIPPED.replace("  lr: 1.0e-3", "  lr: 1e-3"), True),
+    "a boolean is not a number": (SHIPPED.replace("  epochs: 20", "  epochs: true"), False),
+    "on is not a boolean": (SHIPPED.replace("  hflip: false", "  hflip: on"), False),
+    "a missing section": (
+        SHIPPED[: SHIPPED.index("\nsanity:")] + SHIPPED[SHIPPED.index("\ntrain:") :],
+        False,
+    ),
+    "a duplicate key": (SHIPPED.replace("  lr: 1.0e-3", "  lr: 1.0e-3\n  lr: 2.0e-3"), False),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_checker_reads_params_as_dvc_does(case, tmp_path):
+    from dvc.utils.serialize import YAMLFileCorruptedError, parse_yaml
+
+    text, accepted = CASES[case]
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    try:
+        dvc_reads = parse_yaml(text, str(path))
+    except YAMLFileCorruptedError:
+        dvc_reads = None
+        with pytest.raises(ParamsError, match="duplicate key"):
+            load_params(path)
+    if dvc_reads is not None:
+        assert read_yaml(path) == dvc_reads  # the same values, types included
+    if accepted:
+        load_params(path)
+    else:
+        with pytest.raises(ParamsError):
+            load_params(path)
+
+
+@pytest.mark.slow
+def test_dvc_and_the_checker_agree_on_the_same_files(project):
+    """Through real `dvc repro check`: what DVC accepts, the check stage accepts, and a file DVC
+    refuses (a duplicate key, a missing section that a stage lists) the checker refuses too."""
+    shipped = (project / "params.yaml").read_text()
+    try:
+        for case, (text, accepted) in CASES.items():
+            (project / "params.yaml").write_text(text)
+            result = sh(project, "dvc", "repro", "check", check=False)
+            assert (result.returncode == 0) == accepted, (case, result.stderr)
+            if not accepted:
+                assert "ERROR" in result.stderr, case
+    finally:
+        (project / "params.yaml").write_text(shipped)
+    sh(project, "dvc", "repro", "check")
+
+
+def listed_params() -> set[str]:
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    return {key for spec in stages.values() for key in spec.get("params", [])}
+
+
+def test_a_key_is_required_exactly_when_a_stage_lists_it():
+    """DVC refuses params.yaml without a key that a stage lists, and does not care about others."""
+    listed = listed_params()
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            key = prefix + name
+            if isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+                if key not in listed:  # a section: its keys are listed one by one
+                    assert field.is_required(), key
+                    yield from walk(field.annotation, key + ".")
+                    continue
+            yield key, field.is_required()
+
+    required = dict(walk(Params))
+    assert listed <= set(required)  # every listed key is a key of the model
+    for key, is_required in required.items():
+        assert is_required == (key in listed), key
+
+
+# --- 3. deps are complete ---------------------------------------------------------------------
+
+
+def module_file(name: str) -> Path | None:
+    top, *rest = name.split(".")
+    base = {"pipeline": ROOT / "pipeline", "visionflow": ROOT / "src/visionflow"}.get(top)
+    if base is None:
+        return None
+    path = base.joinpath(*rest)
+    if path.is_dir():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+def project_modules(module: str) -> set[str]:
+    """Every project file that importing `module` can load: its imports, their imports, and so on,
+    including imports inside functions (read from the source, so a lazy import counts too)."""
+    seen, todo = set(), [module]
+    while todo:
+        parts = todo.pop().split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c loads a and a.b first
+            path = module_file(".".join(parts[:i]))
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    todo += [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return {str(p.relative_to(ROOT)) for p in seen}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_module_a_stage_loads_is_in_its_deps(stage):
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
+    assert f"python -m pipeline.{stage} " in spec["cmd"]
+    missing = project_modules(f"pipeline.{stage}") - set(spec["deps"])
+    assert not missing, f"dvc.yaml stages.{stage}.deps lacks {sorted(missing)}"
+
+
+def test_the_import_reading_sees_what_python_loads():
+    """The reading above is a superset of what a real import of the train stage loads."""
+    code = (
+        "import sys, pipeline.train; print('\\n'.join(m.__file__ for m in list(sys.modules.values())"
+        " if getattr(m, '__file__', None)))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                            text=True, check=True).stdout.split()  # fmt: skip
+    files = [Path(f).resolve() for f in loaded]
+    ours = {str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "pipeline")} | {
+        str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "src/visionflow")
+    }
+    assert "src/visionflow/health.py" in ours and ours <= project_modules("pipeline.train")
+
+
+@pytest.mark.slow
+def test_editing_a_module_the_stage_imports_makes_it_stale(project):
+    health = project / "src/visionflow/health.py"
+    text = health.read_text()
+    health.write_text(text + "\n# an edit\n")
+    try:
+        assert set(json.loads(sh(project, "dvc", "status", "--json").stdout)) == {"train"}
+    finally:
+        health.write_text(text)
+
+
+# --- 4. the committed dvc.lock matches the committed code ------------------------------------
+
+
+def test_dvc_lock_matches_the_code():
+    """Every file that dvc.lock records (code, params.yaml) has the md5 the lock says: a commit
+    that changes a stage without rerunning it fails here, in CI, rather than on a user's clone."""
+    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout.split())  # fmt: skip
+    lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert set(lock) == set(stages), "dvc.lock lacks a stage: run `dvc repro`"
+    stale = []
+    for name, entry in lock.items():
+        for dep in entry["deps"]:
+            if dep["path"] in tracked and not dep["md5"].endswith(".dir"):
+                if hashlib.md5((ROOT / dep["path"]).read_bytes()).hexdigest() != dep["md5"]:
+                    stale.append(f"{name}: {dep['path']}")
+        listed = {d.replace("${prepare.path}", "data/raw") for d in stages[name].get("deps", [])}
+        assert {d["path"] for d in entry["deps"]} == listed, f"{name}: deps differ from dvc.yaml"
+    assert not stale, f"dvc.lock predates the code; run `dvc repro` and commit dvc.lock: {stale}"
+
+
+# --- 5. metrics people compare ----------------------------------------------------------------
+
+
+def leaves(tree) -> list:
+    if isinstance(tree, dict):
+        return [leaf for value in tree.values() for leaf in leaves(value)]
+    return [tree]
+
+
+@pytest.mark.slow
+def test_metrics_are_few_and_describe_the_kept_model(reproduced_base):
+    shown = json.loads(sh(reproduced_base, "dvc", "metrics", "show", "--json").stdout)
+    files = shown[""]["data"]
+    numbers = leaves({path: f["data"] for path, f in files.items()})
+    assert 10 <= len(numbers) <= 25
+    assert all(isinstance(n, (int, float)) for n in numbers)
+    train = files["results/train/metrics.json"]["data"]
+    meta = torch.load(reproduced_base / "results/train/model.pt", weights_only=True)["meta"]
+    assert (train["best_epoch"], train["val_acc"]) == (meta["epoch"], meta["val_accuracy"])
+    scores = json.loads((reproduced_base / "results/evaluate/scores.json").read_text())
+    assert files["results/evaluate/metrics.json"]["data"]["accuracy"] == scores["accuracy"]
+    assert len(scores["per_class"]) == 10  # the details stay in a file
+
+
+@pytest.mark.slow
+def test_exp_show_after_two_experiments_fits_160_columns(project):
+    sh(project, "dvc", "exp", "run", "-S", "train.lr=3e-3")
+    sh(project, "dvc", "exp", "run", "-S", "train.lr=1e-2", "-S", "train.epochs=3")
+    env_columns = {**os.environ, "COLUMNS": "160"}
+    table = subprocess.run(
+        [str(Path(sys.executable).parent / "dvc"), "exp", "show", "--only-changed", "--no-pager"],
+        cwd=project, env=env_columns, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    sh(project, "git", "checkout", "params.yaml", "dvc.lock")
+    sh(project, "dvc", "checkout")
+    header = next(line for line in table.splitlines() if "Experiment" in line)
+    assert max(len(line) for line in table.splitlines()) <= 160
+    for column in ("accuracy", "macro_f1", "top_k_acc", "val_acc", "train.lr", "train.epochs"):
+        assert re.search(rf"\b{re.escape(column)}\b", header), (column, table)
+
+
+# --- 6. plots read right ----------------------------------------------------------------------
+
+
+def field_names(spec) -> list[str]:
+    """Every "field" a Vega-Lite spec (or part of one) reads."""
+    if isinstance(spec, list):
+        return [name for value in spec for name in field_names(value)]
+    if not isinstance(spec, dict):
+        return []
+    own = [spec["field"]] if isinstance(spec.get("field"), str) else []
+    return own + [name for value in spec.values() for name in field_names(value)]
+
+
+@pytest.mark.slow
+def test_plots_draw_every_curve_and_read_right(reproduced_base):
+    specs = json.loads(sh(reproduced_base, "dvc", "plots", "show", "--json").stdout)["data"]
+    vega = {
+        name: plots[0]["content"] for name, plots in specs.items() if plots[0]["type"] == "vega"
+    }
+    assert {"loss", "accuracy", "learning rate", "confusion"} <= set(vega)
+    layers = [n for n in vega if "grad_norm_layer" in n]
+    assert len(layers) == 8  # simple_cnn's four weights and four biases, each a curve
+    for name, spec in vega.items():  # Vega reads "a.b" as a nested field: no curve would show
+        encoding = spec.get("encoding") or spec["spec"]["encoding"]
+        assert all("." not in field for field in field_names(encoding)), name
+    lr = vega["learning rate"]["encoding"]["y"]
+    assert lr["scale"]["type"] == "log" and lr["axis"]["format"] == ".1e"  # 1e-3, not "0"
+    confusion = json.dumps(vega["confusion"])
+    assert '"title": "true class"' in confusion and '"title": "predicted class"' in confusion
+    x, y = vega["confusion"]["spec"]["encoding"]["x"], vega["confusion"]["spec"]["encoding"]["y"]
+    assert (x["field"], y["field"]) == ("predicted", "actual")  # as confusion.png: true on y
+
+
+@pytest.mark.slow
+def test_parity_differences_survive_dvc_rounding(reproduced_base):
+    metrics = json.loads((reproduced_base / "results/export/metrics.json").read_text())
+    parity = json.loads((reproduced_base / "results/export/parity.json").read_text())
+    worst = max(
+        r["max_abs_diff"] for f in ("onnx", "pt2", "torchscript") for r in parity[f].values()
+    )
+    assert metrics["diff_e6"] == round(worst * 1e6, 4)
+    shown = sh(reproduced_base, "dvc", "metrics", "show", "--md").stdout
+    assert f"| {metrics['diff_e6']} " in shown or worst == 0  # not rounded away to 0.0
+
+
+# --- 7. a DVC remote, end to end --------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_teammate_pulls_results_and_experiments_without_training(reproduced_base, tmp_path):
+    """The README's "Share results": push from one clone, pull into a fresh one, nothing retrains."""
+    origin, storage = tmp_path / "origin.git", tmp_path / "dvc-storage"
+    first = copy_project(reproduced_base, tmp_path / "first")
+    sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(origin))
+    sh(first, "git", "remote", "add", "origin", str(origin))
+    sh(first, "dvc", "remote", "add", "-d", "storage", str(storage))
+    commit(first, "a DVC remote")
+    sh(first, "dvc", "push", "--run-cache")
+    sh(first, "git", "push", "-q", "origin", "main")
+
+    second = tmp_path / "second"
+    sh(tmp_path, "git", "clone", "-q", str(origin), str(second))
+    sh(second, "dvc", "pull")
+    assert "up to date" in sh(second, "dvc", "status").stdout
+    assert ran(sh(second, "dvc", "repro")) == []
+    image = tmp_path / "digit.png"
+    Image.fromarray(np.load(second / "data/prepared/test_x.npy")[0, ..., 0]).save(image)
+    predicted = sh(second, sys.executable, "-m", "visionflow.cli", "predict", "--json", str(image))
+    assert json.loads(predicted.stdout)[0]["predictions"][0]["class"] in map(str, range(10))
+
+    sh(first, "dvc", "exp", "run", "-n", "faster", "-S", "train.lr=3e-3")
+    sh(first, "dvc", "exp", "push", "origin", "faster")
+    sh(second, "dvc", "exp", "pull", "origin", "faster")
+    listed = sh(second, "dvc", "exp", "show", "--json").stdout
+    assert '"faster"' in listed
+    sh(second, "dvc", "exp", "apply", "faster")
+    assert "up to date" in sh(second, "dvc", "status").stdout  # the results came with it
+    assert yaml.safe_load((second / "params.yaml").read_text())["train"]["lr"] == 3e-3
