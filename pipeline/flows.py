@@ -189,7 +189,11 @@ def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, wo
                 raise StageFailed(f"experiment {sets} failed (exit {code}):\n{tail}")
         if workers:
             run_queue(root, workers, stage_timeout_s * max(len(overrides or []), 1), logger)
-        table = dvc(root, "exp", "show", "--md", "--no-pager", "--only-changed").stdout
+        # what differs: metrics and params; not the changed deps' hashes (paths), nor Created
+        drop = r"Created|params\.yaml|.*/.*"
+        table = dvc(
+            root, "exp", "show", "--md", "--no-pager", "--only-changed", "--drop", drop
+        ).stdout
     create_markdown_artifact(f"## Experiments\n\n{table}", key="experiments")
     return table
 
