@@ -137,7 +137,19 @@ def project(tmp_path) -> Path:
 
 def commit(project: Path, message: str) -> None:
     sh(project, "git", "add", "-A")
-    sh(project, "git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message)
+    sh(
+        project,
+        "git",
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        message,
+    )
 
 
 def copy_project(src: Path, dest: Path) -> Path:

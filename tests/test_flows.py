@@ -123,11 +123,14 @@ def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
 
 
 def test_experiments_flow_runs_each_override_and_publishes_the_comparison(prefect_server, project):
-    from pipeline.flows import experiments
+    from pipeline.flows import experiments, reproduce
 
+    reproduce(str(project))  # the baseline the experiments are compared with (up to date in order)
+    commit(project, "baseline")
     table = experiments(str(project), [["train.lr=0.003"], ["train.epochs=3"]])
-    assert "0.003" in table and "accuracy" in table
+    assert "0.003" in table and "accuracy" in table and "train.epochs" in table
     assert artifact("experiments").data.count("\n") >= 4  # header, rule, baseline, two experiments
+    assert max(map(len, table.splitlines())) <= 160  # what differs, not every metric and dep hash
 
 
 def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
