@@ -336,6 +336,8 @@ def test_plots_draw_every_curve_and_read_right(reproduced_base):
     assert '"title": "true class"' in confusion and '"title": "predicted class"' in confusion
     x, y = vega["confusion"]["spec"]["encoding"]["x"], vega["confusion"]["spec"]["encoding"]["y"]
     assert (x["field"], y["field"]) == ("predicted", "actual")  # as confusion.png: true on y
+    diff = json.loads(sh(reproduced_base, "dvc", "plots", "diff", "HEAD", "--json").stdout)["data"]
+    assert set(diff) == set(specs)  # the README's `dvc plots diff HEAD` draws the same plots
 
 
 @pytest.mark.slow
