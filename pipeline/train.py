@@ -343,7 +343,7 @@ def main() -> None:
         )
         say(
             f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
-            f"model in {args.out / 'model.pt'}"
+            f"model.pt goes to {args.out} when the stage succeeds"
         )
 
 

@@ -121,3 +121,18 @@ def test_check_command_exits_nonzero_naming_file_and_key(tmp_path):
     assert str(path) in result.stderr and "train.epocs" in result.stderr
     path.write_text(SHIPPED)
     assert subprocess.run([sys.executable, "-m", "visionflow.params", str(path)]).returncode == 0
+
+
+def test_values_no_stage_could_use_are_refused_here():
+    """Refused by check, before prepare and sanity rerun for nothing."""
+    with pytest.raises(
+        ParamsError,
+        match=r"^invalid params:\n  train.pretrained is for model resnet18, not simple_cnn$",
+    ):
+        parse_params(params_with(train={"pretrained": "imagenet"}))
+    with pytest.raises(ParamsError, match=r"train.lr: Input should be a finite number"):
+        parse_params(params_with(train={"lr": float("inf")}))
+    with pytest.raises(ParamsError, match=r"seed: Input should be greater than or equal to 0"):
+        parse_params(params_with(seed=-1))
+    with pytest.raises(ParamsError, match=r"seed: Input should be less than 4294967296"):
+        parse_params(params_with(seed=2**32))

@@ -12,7 +12,7 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 def read_yaml(path: str | Path):
@@ -24,7 +24,8 @@ def read_yaml(path: str | Path):
 
 class Section(BaseModel):
     # strict: `epochs: true` is not 1 and `hflip: 1` is not true; a float key takes an int
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # and no inf/nan: `lr: .inf` is not a learning rate
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 ImageFormat = Literal["PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF"]
@@ -101,6 +102,12 @@ class Train(Section):
     augment: Augment
     health: Health
 
+    @model_validator(mode="after")
+    def pretrained_needs_resnet18(self):
+        if self.pretrained and self.model != "resnet18":
+            raise ValueError(f"train.pretrained is for model resnet18, not {self.model}")
+        return self
+
 
 class Evaluate(Section):
     batch_size: int = Field(ge=1)
@@ -120,7 +127,7 @@ class Export(Section):
 
 
 class Params(Section):
-    seed: int
+    seed: int = Field(ge=0, lt=2**32)  # what NumPy and scikit-learn accept as a seed
     prepare: Prepare
     sanity: Sanity
     train: Train
@@ -146,6 +153,8 @@ def _model_at(loc: tuple) -> type[BaseModel]:
 def _describe(error: dict) -> str:
     loc = tuple(str(p) for p in error["loc"])
     key = ".".join(loc)
+    if error["type"] == "value_error":  # a rule across keys: its message names them
+        return str(error["ctx"]["error"])
     if error["type"] == "missing":
         return f"{key}: missing (a stage in dvc.yaml reads it)"
     if error["type"] == "bool_type":
