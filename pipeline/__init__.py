@@ -2,24 +2,29 @@
 
 Every stage runs through `run(main)`, which closes two gaps DVC leaves:
 - Outputs are written into a staging folder (`staged(out)`) and moved into place only when the
-  stage succeeded. The outs are `persist: true`, so DVC does not delete them first: a stage that
-  fails leaves the previous results, and its dvc.lock entry, as they were.
+  stage succeeded, so a half-written or unproven output (an export that missed parity) never sits
+  at the real path. DVC deletes a stage's outputs before it runs it; after a failure they are still
+  in DVC's cache, and `dvc checkout` puts them back (`visionflow repro` and the flows do it).
 - The stage's params and deps (as dvc.yaml lists them) are fingerprinted when it starts and
   checked when it ends. DVC hashes deps only after the command, so an edit made mid-run would be
   recorded in dvc.lock against outputs the old values produced; here the stage fails instead,
-  naming what changed, and the next `dvc repro` runs it again.
+  naming what changed, and the next `dvc repro` runs it again. A file whose mtime changed but
+  whose content did not (an editor's "save all", a branch switch and back) is not a change.
 """
 
+import errno
+import hashlib
 import re
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from visionflow import faults
-from visionflow.errors import DataError
+from visionflow.errors import DataError, DiskFull
+from visionflow.files import file_hash, file_stats
 from visionflow.params import ParamsError, read_yaml
-from visionflow.runner import file_stats
 
 
 class GateError(RuntimeError):
@@ -31,6 +36,7 @@ class Interrupted(RuntimeError):
 
 
 STAGED: list[tuple[Path, Path]] = []  # (staging folder, final folder) of this process
+PUBLISHED: list[Callable[[], None]] = []  # what to do once the outputs are in place
 
 
 def staged(out: Path) -> Path:
@@ -51,12 +57,21 @@ def publish() -> None:
         tmp.rename(out)
         shutil.rmtree(old, ignore_errors=True)
     STAGED.clear()
+    while PUBLISHED:
+        PUBLISHED.pop(0)()
+
+
+def when_published(action: Callable[[], None]) -> None:
+    """Run `action` only once the stage has succeeded and its outputs are in place (say, drop
+    resumable state that a refused run would still need)."""
+    PUBLISHED.append(action)
 
 
 def discard() -> None:
     for tmp, _ in STAGED:
         shutil.rmtree(tmp, ignore_errors=True)
     STAGED.clear()
+    PUBLISHED.clear()
 
 
 def lookup(tree: dict, key: str):
@@ -65,54 +80,108 @@ def lookup(tree: dict, key: str):
     return tree
 
 
-def snapshot(stage: str) -> dict | None:
-    """The stage's param values and the (size, mtime) of every file of its deps; None outside a
-    DVC project (a stage run by hand)."""
+def stage_spec(stage: str) -> tuple[dict, dict] | None:
+    """(the stage's entry in dvc.yaml, params.yaml); None outside a DVC project (a stage run by hand)."""
     if not (Path("dvc.yaml").exists() and Path("params.yaml").exists()):
         return None
     spec = (read_yaml("dvc.yaml").get("stages") or {}).get(stage)
-    if spec is None:
-        return None
-    params = read_yaml("params.yaml") or {}
-    deps = [
-        re.sub(r"\$\{([^}]+)\}", lambda m: str(lookup(params, m[1])), d)
-        for d in spec.get("deps", [])
-    ]
-    return {
-        **{f"param {key}": lookup(params, key) for key in spec.get("params", [])},
-        **file_stats(deps),
-    }
+    return None if spec is None else (spec, read_yaml("params.yaml") or {})
 
 
-def changes(before: dict, after: dict) -> list[str]:
-    found = []
-    for key in sorted(before.keys() | after.keys()):
-        old, new = before.get(key), after.get(key)
-        if old == new:
-            continue
-        if key.startswith("param "):
-            found.append(f"params.yaml {key[6:]}: {old!r} -> {new!r}")
-        else:
-            found.append(
-                f"{key} " + ("added" if old is None else "removed" if new is None else "modified")
-            )
-    return found
+def deps_of(spec: dict, params: dict) -> list[str]:
+    """The stage's deps as dvc.yaml lists them, `${prepare.path}` filled in."""
+
+    def fill(match: re.Match) -> str:
+        return str(lookup(params, match[1]))
+
+    return [re.sub(r"\$\{([^}]+)\}", fill, d) for d in spec.get("deps", [])]
+
+
+def code_digest(stage: str) -> str:
+    """sha256 of the content of the stage's code deps (the `.py` files dvc.yaml lists); outside a
+    DVC project, of the project modules loaded so far. Resumable state is keyed by it, so a code
+    change never resumes the old code's checkpoint."""
+    found = stage_spec(stage)
+    if found:
+        files = sorted(d for d in deps_of(*found) if d.endswith(".py"))
+    else:
+        root = Path(__file__).resolve().parents[1]
+        loaded = (
+            Path(m.__file__).resolve()
+            for m in list(sys.modules.values())
+            if getattr(m, "__file__", None)
+        )
+        files = sorted(str(f) for f in loaded if f.is_relative_to(root) and ".venv" not in f.parts)
+    digest = hashlib.sha256()
+    for name in files:
+        digest.update(name.encode() + b"\0" + Path(name).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+class Snapshot:
+    """The stage's param values and the (size, mtime) of every file of its deps when it started;
+    the content hashes of those files are taken in a background thread meanwhile, so that at the
+    end a file whose stat changed is compared by content."""
+
+    def __init__(self, spec: dict, params: dict):
+        self.params_file = params
+        self.keys, self.deps = spec.get("params", []), deps_of(spec, self.params_file)
+        self.stats = file_stats(self.deps)
+        self.hashes: dict[str, str] = {}
+        self.hashing = threading.Thread(target=self.hash_all, daemon=True)
+        self.hashing.start()
+
+    def hash_all(self) -> None:
+        for path in self.stats:
+            try:
+                self.hashes[path] = file_hash(Path(path), "md5")
+            except OSError:  # removed since: the stat comparison reports it
+                pass
+
+    def changes(self) -> list[str]:
+        params = read_yaml("params.yaml") or {}
+        found = [
+            f"params.yaml {key}: {lookup(self.params_file, key)!r} -> {lookup(params, key)!r}"
+            for key in self.keys
+            if lookup(self.params_file, key) != lookup(params, key)
+        ]
+        now = file_stats(self.deps)
+        for path in sorted(self.stats.keys() | now.keys()):
+            if path not in now:
+                found.append(f"{path} removed")
+            elif path not in self.stats:
+                found.append(f"{path} added")
+            elif now[path] != self.stats[path]:
+                self.hashing.join()
+                if file_hash(Path(path), "md5") != self.hashes.get(path):
+                    found.append(f"{path} modified")
+        return found
+
+
+def disk_full_message(e: OSError) -> str | None:
+    """One line for a full disk, else None (any other OSError is a bug to show in full)."""
+    if isinstance(e, DiskFull):
+        return str(e)
+    if e.errno == errno.ENOSPC:
+        return str(DiskFull.at(Path(e.filename).parent if e.filename else Path.cwd()))
+    return None
 
 
 def run(main: Callable[[], None]) -> None:
     """Run a stage's main; a known failure prints one clear line and exits 1 (no traceback),
-    an interrupt exits 130. Either way the previous outputs stay in place."""
+    an interrupt exits 130. Either way the staging folder is removed."""
     stage = Path(sys.argv[0]).stem
-    before = snapshot(stage)
+    found = stage_spec(stage)
+    before = Snapshot(*found) if found else None
     try:
         if faults.ACTIVE:
             faults.fault("stage.start", stage=stage)
         main()
-        found = changes(before, snapshot(stage)) if before is not None else []
+        found = before.changes() if before is not None else []
         if found:
             raise GateError(
                 f"{stage}: changed while the stage ran: {'; '.join(found)}. Not recording this "
-                "run (the previous results stay); run `dvc repro` again to use the new values"
+                "run; its resumable state is kept. Run `dvc repro` again to use the new values"
             )
         publish()
     except (ParamsError, DataError, GateError) as e:
@@ -121,5 +190,11 @@ def run(main: Callable[[], None]) -> None:
     except (Interrupted, KeyboardInterrupt) as e:
         print(f"interrupted: {e or 'stopped'}", file=sys.stderr)
         sys.exit(130)
+    except OSError as e:
+        message = disk_full_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(1)
     finally:
         discard()

@@ -29,7 +29,15 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 
-from visionflow.runner import dvc_command, environment, file_stats, run_group, workspace_lock
+from visionflow.files import file_stats
+from visionflow.runner import (
+    dvc_command,
+    environment,
+    find_root,
+    restore,
+    run_group,
+    workspace_lock,
+)
 
 LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
@@ -74,6 +82,7 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         if code == 0:
             return any(ran)
         if LOCK_CONTENTION not in tail or attempt > LOCK_RETRIES:
+            restore(workdir, logger.warning)  # the previous results, from DVC's cache
             raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
         logger.warning(f"{stage}: DVC lock held by another run; retry {attempt} in {LOCK_WAIT_S} s")
         time.sleep(LOCK_WAIT_S)
@@ -148,7 +157,7 @@ def reproduce(
     `if_busy="skip"` ends at once, and its log says which.
     """
     logger = get_run_logger()
-    root = Path(workdir).resolve()
+    root = find_root(Path(workdir))
     with one_run_at_a_time(root, wait=if_busy == "wait", say=logger.warning) as held:
         if not held:
             logger.warning("another run holds this workspace: skipping (if_busy=skip)")
@@ -179,7 +188,7 @@ def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, wo
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
     logger = get_run_logger()
-    root = Path(workdir).resolve()
+    root = find_root(Path(workdir))
     queue = ["--queue"] if workers else []
     with one_run_at_a_time(root, wait=True, say=logger.warning):
         for sets in overrides or []:

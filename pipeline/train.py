@@ -4,8 +4,9 @@ Reads:  params.yaml (seed, train.*); the cache from prepare; sanity's scan (trai
 Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=True),
         <out>/metrics.json (what `dvc metrics` compares: the kept epoch and its val accuracy,
         healthy and the count of findings), <out>/health.json (every check),
-        <out>/live/ (DVCLive: per-epoch curves, x = epoch), <checkpoints>/ (resumable state, one
-        checkpoint per epoch; not a DVC output, so DVC neither deletes nor tracks it)
+        <out>/live/ (DVCLive: per-epoch curves, x = epoch), <checkpoints>/<fingerprint>/ (resumable
+        state: a checkpoint per epoch and best.pt, for this run's params, data and code only;
+        not a DVC output, so DVC neither deletes nor tracks it; removed once the stage succeeds)
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
 
 A killed run resumes from its last checkpoint on the next `dvc repro` and ends with the same
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from dvclive import Live
 from torch.nn.parallel import DistributedDataParallel
 
-from pipeline import GateError, Interrupted, run, staged
+from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
 from visionflow import checkpoint, data, faults, health
 from visionflow.augment import augment
 from visionflow.engine import (
@@ -44,7 +45,7 @@ from visionflow.engine import (
     step_scheduler,
     train_one_epoch,
 )
-from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_model
+from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
 from visionflow.params import load_params
 
 
@@ -76,14 +77,19 @@ def start_distributed(device_name: str) -> tuple[int, int]:
 
 
 def fingerprint(params, cache: Path) -> str:
-    """What a resumable checkpoint must match: the seed, train params, pretrained file and data."""
+    """What a resumable checkpoint must match: the seed, train params, pretrained file, data and
+    the content of the stage's code."""
     t = params.train
     weights = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
-    return checkpoint.fingerprint(
-        {"seed": params.seed, "train": t.model_dump(),
-         "pretrained": data.file_hash(weights) if weights else None},
-        (cache / "manifest.json").read_text(),
-    )  # fmt: skip
+    pretrained = data.file_hash(weights) if weights else None
+    run = {"seed": params.seed, "train": t.model_dump(), "pretrained": pretrained}
+    run["code"] = code_digest("train")
+    return checkpoint.fingerprint(run, (cache / "manifest.json").read_text())
+
+
+def cpu_copy(state_dict: dict) -> dict:
+    """A snapshot of the weights off the device (state_dict() holds live references)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
 
 
 def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
@@ -200,12 +206,19 @@ def main() -> None:
         shuffle.set_state(state["rng"]["shuffle"].cpu())
         augment_rng.set_state(state["rng"]["augment"].cpu())
 
-    # --- resume --------------------------------------------------------------------------------
-    args.checkpoints.mkdir(parents=True, exist_ok=True)
-    best_path = args.checkpoints / "best.pt"
+    # --- resume: the state of this fingerprint only, in its own folder -------------------------
     run_fingerprint = fingerprint(params, args.data)
-    state, why = checkpoint.load_latest(args.checkpoints, run_fingerprint, device)
+    state_dir = args.checkpoints / run_fingerprint
+    best_path, best_state = state_dir / "best.pt", None  # best_state: the best epoch, in memory
+    state, why = checkpoint.load_latest(state_dir, run_fingerprint, device)
+    if state and not best_path.exists():  # half-deleted state: the kept model cannot be had
+        state, why = None, f"not resuming from {state_dir}: its best.pt is missing; starting fresh"
     say(f"train: {why}")
+    if rank == 0:
+        if state is None:
+            shutil.rmtree(state_dir, ignore_errors=True)  # a fresh run starts a fresh folder
+        for old in checkpoint.prune(args.checkpoints, keep=state_dir):
+            say(f"train: removed the resumable state of another configuration: {old}")
     history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
     monitor = health.Monitor(t.health, meta.classes, say)
     if state:
@@ -215,8 +228,6 @@ def main() -> None:
         history, best, stale = state["history"], state["best"], state["stale"]
         monitor.load_state_dict(state["health"])
         start = state["epoch"] + 1
-    elif rank == 0:
-        best_path.unlink(missing_ok=True)
     parameters, mapped = sum(p.numel() for p in model.parameters()), not torch.is_tensor(x_train)
     say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
         f"({'memory-mapped' if mapped else 'on the device'}) / {len(y_val)} val images, "
@@ -227,6 +238,9 @@ def main() -> None:
         if rank == 0:
             data.write_json(args.out.with_name(args.out.name + ".health.json"), monitor.report())
             say(monitor.summary())
+        # nothing left to resume once the outputs are in place; until then the state stays, so a
+        # run refused at the end (a dep changed while it ran) resumes from its last epoch
+        when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
         return GateError(message)
 
     sizes = {"batch": t.batch_size, "accumulate": t.accumulate, "retried": False}
@@ -309,9 +323,10 @@ def main() -> None:
                     live.log_metric(name, value)
                 live.next_step()
                 if improved:
-                    save_model(model, {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]},
-                               best_path)  # fmt: skip
-                checkpoint.save_checkpoint(args.checkpoints, {
+                    best_meta = {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]}
+                    best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": best_meta}
+                    save_atomic(best_state, best_path)
+                checkpoint.save_checkpoint(state_dir, {
                     **training_state(), "epoch": epoch, "fingerprint": run_fingerprint,
                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "best": best, "stale": stale, "history": history, "health": monitor.state_dict(),
@@ -325,22 +340,29 @@ def main() -> None:
             )
             if stop.requested:
                 raise Interrupted(f"train stopped after epoch {epoch}; its checkpoint is in "
-                                  f"{args.checkpoints}, and `dvc repro` resumes from it")  # fmt: skip
+                                  f"{state_dir}, and `dvc repro` resumes from it")  # fmt: skip
 
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        shutil.move(best_path, out / "model.pt")
+        # the kept model: from memory when its epoch ran in this process, else from best.pt
+        if best_state is not None:
+            save_atomic(best_state, out / "model.pt")
+        elif best_path.exists():
+            shutil.copy2(best_path, out / "model.pt")
+        else:
+            shutil.rmtree(state_dir, ignore_errors=True)
+            raise GateError(f"{best_path} was deleted during the run; run again to start fresh")
         report = monitor.report()
         data.write_json(out / "health.json", report)
         compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
         compared |= {k: report[k] for k in ("healthy", "findings")}
         data.write_json(out / "metrics.json", compared)
         say(monitor.summary())
-        checkpoint.clear(
-            args.checkpoints, {"completed": True, "fingerprint": run_fingerprint, **best}
-        )
+        # nothing left to resume once the outputs are in place; until then the state stays, so a
+        # run refused at the end (a dep changed while it ran) resumes from its last epoch
+        when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
         say(
             f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
             f"model.pt goes to {args.out} when the stage succeeds"

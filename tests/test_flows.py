@@ -85,6 +85,20 @@ def test_a_failing_stage_fails_the_flow_once_with_its_error(prefect_server, proj
     assert "epochs: ten" not in (project / "dvc.lock").read_text()
 
 
+def test_a_failed_stage_gets_its_previous_results_back(prefect_server, project, monkeypatch):
+    from pipeline.flows import reproduce
+
+    write_params(project, {"train": {"epochs": 3}})
+    reproduce(str(project))  # a baseline (up to date when the tests run in order)
+    metrics = (project / "results/evaluate/metrics.json").read_bytes()
+    write_params(project, {"evaluate": {"top_k": 2}})
+    monkeypatch.setenv("VISIONFLOW_FAULT", "stage.start@stage=evaluate:raise")
+    assert reproduce(str(project), return_state=True).is_failed()
+    assert (project / "results/evaluate/metrics.json").read_bytes() == metrics  # dvc checkout
+    monkeypatch.delenv("VISIONFLOW_FAULT")
+    write_params(project, {"evaluate": {"top_k": 3}})
+
+
 def held_by_another(lock_file) -> bool:
     with open(lock_file, "a+") as handle:
         try:

@@ -81,6 +81,12 @@ def same_weights(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def state_folder(project: Path) -> Path:
+    """The resumable state of the newest configuration (one folder per fingerprint)."""
+    folders = [p for p in (project / "checkpoints/train").iterdir() if p.is_dir()]
+    return max(folders, key=lambda p: p.stat().st_mtime)
+
+
 def file_hashes(project: Path) -> dict[str, str]:
     """sha256 of every file of the project but git's and DVC's own scratch folders."""
     skip = (project / ".git", project / ".dvc" / "tmp")
@@ -94,7 +100,7 @@ def file_hashes(project: Path) -> dict[str, str]:
 def assert_invariants(project: Path) -> None:
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert set(lock["stages"]) == {"check", "prepare", "sanity", "train", "evaluate", "export"}
-    for path in (project / "checkpoints/train").glob("*.pt"):
+    for path in (project / "checkpoints/train").glob("**/*.pt"):
         torch.load(path, weights_only=True)
     assert not trainers(project)
     sh(project, "dvc", "status")
@@ -107,7 +113,7 @@ def assert_resumes_to_the_baseline(project: Path, epoch: int) -> None:
     """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted run."""
     resumed = repro(project, "-f", "-s", "train")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert f"resuming from checkpoints/train/epoch-{epoch:04d}.pt" in resumed.stdout
+    assert re.search(rf"resuming from checkpoints/train/\w+/epoch-{epoch:04d}\.pt", resumed.stdout)
     assert same_weights(weights(project), BASELINE)
     assert_invariants(project)
 
@@ -130,14 +136,14 @@ def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(project):
     )
     assert killed.returncode != 0
     assert same_weights(weights(project), BASELINE)  # the previous model is in place
-    assert (project / "checkpoints/train/epoch-0003.pt").exists()
+    assert (state_folder(project) / "epoch-0003.pt").exists()
     assert_resumes_to_the_baseline(project, 3)
 
 
 def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
     killed = repro(project, "-f", "-s", "train", fault="checkpoint.write@epoch=3:kill")
     assert killed.returncode != 0
-    folder = project / "checkpoints/train"
+    folder = state_folder(project)
     assert list(folder.glob(".epoch-0003.pt.*.tmp"))  # the half-written file
     assert not (folder / "epoch-0003.pt").exists()
     assert torch.load(folder / "epoch-0002.pt", weights_only=True)["epoch"] == 2
@@ -149,7 +155,7 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
     failed = repro(project, "-f", "-s", "train", fault="train.loss@epoch=2:nan")
     assert failed.returncode != 0
     assert "loss was not finite for 5 steps in a row (epoch 2, step 5)" in failed.stdout
-    folder = project / "checkpoints/train"
+    folder = state_folder(project)
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-0001.pt"]
     assert torch.load(folder / "epoch-0001.pt", weights_only=True)["epoch"] == 1
     assert same_weights(weights(project), BASELINE)
@@ -181,7 +187,7 @@ def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_p
     output = run.communicate(timeout=300)[0]
     assert run.returncode != 0
     assert "train stopped after epoch 2" in output, output
-    assert torch.load(project / "checkpoints/train/epoch-0002.pt", weights_only=True)["epoch"] == 2
+    assert torch.load(state_folder(project) / "epoch-0002.pt", weights_only=True)["epoch"] == 2
     assert same_weights(weights(project), BASELINE)
     assert_resumes_to_the_baseline(project, 2)
 

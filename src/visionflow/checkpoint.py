@@ -2,12 +2,15 @@
 
 A checkpoint is a plain dict (tensors, numbers, strings, lists): model, optimizer, scheduler and
 scaler state, epoch, best metric, RNG states, the metric history (so curves survive a resume) and a
-fingerprint of the params and data it was trained on. A checkpoint with another fingerprint is not
-resumed; an unreadable one (a killed write, a truncated file) falls back to the one before.
+fingerprint of the params, data and code it was trained with. Each fingerprint has its own folder,
+so a run never resumes, rotates or deletes another configuration's files; the newest KEEP_RUNS
+folders are kept. An unreadable checkpoint (a killed write, a truncated file) falls back to the
+one before.
 """
 
 import hashlib
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -15,7 +18,8 @@ import torch
 
 from visionflow.models import save_atomic
 
-KEEP = 2  # newest checkpoints kept; older ones are removed after each save
+KEEP = 2  # newest checkpoints kept in a fingerprint's folder; older ones go after each save
+KEEP_RUNS = 3  # fingerprint folders kept (the current one and the newest others)
 
 
 def fingerprint(params: dict, data_manifest: str) -> str:
@@ -26,7 +30,7 @@ def fingerprint(params: dict, data_manifest: str) -> str:
 
 def save_checkpoint(folder: Path, state: dict) -> Path:
     path = folder / f"epoch-{state['epoch']:04d}.pt"
-    save_atomic(state, path, epoch=state["epoch"])
+    save_atomic(state, path, epoch=state["epoch"])  # makes the folder again if it was deleted
     for old in sorted(folder.glob("epoch-*.pt"))[:-KEEP]:
         old.unlink()
     return path
@@ -34,7 +38,7 @@ def save_checkpoint(folder: Path, state: dict) -> Path:
 
 def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None, str]:
     """The newest readable checkpoint with the expected fingerprint, and a line saying why."""
-    for stray in folder.glob(".epoch-*.tmp"):  # left by a write that was killed
+    for stray in folder.glob(".*.tmp"):  # left by a write that was killed
         stray.unlink()
     for path in sorted(folder.glob("epoch-*.pt"), reverse=True):
         try:
@@ -50,8 +54,12 @@ def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None,
     return None, "no checkpoint to resume; starting fresh"
 
 
-def clear(folder: Path, summary: dict) -> None:
-    """After a completed run: nothing left to resume; `last_run.json` says how it ended."""
-    for path in folder.glob("epoch-*.pt"):
-        path.unlink()
-    (folder / "last_run.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+def prune(root: Path, keep: Path) -> list[Path]:
+    """Remove the state folders of other fingerprints beyond the newest KEEP_RUNS - 1 (by mtime);
+    `keep`, the current one, is never touched. Returns what was removed."""
+    others = [p for p in root.glob("*") if p.is_dir() and p != keep] if root.is_dir() else []
+    others.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = others[KEEP_RUNS - 1 :]
+    for folder in removed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return removed

@@ -119,9 +119,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return repro(Path.cwd(), args.dvc_args, wait=args.if_busy == "wait")
     if args.command == "verify":
+        from visionflow.runner import NotAProject, find_root
         from visionflow.verify import verify
 
-        return verify(Path.cwd(), args.data)
+        try:
+            root = find_root(Path.cwd())
+            return verify(root, root / args.data)
+        except NotAProject as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.top_k < 1:
         parser.error("--top-k must be at least 1")
     return predict(args)

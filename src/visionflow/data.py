@@ -15,6 +15,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,7 +27,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from visionflow.errors import DataError
+from visionflow.errors import DataError, DiskFull
+from visionflow.files import file_hash
 
 SPLITS = ("train", "val", "test")
 RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
@@ -343,15 +345,6 @@ def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[f
     return mean.tolist(), std.tolist()
 
 
-def file_hash(path: Path, algorithm: str = "sha256") -> str:
-    """A file's hash (hex), read a block at a time."""
-    digest = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -413,6 +406,11 @@ def build_cache(
     channels = 1 if decode.color == "grayscale" else 3
     scratch = out / ".decoded.npy"  # all images, in source order; removed when done
     shape = (len(source.images), decode.size, decode.size, channels)
+    # the decoded scratch, then the split arrays beside it, then labels: check before mapping, as a
+    # memory-mapped write to a full disk kills the process with SIGBUS, which nothing can catch
+    needed = 2 * int(np.prod(shape)) + 8 * len(source.images) + 2**20
+    if shutil.disk_usage(out).free < needed:
+        raise DiskFull.at(out, needed)
     np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape).flush()
     pixels = None
     try:

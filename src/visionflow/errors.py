@@ -3,3 +3,15 @@
 
 class DataError(ValueError):
     """The source data cannot be used; the message names the file, folder or class."""
+
+
+class DiskFull(OSError):
+    """No room to write; the message names the folder and, where known, the bytes needed and free."""
+
+    @classmethod
+    def at(cls, folder, needed: int | None = None) -> "DiskFull":
+        import shutil
+
+        free = shutil.disk_usage(folder).free
+        need = f"{needed / 2**20:.1f} MB needed, " if needed is not None else ""
+        return cls(f"disk full: no room to write in {folder} ({need}{free / 2**20:.1f} MB free)")

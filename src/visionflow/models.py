@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from visionflow import faults
+from visionflow.errors import DiskFull
 
 
 class SimpleCNN(nn.Module):
@@ -192,6 +193,11 @@ def save_atomic(obj: dict, path: Path, **where) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except RuntimeError as e:  # torch's zip writer on a full disk: "unexpected pos 576 vs 534"
+        Path(tmp).unlink(missing_ok=True)
+        if "unexpected pos" in str(e) or "write failed" in str(e):
+            raise DiskFull.at(path.parent) from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

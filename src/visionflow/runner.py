@@ -1,10 +1,15 @@
-"""Run `dvc` safely: one run per workspace, and no stage process outliving its `dvc`.
+"""Run `dvc` safely: one run per workspace, no stage process outliving its runner, nothing lost.
 
-DVC does not support two runs in one workspace, and a kill of `dvc` alone leaves the stage's
-command running. `visionflow repro` (and the Prefect flows) therefore hold an OS file lock on
-`.dvc/tmp/visionflow-run.lock` (the kernel releases it when the holder dies, so a dead run never
-blocks the next) and start `dvc` in its own process group, which is killed whole whenever `dvc`
-ends. Ctrl-C and SIGTERM are passed on to the group, so training stops at a safe point.
+DVC does not support two runs in one workspace, a kill of `dvc` alone leaves the stage's command
+running, and a failed stage leaves its outputs deleted (they stay in DVC's cache). So
+`visionflow repro` (and the Prefect flows):
+- hold an OS file lock on `.dvc/tmp/visionflow-run.lock` of the project root (found as DVC finds
+  it: the nearest folder above with a `.dvc`); the kernel releases it when its holders die;
+- start `dvc` in its own process group, killed whole when `dvc` ends, and beside it a reaper: a
+  small process that kills the group when the runner dies, even by SIGKILL, and holds the lock
+  until the group is gone, so no second run starts while a stage of the first still lives;
+- pass Ctrl-C and SIGTERM on to the group, so training stops at a safe point;
+- after a failed `dvc repro`, run `dvc checkout`: the previous results come back from the cache.
 
     visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS...]
 """
@@ -20,6 +25,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
+
+# The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
+# however it ends), then kills the process group until none of it is left, zombies included (DVC
+# takes a dead run's lock entry for a live one until its process is reaped), for at most 30 s.
+REAPER = """
+import os, signal, sys, time
+group, deadline = int(sys.argv[1]), time.monotonic() + 30
+sys.stdin.buffer.read()
+while time.monotonic() < deadline:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        break
+    time.sleep(0.05)
+"""
+
+
+class NotAProject(RuntimeError):
+    """No `.dvc` folder here or above."""
+
 
 def environment() -> dict[str, str]:
     """Stages run `python -m ...`: this interpreter's folder goes first on PATH."""
@@ -30,17 +56,13 @@ def dvc_command() -> list[str]:
     return [sys.executable, "-m", "dvc"]
 
 
-def file_stats(paths) -> dict[str, tuple[int, int]]:
-    """(size, mtime) of every file at or under `paths`, hidden files and __pycache__ skipped:
-    cheap enough to compare before and after a run, or every half second while watching."""
-    found = {}
-    for path in map(Path, paths):
-        files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
-        for f in files:
-            if f.is_file() and "__pycache__" not in f.parts and not f.name.startswith("."):
-                stat = f.stat()
-                found[str(f)] = (stat.st_size, stat.st_mtime_ns)
-    return found
+def find_root(start: Path) -> Path:
+    """The DVC project `start` is in, as DVC finds it: the nearest folder with a `.dvc` folder."""
+    start = start.resolve()
+    for folder in (start, *start.parents):
+        if (folder / ".dvc").is_dir():
+            return folder
+    raise NotAProject(f"{start} is not inside a DVC project (no .dvc folder here or above)")
 
 
 @contextmanager
@@ -57,9 +79,11 @@ def workspace_lock(workdir: Path, wait: bool, say: Callable[[str], None] = print
                 return
             say("another run holds this workspace: waiting for it to finish")
             fcntl.flock(handle, fcntl.LOCK_EX)
+        HELD.append(handle.fileno())
         try:
             yield True
         finally:
+            HELD.remove(handle.fileno())
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -68,12 +92,19 @@ def run_group(
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. SIGINT and SIGTERM sent to
     this process are passed on to the group; when `cmd` ends, or this call ends early (timeout,
-    cancellation, an error), whatever is left of the group is killed.
+    cancellation, an error), whatever is left of the group is killed; if this process dies, the
+    reaper kills it.
 
     Returns the exit code and the output's last 4,000 characters.
     """
     process = subprocess.Popen(cmd, cwd=workdir, env=environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    reaper = subprocess.Popen(
+        [sys.executable, "-c", REAPER, str(process.pid)],
+        stdin=subprocess.PIPE,
+        pass_fds=tuple(HELD),  # the workspace lock stays held until the group is gone
+        start_new_session=True,  # not killed with this process's group
+    )
 
     def kill_group() -> None:
         try:
@@ -113,16 +144,33 @@ def run_group(
             signal.signal(s, handler)
         kill_group()  # timeout, cancellation, an error: nothing may survive
         watcher.join()
+        reaper.stdin.close()  # the group is gone: the reaper finds nothing and ends
+        reaper.wait()
 
 
-def repro(
-    workdir: Path, args: list[str], wait: bool = True, timeout_s: float = 7 * 24 * 3600
-) -> int:
+def restore(workdir: Path, log: Callable[[str], None]) -> None:
+    """After a failed run: `dvc checkout` puts back every output that dvc.lock records (the
+    failed stage's previous results among them) from DVC's cache."""
+    code, tail = run_group([*dvc_command(), "checkout"], workdir, 600, lambda line: None)
+    if code == 0:
+        log("restored the previous results from DVC's cache (dvc checkout)")
+    else:
+        log(f"dvc checkout could not restore the previous results:\n{tail}")
+
+
+def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 * 24 * 3600) -> int:
     """`dvc repro ARGS` under the workspace lock and in its own process group; its exit code."""
+    try:
+        workdir = find_root(start)
+    except NotAProject as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with workspace_lock(workdir, wait) as held:
         if not held:
             print("another run holds this workspace: skipping (--if-busy skip)")
             return 0
         code, _ = run_group([*dvc_command(), "repro", *args], workdir, timeout_s,
                             lambda line: print(line, flush=True))  # fmt: skip
+        if code != 0:
+            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
         return code

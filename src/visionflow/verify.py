@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from visionflow.data import DataError, file_hash, verify_cache
+from visionflow.data import DataError, verify_cache
+from visionflow.files import file_hash
 
 
 def uncached_outs(root: Path) -> set[str]:

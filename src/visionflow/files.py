@@ -1,0 +1,26 @@
+"""File hashes and stats, torch-free: the cache manifest, `visionflow verify`, the mid-run guard."""
+
+import hashlib
+from pathlib import Path
+
+
+def file_hash(path: Path, algorithm: str = "sha256") -> str:
+    """A file's hash (hex), read a block at a time."""
+    digest = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_stats(paths) -> dict[str, tuple[int, int]]:
+    """(size, mtime) of every file at or under `paths`, hidden files and __pycache__ skipped:
+    cheap enough to compare before and after a run, or every half second while watching."""
+    found = {}
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else path.rglob("*") if path.is_dir() else []
+        for f in files:
+            if f.is_file() and "__pycache__" not in f.parts and not f.name.startswith("."):
+                stat = f.stat()
+                found[str(f)] = (stat.st_size, stat.st_mtime_ns)
+    return found

@@ -1,0 +1,279 @@
+"""Nothing lost, on DVC's own semantics: cached outputs and the run-cache, resumable state that is
+scratch keyed by params, data and code, a content-aware mid-run guard, disk full, a killed runner.
+
+Each test works on its own copy of the session's reproduced project (so each passes alone), with
+4 epochs so that there is something to kill and resume; plain `dvc` where the promise is DVC's,
+`visionflow repro` where it adds one.
+"""
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import commit, copy_project, sh, write_params
+from tests.test_reliability import assert_invariants, env, ran, read_until, repro, start, trainers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def project(reproduced_base, tmp_path) -> Path:
+    """A copy of the reproduced project, retrained with 4 epochs and committed."""
+    project = copy_project(reproduced_base, tmp_path / "project")
+    write_params(project, {"train": {"epochs": 4}})
+    sh(project, "dvc", "repro")
+    commit(project, "4 epochs")
+    return project
+
+
+def start_dvc(project: Path, *args: str, fault: str = "") -> subprocess.Popen:
+    """Plain `dvc ARGS` in its own session, output readable line by line."""
+    dvc = str(Path(sys.executable).parent / "dvc")
+    return subprocess.Popen([dvc, *args], cwd=project, env=env(project, fault), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def states(project: Path) -> list[Path]:
+    """The fingerprint folders of the resumable state, newest first."""
+    root = project / "checkpoints/train"
+    folders = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    return sorted(folders, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+def results(project: Path) -> dict[str, str]:
+    files = [f for f in sorted((project / "results").rglob("*")) if f.is_file()]
+    return {str(f.relative_to(project)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+
+
+def clean(project: Path) -> bool:
+    return sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
+
+
+def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(project):
+    before = results(project)
+    write_params(project, {"train": {"lr": 3e-3}})
+    assert ran(sh(project, "dvc", "repro").stdout) == ["check", "train", "evaluate", "export"]
+    write_params(project, {"train": {"lr": 1e-3}})
+    back = sh(project, "dvc", "repro").stdout
+    assert ran(back) == ["check"]  # no training
+    for stage in ("train", "evaluate", "export"):
+        assert f"Stage '{stage}' is cached - skipping run, checking out outputs" in back
+    assert results(project) == before and clean(project)
+    write_params(project, {"train": {"lr": 3e-3}})
+    experiment = sh(project, "dvc", "exp", "run", "-S", "train.lr=0.003").stdout
+    assert "Stage 'train' is cached" in experiment and "Running stage 'train'" not in experiment
+
+
+def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(project):
+    sh(project, "git", "checkout", "-q", "HEAD~1")
+    sh(project, "dvc", "checkout")
+    assert clean(project)  # no uncached output (resumable state) to miss
+    sh(project, "git", "checkout", "-q", "main")
+    sh(project, "dvc", "checkout")
+    assert clean(project)
+    sh(project, "dvc", "exp", "run", "-n", "lr3", "-S", "train.lr=3e-3")
+    sh(project, "git", "checkout", "params.yaml", "dvc.lock")
+    sh(project, "dvc", "checkout")
+    sh(project, "dvc", "exp", "apply", "lr3")
+    assert clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
+
+
+def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(project):
+    before = results(project)
+    lock = (project / "dvc.lock").read_text()
+    write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})  # a parity miss
+    failed = sh(project, "dvc", "repro", check=False)
+    assert failed.returncode != 0 and "parity missed" in failed.stderr
+    lock_after = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert lock_after["export"] == yaml.safe_load(lock)["stages"]["export"]  # not recorded
+    assert not (project / "results/export").exists()  # DVC deleted it; the cache keeps it
+    sh(project, "dvc", "checkout")  # the README's one command
+    after = results(project)
+    assert after.pop("results/export.miss.json") and after == before
+
+
+def test_an_mtime_only_touch_mid_run_keeps_the_run(project, tmp_path):
+    go = tmp_path / "go"
+    run = start_dvc(
+        project, "repro", "-f", "-s", "train", fault=f"train.epoch_end@epoch=2:pause={go}"
+    )
+    read_until(run, "fault: pause")
+    for name in ("src/visionflow/engine.py", "params.yaml", "data/prepared/train_x.npy"):
+        os.utime(project / name)  # an editor's "save all", a branch switch and back
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 0, output
+    assert not states(project)  # done: nothing left to resume
+    assert_invariants(project)
+
+
+def fresh_config(project: Path) -> None:
+    """Params that never ran here, so the run-cache cannot stand in for training."""
+    write_params(project, {"train": {"lr": 2e-3}})
+
+
+def test_a_real_change_mid_run_is_refused_and_the_next_run_resumes(project, tmp_path):
+    fresh_config(project)
+    go = tmp_path / "go"
+    run = start_dvc(
+        project, "repro", "-f", "-s", "train", fault=f"train.epoch_end@epoch=3:pause={go}"
+    )
+    read_until(run, "fault: pause")
+    scan = project / "results/sanity/scan.json"
+    original = scan.read_bytes()
+    scan.write_bytes(original + b" ")
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0 and "results/sanity/scan.json modified" in output, output
+    assert "its resumable state is kept" in output
+    scan.write_bytes(original)
+    resumed = sh(project, "dvc", "repro", "-s", "train").stdout
+    assert re.search(
+        r"resuming from checkpoints/train/\w+/epoch-0004\.pt \(epoch 4 done\)", resumed
+    )
+
+
+def test_a_new_config_never_deletes_the_state_of_the_current_run(project):
+    killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=3:kill")
+    assert killed.returncode != 0
+    first = states(project)[0]
+    write_params(project, {"train": {"lr": 2e-3}})
+    killed = repro(project, "-s", "train", fault="train.epoch_end@epoch=2:kill")
+    assert killed.returncode != 0
+    second = states(project)[0]
+    assert second != first and first.exists()  # each configuration has its own folder
+    assert sorted(p.name for p in second.glob("epoch-*.pt")) == ["epoch-0001.pt", "epoch-0002.pt"]
+    resumed = repro(project, "-s", "train")
+    assert f"resuming from checkpoints/train/{second.name}/epoch-0002.pt" in resumed.stdout
+    write_params(project, {"train": {"lr": 1e-3}})  # back to the first: its state resumes
+    resumed = repro(project, "-f", "-s", "train")
+    assert f"resuming from checkpoints/train/{first.name}/epoch-0003.pt" in resumed.stdout
+
+
+def test_a_code_change_does_not_resume_the_old_codes_checkpoint(project):
+    killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=2:kill")
+    assert killed.returncode != 0 and states(project)
+    engine = project / "src/visionflow/engine.py"
+    engine.write_text(engine.read_text() + "\n# a fix\n")
+    rerun = repro(project, "-s", "train")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "no checkpoint to resume; starting fresh" in rerun.stdout
+    assert "epoch   1/4" in rerun.stdout  # trained from the first epoch with the new code
+    assert_invariants(project)
+
+
+def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
+    go = tmp_path / "go"
+    run = start_dvc(
+        project, "repro", "-f", "-s", "train", fault=f"train.epoch_end@epoch=2:pause={go}"
+    )
+    read_until(run, "fault: pause")
+    subprocess.run(["rm", "-rf", str(project / "checkpoints/train")], check=True)  # a disk cleanup
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 0, output  # the best model was kept in memory too
+    assert clean(project)
+
+    fresh_config(project)
+    killed = repro(project, "-s", "train", fault="train.epoch_end@epoch=3:kill")
+    assert killed.returncode != 0
+    (states(project)[0] / "best.pt").unlink()  # half-deleted
+    rerun = repro(project, "-s", "train")
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert "its best.pt is missing; starting fresh" in rerun.stdout
+    assert_invariants(project)
+
+
+def test_sigkill_of_the_runner_leaves_no_stage_and_no_overlap(project, tmp_path):
+    fresh_config(project)
+    run = start(project, "-s", "train", fault=f"train.epoch_end@epoch=2:pause={tmp_path / 'never'}")
+    read_until(run, "fault: pause")
+    assert trainers(project)
+    os.kill(run.pid, signal.SIGKILL)  # the runner only: `kill -9 PID`
+    run.wait()
+    deadline = time.monotonic() + 10
+    while trainers(project) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not trainers(project)
+    lock = project / ".dvc/tmp/visionflow-run.lock"  # held by the reaper until the group is gone
+    while (
+        subprocess.run(["flock", "-n", str(lock), "true"]).returncode
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0
+    rerun = repro(project, "-s", "train")
+    assert rerun.returncode == 0 and "resuming from" in rerun.stdout
+    assert_invariants(project)
+
+
+def test_the_runner_finds_the_project_root_and_creates_nothing_elsewhere(project):
+    docs = project / "docs"
+    docs.mkdir()
+    result = subprocess.run([sys.executable, "-m", "visionflow.cli", "repro"], cwd=docs,
+                            env=env(project), capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0 and "Data and pipelines are up to date" in result.stdout
+    assert not (docs / ".dvc").exists()
+    outside = subprocess.run([sys.executable, "-m", "visionflow.cli", "repro"], cwd=project.parent,
+                             env=env(project), capture_output=True, text=True)  # fmt: skip
+    assert outside.returncode == 2 and "is not inside a DVC project" in outside.stderr
+    assert not (project.parent / ".dvc").exists()
+
+
+def test_an_experiment_started_during_a_run_loses_no_epoch(project, tmp_path):
+    fresh_config(project)
+    commit(project, "a fresh config")
+    go = tmp_path / "go"
+    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=3:pause={go}")
+    read_until(run, "fault: pause")
+    experiment = sh(project, "dvc", "exp", "run", "-S", "train.lr=3e-3", check=False)
+    assert experiment.returncode != 0  # DVC's own lock: but it wrote params.yaml first
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0 and "params.yaml train.lr: 0.002 -> 0.003" in output, output
+    sh(project, "git", "checkout", "params.yaml")
+    resumed = repro(project)
+    assert "(epoch 4 done)" in resumed.stdout and resumed.returncode == 0, resumed.stdout
+    assert_invariants(project)
+
+
+def tmpfs(path: Path, size: str):
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here to fill")
+    return path
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    disk = tmpfs(tmp_path / "disk", "200k")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(project, full_disk):
+    stage_env = env(project)
+    prepare = subprocess.run([sys.executable, "-m", "pipeline.prepare", "--out", str(full_disk / "prepared")],
+                             cwd=project, env=stage_env, capture_output=True, text=True)  # fmt: skip
+    assert prepare.returncode == 1 and "Traceback" not in prepare.stderr
+    assert re.search(rf"error: disk full: no room to write in {full_disk}/prepared.partial "
+                     r"\([\d.]+ MB needed, 0\.\d MB free\)", prepare.stderr), prepare.stderr  # fmt: skip
+    train = subprocess.run([sys.executable, "-m", "pipeline.train", "--data", "data/prepared",
+                            "--out", str(full_disk / "train"), "--checkpoints", str(full_disk / "ck")],
+                           cwd=project, env=stage_env, capture_output=True, text=True)  # fmt: skip
+    assert train.returncode == 1 and "Traceback" not in train.stderr
+    assert f"error: disk full: no room to write in {full_disk}/" in train.stderr, train.stderr
+    left = [p.relative_to(full_disk) for p in full_disk.rglob("*") if p.is_file()]
+    assert [p.name for p in left] in ([], ["best.pt"])  # no partial array, temp file or staging
+    assert not list(full_disk.glob("*.partial"))  # (a complete best.pt is resumable state)
+    assert clean(project)  # the project's own results untouched
