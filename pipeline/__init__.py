@@ -132,9 +132,13 @@ class Snapshot:
         self.hashing.start()
 
     def hash_all(self) -> None:
-        for path in self.stats:
+        """A file's start hash counts only if its stat still equals the snapshot's after hashing;
+        one changed before the thread reached it has no start hash, so it counts as modified."""
+        for path, stat in self.stats.items():
             try:
-                self.hashes[path] = file_hash(Path(path), "md5")
+                digest = file_hash(Path(path), "md5")
+                if file_stats([path]).get(path) == stat:
+                    self.hashes[path] = digest
             except OSError:  # removed since: the stat comparison reports it
                 pass
 
@@ -162,8 +166,9 @@ def disk_full_message(e: OSError) -> str | None:
     """One line for a full disk, else None (any other OSError is a bug to show in full)."""
     if isinstance(e, DiskFull):
         return str(e)
-    if e.errno == errno.ENOSPC:
-        return str(DiskFull.at(Path(e.filename).parent if e.filename else Path.cwd()))
+    if e.errno == errno.ENOSPC:  # without a file name: where this stage was writing
+        where = Path(e.filename).parent if e.filename else (STAGED[0][0] if STAGED else Path.cwd())
+        return str(DiskFull.at(where))
     return None
 
 
@@ -181,14 +186,16 @@ def run(main: Callable[[], None]) -> None:
         if found:
             raise GateError(
                 f"{stage}: changed while the stage ran: {'; '.join(found)}. Not recording this "
-                "run; its resumable state is kept. Run `dvc repro` again to use the new values"
+                "run. Its resumable state is kept: undo the change and `dvc repro` resumes from "
+                "it; or keep the change and `dvc repro` runs the stage with it (for a code, params "
+                "or data change, training starts again)"
             )
         publish()
     except (ParamsError, DataError, GateError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     except (Interrupted, KeyboardInterrupt) as e:
-        print(f"interrupted: {e or 'stopped'}", file=sys.stderr)
+        print(f"interrupted: {str(e) or 'stopped at once'}", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
         message = disk_full_message(e)

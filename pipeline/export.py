@@ -14,12 +14,14 @@ Run:    python -m pipeline.export --model results/train/model.pt --data data/pre
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from pipeline import GateError, run, staged
 from visionflow import data
+from visionflow.errors import DiskFull
 from visionflow.export import check_formats, export_all, latency_table
 from visionflow.inference import describe, module_runner, normalise, spec_of
 from visionflow.models import load_model
@@ -72,6 +74,11 @@ def main() -> None:
     example = torch.from_numpy(normalise(pixels, spec))
 
     out = staged(args.out)  # moved to args.out only when every parity check passes
+    needed = (
+        4 * args.model.stat().st_size + 2**20
+    )  # three formats of about the model's size, reports
+    if shutil.disk_usage(out).free < needed:  # torch.jit.save aborts the process on a full disk
+        raise DiskFull.at(out, needed)
     metadata = describe(meta["classes"], spec)
     paths, exporter = export_all(model, example, out, e.opset, metadata)
     parity, runners = check_formats(

@@ -31,6 +31,7 @@ from prefect.deployments import run_deployment
 
 from visionflow.files import file_stats
 from visionflow.runner import (
+    STAGE_FAILED,
     dvc_command,
     environment,
     find_root,
@@ -82,7 +83,8 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         if code == 0:
             return any(ran)
         if LOCK_CONTENTION not in tail or attempt > LOCK_RETRIES:
-            restore(workdir, logger.warning)  # the previous results, from DVC's cache
+            if STAGE_FAILED in tail:  # the stage itself failed: its results, from DVC's cache
+                restore(workdir, logger.warning)
             raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
         logger.warning(f"{stage}: DVC lock held by another run; retry {attempt} in {LOCK_WAIT_S} s")
         time.sleep(LOCK_WAIT_S)

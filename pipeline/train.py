@@ -211,8 +211,11 @@ def main() -> None:
     state_dir = args.checkpoints / run_fingerprint
     best_path, best_state = state_dir / "best.pt", None  # best_state: the best epoch, in memory
     state, why = checkpoint.load_latest(state_dir, run_fingerprint, device)
-    if state and not best_path.exists():  # half-deleted state: the kept model cannot be had
-        state, why = None, f"not resuming from {state_dir}: its best.pt is missing; starting fresh"
+    if state and not checkpoint.readable(best_path):  # half-deleted or corrupt: no kept model
+        state, why = (
+            None,
+            f"not resuming from {state_dir}: its best.pt is missing or unreadable; starting fresh",
+        )
     say(f"train: {why}")
     if rank == 0:
         if state is None:

@@ -154,13 +154,16 @@ def test_rerun_only_what_changed_and_the_gate_holds(reproduced):
     write_params(project, {"sanity": {"per_class": 3}})
     assert ran(sh(project, "dvc", "repro")) == ["check", "sanity"]  # same scan.json: no train
 
-    # A parity miss fails export and promotes nothing: the last good export and its dvc.lock
-    # entry stay as they were; the failed report is kept beside them.
+    # A parity miss fails export and promotes nothing: its dvc.lock entry stays as it was, the
+    # unproven files never reach results/export, `dvc checkout` brings the last good export back
+    # from the cache, and the failed report is kept beside it.
     before = {p.name: p.read_bytes() for p in (project / "results/export").iterdir()}
     write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})
     failed = sh(project, "dvc", "repro", check=False)
     assert failed.returncode != 0 and ran(failed) == ["check", "export"]
     assert "parity missed" in failed.stderr
+    assert not (project / "results/export").exists()
+    sh(project, "dvc", "checkout")
     assert {p.name: p.read_bytes() for p in (project / "results/export").iterdir()} == before
     assert json.loads(before["parity.json"])["passed"] is True
     miss = json.loads((project / "results/export.miss.json").read_text())

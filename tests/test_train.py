@@ -247,7 +247,11 @@ def test_changed_params_do_not_resume_an_old_checkpoint(workdir):
     write_params(workdir, {"train": {"lr": 2e-3}})
     result = run_train(workdir, "out")
     assert result.returncode == 0, result.stderr
-    assert "not resuming" in result.stdout and "other params or data" in result.stdout
+    assert (
+        "no checkpoint to resume for these params, data and code; starting fresh" in result.stdout
+        and "epoch   1/5" in result.stdout
+    )
+    assert len(list((workdir / "out-ckpt").iterdir())) == 1  # the first config's state, kept
 
 
 @pytest.mark.slow
@@ -341,3 +345,16 @@ def test_a_real_gpu_out_of_memory_is_the_error_the_stage_catches():
     with pytest.raises(torch.OutOfMemoryError):
         torch.empty(int(free * 2), dtype=torch.uint8, device="cuda")
     torch.cuda.empty_cache()
+
+
+def test_each_configuration_keeps_its_own_state_and_old_ones_are_pruned(tmp_path):
+    folders = []
+    for i, fp in enumerate(["a", "b", "c", "d"]):
+        folders.append(tmp_path / fp)
+        checkpoint.save_checkpoint(folders[-1], state(1, fp))
+        os.utime(folders[-1], (i, i))  # a is the oldest
+    removed = checkpoint.prune(tmp_path, keep=folders[0])
+    assert removed == [folders[1]]  # the current one (a) stays, with the newest others (d, c)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c", "d"]
+    loaded, why = checkpoint.load_latest(tmp_path / "c", "c", "cpu")
+    assert loaded["epoch"] == 1 and "resuming" in why

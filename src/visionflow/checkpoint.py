@@ -43,15 +43,18 @@ def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None,
     for path in sorted(folder.glob("epoch-*.pt"), reverse=True):
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
+            if not (isinstance(state, dict) and {"epoch", "model", "fingerprint"} <= state.keys()):
+                raise ValueError("not a visionflow checkpoint")
         except Exception as e:  # truncated or corrupt: any unpickling error
-            warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); "
+            reason = str(e).split(". ")[0]  # not torch's advice to load it unsafely
+            warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {reason}); "
                           "falling back to the previous one", stacklevel=2)  # fmt: skip
             continue
         if state.get("fingerprint") != expected:
             return None, (f"not resuming {path}: it was trained with other params or data "
                           f"(fingerprint {state.get('fingerprint')} != {expected}); starting fresh")  # fmt: skip
         return state, f"resuming from {path} (epoch {state['epoch']} done)"
-    return None, "no checkpoint to resume; starting fresh"
+    return None, "no checkpoint to resume for these params, data and code; starting fresh"
 
 
 def prune(root: Path, keep: Path) -> list[Path]:
@@ -63,3 +66,12 @@ def prune(root: Path, keep: Path) -> list[Path]:
     for folder in removed:
         shutil.rmtree(folder, ignore_errors=True)
     return removed
+
+
+def readable(path: Path) -> bool:
+    """Whether a saved model file (best.pt) loads: a truncated one must never be published."""
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+        return True
+    except Exception:
+        return False

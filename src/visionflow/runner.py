@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+STAGE_FAILED = "ERROR: failed to reproduce"  # DVC's line when a stage's command failed
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
@@ -169,8 +170,8 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
         if not held:
             print("another run holds this workspace: skipping (--if-busy skip)")
             return 0
-        code, _ = run_group([*dvc_command(), "repro", *args], workdir, timeout_s,
-                            lambda line: print(line, flush=True))  # fmt: skip
-        if code != 0:
+        code, tail = run_group([*dvc_command(), "repro", *args], workdir, timeout_s,
+                               lambda line: print(line, flush=True))  # fmt: skip
+        if code != 0 and STAGE_FAILED in tail:  # not DVC's own lock, a bad argument, ...
             restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
         return code
