@@ -133,7 +133,7 @@ def test_a_real_change_mid_run_is_refused_and_the_next_run_resumes(project, tmp_
     go.touch()
     output = run.communicate(timeout=300)[0]
     assert run.returncode != 0 and "results/sanity/scan.json modified" in output, output
-    assert "its resumable state is kept" in output
+    assert "Its resumable state is kept: undo the change" in output
     scan.write_bytes(original)
     resumed = sh(project, "dvc", "repro", "-s", "train").stdout
     assert re.search(
