@@ -3,11 +3,12 @@
 Reads:  params.yaml (export.*); the model from train; real test images from the cache; evaluate's
         metrics (for the model card)
 Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its class names and
-        preprocessing), parity.json (every check), latency.json, MODEL_CARD.md, metrics.json (what
-        `dvc metrics` compares: parity passed, the worst logit difference of any format in units
-        of 1e-6, so that DVC's 5-decimal rounding keeps it, and ONNX latency at batch 1). Files are written to a staging
-        folder and moved into <out> only when every parity check passes; on a miss the stage fails
-        with the numbers, <out> keeps the last good export and <out>.miss.json the failed report.
+        preprocessing), parity.json (every check), latency.json, MODEL_CARD.md, metrics.json
+        (what `dvc metrics` compares: parity passed, the worst logit difference of any format in
+        units of 1e-6, which DVC's 5-decimal rounding keeps, and ONNX latency at batch 1).
+        Files are written to a staging folder and moved into <out> only when every parity check
+        passes; on a miss the stage fails with the numbers and <out>.miss.json holds the failed
+        report; the last good export stays in DVC's cache (`dvc checkout` puts it back).
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
             --metrics results/evaluate/metrics.json --out results/export
 """
@@ -74,10 +75,10 @@ def main() -> None:
     example = torch.from_numpy(normalise(pixels, spec))
 
     out = staged(args.out)  # moved to args.out only when every parity check passes
-    needed = (
-        4 * args.model.stat().st_size + 2**20
-    )  # three formats of about the model's size, reports
-    if shutil.disk_usage(out).free < needed:  # torch.jit.save aborts the process on a full disk
+    # three formats of about the model's size, and the reports; checked first, because
+    # torch.jit.save aborts the whole process on a full disk
+    needed = 4 * args.model.stat().st_size + 2**20
+    if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
     metadata = describe(meta["classes"], spec)
     paths, exporter = export_all(model, example, out, e.opset, metadata)
