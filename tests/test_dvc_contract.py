@@ -90,7 +90,7 @@ def test_an_appended_key_fails_the_experiment(project):
     result = sh(project, "dvc", "exp", "run", "-S", "+train.epocs=3", check=False)
     assert result.returncode != 0
     assert "train.epocs: unknown key; did you mean 'epochs'?" in result.stderr
-    sh(project, "git", "checkout", "params.yaml")
+    sh(project, "git", "checkout", "HEAD", "--", "params.yaml")
     assert ran(sh(project, "dvc", "repro")) == []
 
 
@@ -297,7 +297,7 @@ def test_exp_show_after_two_experiments_fits_160_columns(project):
         [str(Path(sys.executable).parent / "dvc"), "exp", "show", "--only-changed", "--no-pager"],
         cwd=project, env=env_columns, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    sh(project, "git", "checkout", "params.yaml", "dvc.lock")
+    sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
     header = next(line for line in table.splitlines() if "Experiment" in line)
     assert max(len(line) for line in table.splitlines()) <= 160

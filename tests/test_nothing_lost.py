@@ -80,7 +80,7 @@ def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(projec
     sh(project, "dvc", "checkout")
     assert clean(project)
     sh(project, "dvc", "exp", "run", "-n", "lr3", "-S", "train.lr=3e-3")
-    sh(project, "git", "checkout", "params.yaml", "dvc.lock")
+    sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
     sh(project, "dvc", "exp", "apply", "lr3")
     assert clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
@@ -240,7 +240,7 @@ def test_an_experiment_started_during_a_run_loses_no_epoch(project, tmp_path):
     go.touch()
     output = run.communicate(timeout=300)[0]
     assert run.returncode != 0 and "params.yaml train.lr: 0.002 -> 0.003" in output, output
-    sh(project, "git", "checkout", "params.yaml")
+    write_params(project, {"train": {"lr": 2e-3}})  # the user puts the value back
     resumed = repro(project)
     assert "(epoch 4 done)" in resumed.stdout and resumed.returncode == 0, resumed.stdout
     assert_invariants(project)
