@@ -14,7 +14,6 @@ Every stage runs through `run(main)`, which closes two gaps DVC leaves:
 
 import errno
 import hashlib
-import re
 import shutil
 import sys
 import threading
@@ -25,6 +24,7 @@ from visionflow import faults
 from visionflow.errors import DataError, DiskFull
 from visionflow.files import file_hash, file_stats
 from visionflow.params import ParamsError, read_yaml
+from visionflow.project import fill, lookup
 
 
 class GateError(RuntimeError):
@@ -74,12 +74,6 @@ def discard() -> None:
     PUBLISHED.clear()
 
 
-def lookup(tree: dict, key: str):
-    for part in key.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
-
-
 def stage_spec(stage: str) -> tuple[dict, dict] | None:
     """(the stage's entry in dvc.yaml, params.yaml); None outside a DVC project (a stage run by hand)."""
     if not (Path("dvc.yaml").exists() and Path("params.yaml").exists()):
@@ -90,11 +84,7 @@ def stage_spec(stage: str) -> tuple[dict, dict] | None:
 
 def deps_of(spec: dict, params: dict) -> list[str]:
     """The stage's deps as dvc.yaml lists them, `${prepare.path}` filled in."""
-
-    def fill(match: re.Match) -> str:
-        return str(lookup(params, match[1]))
-
-    return [re.sub(r"\$\{([^}]+)\}", fill, d) for d in spec.get("deps", [])]
+    return fill(spec.get("deps", []), params)
 
 
 def code_digest(stage: str) -> str:

@@ -1,37 +1,46 @@
 """Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
 
-`reproduce` asks `dvc status` first and ends at once when nothing changed; otherwise it runs one
-task per stage of dvc.yaml, in order, each `dvc repro --single-item <stage>` as a subprocess in its
-own process group: its output streams to the Prefect log, a timeout applies to the subprocess
-itself, and when the task ends early (timeout, cancellation, an error) the whole process tree is
-killed, since a kill of `dvc` alone would leave the stage's command running. Only DVC's lock
-contention is retried; a stage that fails on its own fails the flow with its output.
+`reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
+runs one task per stage of dvc.yaml, in order, each `dvc repro --single-item <stage>` in its own
+process group: its output streams to the Prefect log, its timeout fires whether or not it prints,
+and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
+since a kill of `dvc` alone would leave the stage's command running. A task is retried only when
+another `dvc` holds the repository's lock; a stage that fails on its own fails the flow with its
+output, and its previous results come back from DVC's cache.
 
-Run:    .venv/bin/python -m pipeline.flows [WORKDIR] [--if-busy wait|skip]
+One run at a time per workspace, on every path (these functions called from Python, the CLI,
+`--serve`, a work-pool worker): an OS file lock in the workspace's `.dvc/tmp`, which the kernel
+releases when its holder dies and which every process sharing the folder sees. Nothing has to
+be created on the Prefect server first, and an API outage during a run does not end it.
+
+Run:    .venv/bin/python -m pipeline.flows [WORKDIR] [--if-busy wait|skip]   (exit 75: skipped)
 Serve:  .venv/bin/python -m pipeline.flows [WORKDIR] --serve --interval 3600   (or --cron '0 * * * *')
 Watch:  .venv/bin/python -m pipeline.flows [WORKDIR] --watch [--deployment reproduce/scheduled]
 """
 
 import argparse
-import hashlib
 import json
+import os
+import signal
 import subprocess
+import sys
+import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from prefect import flow, get_run_logger, serve, task
+from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.client.orchestration import get_client
-from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
+from prefect.states import Completed
 
-from visionflow.files import file_stats
+from visionflow.params import read_yaml
+from visionflow.project import all_deps, special_files
 from visionflow.runner import (
-    STAGE_FAILED,
+    BUSY_EXIT,
+    GRACE_S,
+    Timeout,
+    dvc_busy,
     dvc_command,
     environment,
     find_root,
@@ -40,59 +49,107 @@ from visionflow.runner import (
     workspace_lock,
 )
 
-LOCK_CONTENTION = "Unable to acquire lock"  # DVC's message when another dvc holds the repo
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
+DVC_TIMEOUT_S = (
+    120.0  # a helper `dvc` call (status, metrics, exp show, queue) that takes longer hangs
+)
+POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing
+MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
 
 
 class StageFailed(RuntimeError):
-    """A stage exited non-zero; the message carries the end of its output."""
+    """A stage or a dvc command failed; the message carries the end of its output."""
 
 
-def dvc(workdir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """A short dvc command (status, metrics) with the project's Python first on PATH."""
-    return subprocess.run([*dvc_command(), *args], cwd=workdir, env=environment(), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+class DvcBusy(RuntimeError):
+    """Another `dvc` process holds the repository's lock (a user's own `dvc` command, say)."""
+
+
+def dvc(workdir: Path, *args: str, doing: str) -> str:
+    """A short dvc command's output; a failure or a hang raises, naming what it was `doing`;
+    DvcBusy when another dvc holds the repository's lock (before, or when the command failed)."""
+    command = f"`dvc {' '.join(args)}` ({doing})"
+    if dvc_busy(workdir):
+        raise DvcBusy(f"{command}: another dvc process holds {workdir}/.dvc/tmp/lock")
+    try:
+        result = subprocess.run(
+            [*dvc_command(), *args],
+            cwd=workdir,
+            env=environment(),
+            capture_output=True,
+            text=True,
+            timeout=DVC_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise StageFailed(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
+    if result.returncode != 0:
+        if dvc_busy(workdir):
+            raise DvcBusy(f"{command}: another dvc process holds {workdir}/.dvc/tmp/lock")
+        raise StageFailed(f"{command} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
+    return result.stdout
 
 
 def stages_in_order(workdir: Path) -> list[str]:
     """The stages of dvc.yaml as written (they are listed in dependency order)."""
-    return list(yaml.safe_load((workdir / "dvc.yaml").read_text())["stages"])
+    return list(read_yaml(workdir / "dvc.yaml")["stages"])
 
 
+def locked(workdir: Path, stage: str) -> dict | None:
+    """The stage's entry in dvc.lock: it changes exactly when DVC brings the stage up to date."""
+    lock = workdir / "dvc.lock"
+    return (read_yaml(lock).get("stages") or {}).get(stage) if lock.exists() else None
+
+
+def only_when_busy(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry a stage only when another dvc held the repository."""
+    try:
+        state.result()
+    except DvcBusy:
+        return True
+    except BaseException:
+        return False
+    return False
+
+
+@task(retries=LOCK_RETRIES, retry_delay_seconds=LOCK_WAIT_S, retry_condition_fn=only_when_busy)
 def changed(workdir: Path) -> dict:
-    """`dvc status --json`: empty when the pipeline is up to date."""
-    result = dvc(workdir, "status", "--json")
-    if result.returncode != 0:
-        raise StageFailed(f"dvc status failed:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout or "{}")
+    """`dvc status --json`: empty when the pipeline is up to date. Special files among the deps
+    are refused first, by name: DVC would wait on a FIFO forever while hashing."""
+    special = special_files(all_deps(workdir))
+    if special:
+        raise StageFailed(f"{'; '.join(special)}: DVC would hang reading it; remove it")
+    return json.loads(dvc(workdir, "status", "--json", doing="what changed") or "{}")
 
 
-@task(task_run_name="{stage}")
+@task(
+    task_run_name="{stage}",
+    retries=LOCK_RETRIES,
+    retry_delay_seconds=LOCK_WAIT_S,
+    retry_condition_fn=only_when_busy,
+)
 def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
-    """`dvc repro --single-item <stage>`; True when DVC ran it, False when it was up to date."""
+    """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was."""
     logger = get_run_logger()
+    if dvc_busy(workdir):
+        raise DvcBusy(f"{stage}: another dvc process holds {workdir}/.dvc/tmp/lock")
+    before = locked(workdir, stage)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
-    ran = []
-
-    def log(line: str) -> None:
-        logger.info(line)
-        ran.append(line.startswith("Running stage"))
-
-    for attempt in range(1, LOCK_RETRIES + 2):
-        code, tail = run_group(cmd, workdir, timeout_s, log)
-        if code == 0:
-            return any(ran)
-        if LOCK_CONTENTION not in tail or attempt > LOCK_RETRIES:
-            if STAGE_FAILED in tail:  # the stage itself failed: its results, from DVC's cache
-                restore(workdir, logger.warning)
-            raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
-        logger.warning(f"{stage}: DVC lock held by another run; retry {attempt} in {LOCK_WAIT_S} s")
-        time.sleep(LOCK_WAIT_S)
+    try:
+        code, tail = run_group(cmd, workdir, timeout_s, logger.info)
+    except Timeout as e:
+        restore(workdir, logger.warning, stage)
+        raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
+    if code == 0:
+        return locked(workdir, stage) != before
+    if dvc_busy(workdir):
+        raise DvcBusy(f"{stage}: another dvc process holds {workdir}/.dvc/tmp/lock")
+    restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
+    raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
 
 
 def publish(workdir: Path) -> None:
     """Artifacts: the metrics table, the diff against the last commit, and export parity."""
-    shown = json.loads(dvc(workdir, "metrics", "show", "--json").stdout or "{}")
+    shown = json.loads(dvc(workdir, "metrics", "show", "--json", doing="publishing") or "{}")
     files = shown.get("", {}).get("data", {})
     rows = [  # one row per number: three columns, however many metrics (dvc.yaml keeps them few)
         {"file": path, "metric": name, "value": value}
@@ -100,16 +157,19 @@ def publish(workdir: Path) -> None:
         for name, value in flatten(content.get("data", {})).items()
     ]
     create_table_artifact(rows, key="metrics", description="dvc metrics show")
-    diff = dvc(workdir, "metrics", "diff", "--md").stdout or "no change against the last commit"
+    diff = dvc(workdir, "metrics", "diff", "--md", doing="publishing")
+    diff = diff or "no change against the last commit"
     create_markdown_artifact(f"## Metrics diff (workspace vs HEAD)\n\n{diff}", key="metrics-diff")
     parity_file = workdir / "results/export/parity.json"
     if parity_file.exists():
         parity = json.loads(parity_file.read_text())
-        rows = [{"format": fmt, "batch": name, **result} for fmt in ("onnx", "pt2", "torchscript")
-                for name, result in parity.get(fmt, {}).items()]  # fmt: skip
-        create_table_artifact(
-            rows, key="export-parity", description=f"exporter {parity['exporter']}"
-        )
+        rows = [
+            {"format": fmt, "batch": name, **result}
+            for fmt in ("onnx", "pt2", "torchscript")
+            for name, result in parity.get(fmt, {}).items()
+        ]
+        description = f"exporter {parity['exporter']}"
+        create_table_artifact(rows, key="export-parity", description=description)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -123,32 +183,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def limit_name(workdir: Path) -> str:
-    """The Prefect global concurrency limit of one workspace."""
-    return "visionflow-" + hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
-
-
-def ensure_limit(workdir: Path) -> str:
-    """Create the workspace's concurrency limit (1 slot) if missing; serving does this once."""
-    name = limit_name(workdir)
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name, 1)
-    return name
-
-
-@contextmanager
-def one_run_at_a_time(workdir: Path, wait: bool, say=print) -> Iterator[bool]:
-    """Hold the workspace: an OS file lock (released by the kernel if the holder dies) and the
-    Prefect concurrency limit, strict, so a missing limit is an error rather than a silent pass.
-    Yields False at once when busy and `wait` is off."""
-    with workspace_lock(workdir, wait, say) as held:
-        if not held:
-            yield False
-            return
-        with concurrency(limit_name(workdir), occupy=1, strict=True):
-            yield True
-
-
 @flow(name="reproduce")
 def reproduce(
     workdir: str = ".", if_busy: Literal["wait", "skip"] = "wait", stage_timeout_s: float = 3600
@@ -156,73 +190,209 @@ def reproduce(
     """Bring the pipeline up to date; returns the stages that ran (none when nothing changed).
 
     Never two runs at once in one workspace: a second run waits for the first, or with
-    `if_busy="skip"` ends at once, and its log says which.
+    `if_busy="skip"` ends at once in a Completed state named "Skipped".
     """
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    with one_run_at_a_time(root, wait=if_busy == "wait", say=logger.warning) as held:
+    with workspace_lock(root, wait=if_busy == "wait", say=logger.warning) as held:
         if not held:
-            logger.warning("another run holds this workspace: skipping (if_busy=skip)")
+            logger.warning("another run holds this workspace: skipped (if_busy=skip)")
+            return Completed(name="Skipped", message="another run holds the workspace", data=[])
+        what = changed(root)
+        if not what:
+            logger.info("pipeline is up to date: nothing to run")
             return []
-        return update(root, stage_timeout_s)
-
-
-def update(root: Path, stage_timeout_s: float) -> list[str]:
-    logger = get_run_logger()
-    what = changed(root)
-    if not what:
-        logger.info("pipeline is up to date: nothing to run")
-        return []
-    logger.info(f"changed: {', '.join(what)}")
-    ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
-    logger.info(f"ran: {', '.join(ran)}")
-    publish(root)
-    return ran
+        logger.info(f"changed: {', '.join(what)}")
+        ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
+        logger.info(f"ran: {', '.join(ran)}")
+        publish(root)
+        return ran
 
 
 @flow(name="experiments")
-def experiments(workdir: str = ".", overrides: list[list[str]] | None = None, workers: int = 0,
-                stage_timeout_s: float = 3600) -> str:  # fmt: skip
-    """`dvc exp run -S ...` for each list of overrides; publishes `dvc exp show --only-changed`.
+def experiments(
+    workdir: str = ".",
+    overrides: list[list[str]] | None = None,
+    workers: int = 0,
+    timeout_s: float = 3600,
+) -> list[dict]:
+    """`dvc exp run -S ...` for each list of overrides; publishes a table of these experiments
+    (the params that differ from the baseline, the main metrics) and returns its rows.
 
-    `workers: 0` runs them in turn in the workspace; `workers: N` queues them all and lets DVC's
-    queue run N at a time, each in its own temporary copy of the repository.
+    `workers: 0` runs them one after another, `workers: N` queues them and lets DVC's queue run
+    N at a time; either way each runs in its own temporary copy, so the workspace stays as it is,
+    and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
+    a failed or cancelled sweep stops the DVC queue's workers. One failed experiment does not
+    stop the others; the flow fails at the end, naming it.
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    queue = ["--queue"] if workers else []
-    with one_run_at_a_time(root, wait=True, say=logger.warning):
-        for sets in overrides or []:
-            cmd = [*dvc_command(), "exp", "run", *queue, *(arg for s in sets for arg in ("-S", s))]
-            code, tail = run_group(cmd, root, stage_timeout_s, logger.info)
-            if code != 0:
-                raise StageFailed(f"experiment {sets} failed (exit {code}):\n{tail}")
+    prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
+    plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
+    with workspace_lock(root, wait=True, say=logger.warning):
         if workers:
-            run_queue(root, workers, stage_timeout_s * max(len(overrides or []), 1), logger)
-        # what differs: metrics and params; not the changed deps' hashes (paths), nor Created
-        drop = r"Created|params\.yaml|.*/.*"
-        table = dvc(
-            root, "exp", "show", "--md", "--no-pager", "--only-changed", "--drop", drop
-        ).stdout
-    create_markdown_artifact(f"## Experiments\n\n{table}", key="experiments")
-    return table
+            run_queued(root, plan, workers, timeout_s)
+        else:
+            run_in_turn(root, plan, timeout_s)
+        rows = sweep_table(root, plan)
+    create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
+    failed = [row["experiment"] for row in rows if row["state"] != "success"]
+    if failed:
+        raise StageFailed(f"experiments {', '.join(failed)} did not succeed (see their logs)")
+    return rows
 
 
-def run_queue(root: Path, workers: int, timeout_s: float, logger) -> None:
-    """Start DVC's queue with `workers` and wait until nothing is queued or running."""
-    dvc(root, "queue", "start", "--jobs", str(workers))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = dvc(root, "queue", "status").stdout
-        if not any(word in status for word in ("Queued", "Running")):
-            if "Failed" in status:
-                raise StageFailed(f"queued experiments failed:\n{status}")
-            return
-        logger.info(status.strip().splitlines()[-1] if status.strip() else "queue: waiting")
-        time.sleep(5)
-    dvc(root, "queue", "kill", "--all")
-    raise TimeoutError(f"queued experiments ran past {timeout_s:.0f} s; killed")
+def exp_run_args(name: str, sets: list[str]) -> list[str]:
+    return ["exp", "run", "--name", name, *(arg for s in sets for arg in ("--set-param", s))]
+
+
+def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
+    logger = get_run_logger()
+    for name, sets in plan.items():
+        logger.info(f"{name} ({' '.join(sets)}): running")
+        cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
+        try:
+            code, tail = run_group(cmd, root, timeout_s, logger.info)
+        except Timeout as e:
+            logger.error(f"{name}: {e}")
+            continue
+        summary = results(root, [name]).get(name, {})
+        logger.info(f"{name}: {summary.get('state', 'failed')} {main_metrics(summary)}")
+
+
+def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float) -> None:
+    """Queue the plan, start `workers` DVC queue workers, follow each experiment until all have
+    ended (one running past `timeout_s` is killed); on any early end, stop the queue."""
+    logger = get_run_logger()
+    for name, sets in plan.items():
+        dvc(root, *exp_run_args(name, sets), "--queue", doing=f"queueing {name}")
+        logger.info(f"{name} ({' '.join(sets)}): queued")
+    finished = False
+    try:
+        # the worker is a daemon: with our pipes it would hold them until the queue is empty
+        subprocess.run(
+            [*dvc_command(), "queue", "start", "--jobs", str(workers)],
+            cwd=root,
+            env=environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=DVC_TIMEOUT_S,
+            check=True,
+        )
+        seen, started = {}, {}
+        while True:
+            now = results(root, plan)
+            for name, summary in now.items():
+                state = summary["state"]
+                if seen.get(name) != state:
+                    logger.info(f"{name}: {state} {main_metrics(summary)}".rstrip())
+                    seen[name] = state
+                if state == "running":
+                    started.setdefault(name, time.monotonic())
+                    if time.monotonic() - started[name] > timeout_s:
+                        logger.error(f"{name}: ran past {timeout_s:.0f} s; killing it")
+                        dvc(root, "queue", "kill", name, doing=f"stopping {name}")
+            if all(summary["state"] in ENDED for summary in now.values()):
+                finished = True
+                return
+            time.sleep(POLL_S)
+    finally:
+        if not finished:  # failed or cancelled: nothing of this sweep keeps running
+            stop_queue(root, plan)
+
+
+ENDED = ("success", "failed")
+
+
+def stop_queue(root: Path, plan: dict[str, list[str]]) -> None:
+    """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
+    the worker's process group, so training stops at a safe point), then, `GRACE_S` later, SIGKILL
+    to what is left of that group (DVC's forced kill would orphan the stage's own process)."""
+    now = results(root, plan)
+    queued = [name for name, summary in now.items() if summary["state"] == "queued"]
+    running = {
+        name: summary["pid"] for name, summary in now.items() if summary["state"] == "running"
+    }
+    try:  # best effort: what DVC cannot stop, the SIGKILL below does
+        if queued:
+            dvc(root, "queue", "remove", *queued, doing="dropping the sweep's queued experiments")
+        if running:
+            dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
+    except (StageFailed, DvcBusy) as e:
+        get_run_logger().warning(str(e))
+    groups = set()
+    for pid in filter(None, running.values()):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    deadline = time.monotonic() + GRACE_S
+    while groups and time.monotonic() < deadline:
+        groups = {group for group in groups if alive(group)}
+        time.sleep(0.2)
+    for group in groups:
+        os.killpg(group, signal.SIGKILL)
+
+
+def alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def results(root: Path, names) -> dict[str, dict]:
+    """For each experiment name: its state (queued, running, success, failed), params and
+    metrics, and the baseline's params, from `dvc exp show --json`."""
+    shown = json.loads(dvc(root, "exp", "show", "--json", doing="following experiments") or "[]")
+    found = {}
+    for baseline in shown:
+        for exp in baseline.get("experiments") or []:
+            if exp.get("name") in names:
+                data = exp["revs"][0].get("data") or {}
+                state = (exp.get("executor") or {}).get("state")
+                found[exp["name"]] = {
+                    "state": state or ("success" if data.get("metrics") else "failed"),
+                    "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
+                    "params": data.get("params", {}),
+                    "metrics": data.get("metrics", {}),
+                    "baseline": (baseline.get("data") or {}).get("params", {}),
+                }
+    return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
+
+
+def main_metrics(summary: dict) -> str:
+    metrics = summary.get("metrics", {})
+    values = {
+        name: (metrics.get(path) or {}).get("data", {}).get(name)
+        for path, names in MAIN_METRICS.items()
+        for name in names
+    }
+    return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
+
+
+def sweep_table(root: Path, plan: dict[str, list[str]]) -> list[dict]:
+    """One row per experiment of the sweep: name, state, the params that differ from its
+    baseline (the union over the sweep, so every row has the same columns), the main metrics."""
+    summaries = results(root, plan)
+    diffs = {}
+    for name, summary in summaries.items():
+        params = flatten((summary.get("params") or {}).get("params.yaml", {}).get("data", {}))
+        base = flatten((summary.get("baseline") or {}).get("params.yaml", {}).get("data", {}))
+        diffs[name] = {k: v for k, v in params.items() if base.get(k) != v}
+    keys = sorted({key for diff in diffs.values() for key in diff})
+    rows = []
+    for name, summary in summaries.items():
+        metrics = summary.get("metrics", {})
+        row = {"experiment": name, "state": summary["state"]}
+        row |= {key: diffs[name].get(key) for key in keys}
+        for path, names in MAIN_METRICS.items():
+            row |= {n: (metrics.get(path) or {}).get("data", {}).get(n) for n in names}
+        rows.append(row)
+    return rows
 
 
 def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None) -> None:
@@ -231,57 +401,71 @@ def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None)
     Schedules stay active when this process stops (pause_on_shutdown=False), so a restart picks
     them up again. Trigger a run: `prefect deployment run reproduce/scheduled`.
     """
-    ensure_limit(workdir)
+    parameters = {"workdir": str(workdir.resolve()), "if_busy": "skip"}
     scheduled = reproduce.to_deployment(
-        "scheduled", interval=interval_s, cron=cron,
-        parameters={"workdir": str(workdir.resolve()), "if_busy": "skip"},
-    )  # fmt: skip
+        "scheduled", interval=interval_s, cron=cron, parameters=parameters
+    )
     sweep = experiments.to_deployment("on-demand", parameters={"workdir": str(workdir.resolve())})
     serve(scheduled, sweep, pause_on_shutdown=False)
 
 
-def watched_files(root: Path) -> dict[str, tuple[int, int]]:
-    """(size, mtime) of what a run depends on: params, dvc.yaml, the code, the data source."""
-    source = (
-        yaml.safe_load((root / "params.yaml").read_text())
-        .get("prepare", {})
-        .get("path", "data/raw")
-    )
-    return file_stats(root / top for top in ("params.yaml", "dvc.yaml", "pipeline", "src", source))
-
-
-def watch(
-    workdir: Path, settle_s: float = 2.0, poll_s: float = 0.5, deployment: str | None = None
-) -> None:
-    """Start a run when what the pipeline depends on changes, once the changes settle.
+def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> None:
+    """Start a run when anything the pipeline depends on (every dep in dvc.yaml, params.yaml,
+    dvc.yaml) changes, once the changes settle; filesystem events (inotify), no polling of files.
 
     A burst of edits (an editor's save, a copy of many images) becomes one run: the run starts
     after `settle_s` seconds without further change. With `deployment` the run is a flow run of
     that served deployment (`prefect deployment run` semantics); otherwise `reproduce` runs here.
     The flow itself asks `dvc status`, so a change DVC does not track runs no stage.
     """
-    root = workdir.resolve()
-    last, changed_at = watched_files(root), None
-    print(f"watching {root} (settle {settle_s} s)", flush=True)
-    while True:
-        time.sleep(poll_s)
-        current = watched_files(root)
-        if current != last:
-            last, changed_at = current, time.monotonic()
-            continue
-        if changed_at is not None and time.monotonic() - changed_at >= settle_s:
-            changed_at = None
-            print("change settled: starting a run", flush=True)
-            if deployment:
-                run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
-            else:
-                reproduce(str(root))
+    from watchdog.events import FileSystemEventHandler
+    from watchdog.observers import Observer
+
+    root = root.resolve()
+    deps = all_deps(root)
+    changed_at: list[float] = []
+
+    class Changes(FileSystemEventHandler):
+        def on_any_event(self, event) -> None:
+            paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
+            if event.event_type not in ("opened", "closed_no_write") and any(
+                path == dep or path.is_relative_to(dep) for path in paths for dep in deps
+            ):
+                changed_at[:] = [time.monotonic()]
+
+    observer, handler = Observer(), Changes()
+    watches = set()  # folders whole; a file through its folder (an editor replaces the file)
+    for dep in deps:
+        folder = dep if dep.is_dir() else next(p for p in dep.parents if p.is_dir())
+        watches.add((folder, folder != root and dep.is_dir()))
+    for folder, recursive in sorted(watches):
+        observer.schedule(handler, str(folder), recursive=recursive)
+    observer.start()
+    print(f"watching {len(deps)} deps of {root} (settle {settle_s} s)", flush=True)
+    wake = threading.Event()
+    try:
+        while True:
+            wake.wait(0.2)
+            if changed_at and time.monotonic() - changed_at[0] >= settle_s:
+                changed_at.clear()
+                print("change settled: starting a run", flush=True)
+                if deployment:
+                    run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
+                else:  # a failed run is in its log; the watcher goes on
+                    reproduce(str(root), return_state=True)
+    finally:
+        observer.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the reproduce flow once, or serve it.")
     parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
-    parser.add_argument("--if-busy", choices=["wait", "skip"], default="wait")
+    parser.add_argument(
+        "--if-busy",
+        choices=["wait", "skip"],
+        default="wait",
+        help=f"when another run holds the workspace; skip exits {BUSY_EXIT}",
+    )
     parser.add_argument("--serve", action="store_true", help="serve the deployments instead")
     parser.add_argument("--interval", type=float, help="with --serve: seconds between runs")
     parser.add_argument("--cron", help="with --serve: a cron schedule, e.g. '0 * * * *'")
@@ -290,14 +474,15 @@ def main() -> None:
     parser.add_argument("--deployment", help="with --watch: start this deployment instead")
     args = parser.parse_args()
     if args.watch:
-        ensure_limit(Path(args.workdir))
         watch(Path(args.workdir), args.settle, deployment=args.deployment)
-        return
-    if args.serve:
+    elif args.serve:
         serve_deployments(Path(args.workdir), args.interval, args.cron)
-        return
-    ensure_limit(Path(args.workdir))
-    print(json.dumps({"ran": reproduce(args.workdir, args.if_busy)}))
+    else:
+        state = reproduce(args.workdir, args.if_busy, return_state=True)
+        if state.is_failed() or state.is_crashed():
+            sys.exit(f"error: {state.message}")
+        print(json.dumps({"ran": state.result(), "skipped": state.name == "Skipped"}))
+        sys.exit(BUSY_EXIT if state.name == "Skipped" else 0)
 
 
 if __name__ == "__main__":

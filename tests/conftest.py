@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECT_FILES = [
     "dvc.yaml",
     "params.yaml",
+    "prefect.yaml",
     ".dvcignore",
     ".gitignore",
     ".dvc/config",

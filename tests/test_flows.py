@@ -1,15 +1,21 @@
-"""Prefect flows against a real Prefect server (prefect_test_harness), on the tiny project."""
+"""Prefect flows against a real Prefect server with nothing created on it beforehand, real DVC,
+a real process worker. Each test works on its own copy of the session's reproduced project."""
 
 import fcntl
 import json
 import os
+import queue
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, commit, make_project, write_params
+from tests.conftest import ROOT, commit, copy_project, sh, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -24,26 +30,39 @@ def prefect_server(tmp_path_factory):
         yield
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory, prefect_server):
-    from pipeline.flows import ensure_limit
-
-    project = make_project(tmp_path_factory.mktemp("flows") / "project")
-    ensure_limit(project)  # the flow's concurrency limit is strict: it must exist
-    return project
+@pytest.fixture
+def project(reproduced_base, tmp_path, prefect_server) -> Path:
+    return copy_project(reproduced_base, tmp_path / "project")
 
 
-def flows_env() -> dict[str, str]:
+def flows_env(**extra: str) -> dict[str, str]:
     """The environment of a flows subprocess: the test server's API, the project importable."""
     from prefect.settings import PREFECT_API_URL
 
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PYTHONPATH": str(ROOT)}
+    return {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
 
 
-def start_flows(project, *args, **popen) -> subprocess.Popen:
+def start_flows(project, *args, env=None, **popen) -> subprocess.Popen:
     """`python -m pipeline.flows PROJECT ARGS...` in its own session (killable as a group)."""
     command = [sys.executable, "-m", "pipeline.flows", str(project), *args]
-    return subprocess.Popen(command, env=flows_env(), start_new_session=True, **popen)
+    return subprocess.Popen(command, env=env or flows_env(), start_new_session=True, **popen)
+
+
+def prefect(*args, timeout=300, **run) -> subprocess.CompletedProcess:
+    """The `prefect` CLI against the test server."""
+    run.setdefault("env", flows_env())
+    return subprocess.run(
+        [sys.executable, "-m", "prefect", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **run,
+    )
 
 
 def artifact(key):
@@ -57,20 +76,110 @@ def artifact(key):
     return sorted(found, key=lambda a: a.created)[-1]
 
 
-def test_reproduce_runs_then_does_nothing_then_only_what_changed(prefect_server, project):
+def up_to_date(project) -> bool:
+    return sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
+
+
+def stage_processes(project, module="pipeline.") -> list[int]:
+    """Live stage processes working in `project` or in a DVC temporary copy of it."""
+    found = []
+    for proc in os.listdir("/proc"):
+        try:
+            cmdline = open(f"/proc/{proc}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+            cwd = os.readlink(f"/proc/{proc}/cwd")
+        except (OSError, ValueError):
+            continue
+        if module in cmdline and cwd.startswith(str(project)):
+            found.append(int(proc))
+    return found
+
+
+def wait_for(condition, timeout_s=300, what="the condition"):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def hold(tmp_path):
+    """hold(path): take an exclusive flock on `path` as another process would (a separate open
+    file), until the test ends or the returned release() is called."""
+    handles = []
+
+    def take(path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handles.append(handle)
+        return handle.close
+
+    yield take
+    for handle in handles:
+        handle.close()
+
+
+def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project):
     from pipeline.flows import reproduce
 
-    assert reproduce(str(project)) == ["check", "prepare", "sanity", "train", "evaluate", "export"]
-    assert "accuracy" in artifact("metrics").data
-    assert "onnx" in str(artifact("export-parity").data)
-    commit(project, "first run")
     assert reproduce(str(project)) == []  # up to date: no stage runs
-    write_params(project, {"train": {"epochs": 3, "lr": 3e-3}})
+    write_params(project, {"train": {"lr": 3e-3}})
     assert reproduce(str(project)) == ["check", "train", "evaluate", "export"]
+    assert "accuracy" in artifact("metrics").data
     assert "results/evaluate/metrics.json" in artifact("metrics-diff").data
+    assert "onnx" in str(artifact("export-parity").data)
+    assert up_to_date(project)
 
 
-def test_a_failing_stage_fails_the_flow_once_with_its_error(prefect_server, project):
+def test_the_cli_exits_75_when_skipped_and_never_imports_torch(project, hold):
+    release = hold(project / ".dvc/tmp/visionflow-run.lock")  # another run holds the workspace
+    skipped = start_flows(project, "--if-busy", "skip", stdout=subprocess.PIPE, text=True)
+    out, _ = skipped.communicate(timeout=120)
+    assert skipped.returncode == 75 and json.loads(out) == {"ran": [], "skipped": True}
+    visionflow = sh(
+        project, sys.executable, "-m", "visionflow.cli", "repro", "--if-busy", "skip", check=False
+    )
+    assert visionflow.returncode == 75 and "skipped" in visionflow.stderr
+    release()
+    probe = (  # the CLI, then: was torch ever imported in this process?
+        "import runpy, sys\nsys.argv = ['flows', sys.argv[1]]\n"
+        "try:\n    runpy.run_module('pipeline.flows', run_name='__main__')\n"
+        "finally:\n    print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    noop = subprocess.run(
+        [sys.executable, "-c", probe, str(project)],
+        env=flows_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert noop.returncode == 0, noop.stderr[-2000:]
+    assert noop.stdout.splitlines() == ['{"ran": [], "skipped": false}', "torch imported: False"]
+
+
+def test_a_second_run_waits_for_the_first_then_finds_nothing_to_do(project, tmp_path):
+    write_params(project, {"train": {"lr": 4e-3}})
+    go = tmp_path / "go"
+    env = flows_env(VISIONFLOW_FAULT=f"stage.start@stage=train:pause={go}")
+    first = start_flows(project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: stage_processes(project, "pipeline.train"), what="the first run's training")
+    second = start_flows(project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    waited = []
+    for line in second.stderr:  # it says so, then blocks on the workspace lock
+        waited.append(line)
+        if "waiting for it to finish" in line:
+            break
+    go.touch()
+    first_out, first_err = first.communicate(timeout=300)
+    assert first.returncode == 0, first_err[-2000:]
+    assert json.loads(first_out)["ran"] == ["check", "train", "evaluate", "export"]
+    second_out, second_err = second.communicate(timeout=300)
+    assert second.returncode == 0, second_err[-2000:]
+    assert json.loads(second_out)["ran"] == []  # it waited: then nothing was left to do
+    assert "waiting for it to finish" in "".join(waited) and "up to date" in second_err
+
+
+def test_a_failing_stage_fails_the_flow_once_with_its_error(project):
     from pipeline.flows import reproduce
 
     write_params(project, {"train": {"epochs": "ten"}})
@@ -85,204 +194,245 @@ def test_a_failing_stage_fails_the_flow_once_with_its_error(prefect_server, proj
     assert "epochs: ten" not in (project / "dvc.lock").read_text()
 
 
-def test_a_failed_stage_gets_its_previous_results_back(prefect_server, project, monkeypatch):
+def test_a_failed_stage_gets_its_previous_results_back(project, monkeypatch):
     from pipeline.flows import reproduce
 
-    write_params(project, {"train": {"epochs": 3}})
-    reproduce(str(project))  # a baseline (up to date when the tests run in order)
     metrics = (project / "results/evaluate/metrics.json").read_bytes()
     write_params(project, {"evaluate": {"top_k": 2}})
     monkeypatch.setenv("VISIONFLOW_FAULT", "stage.start@stage=evaluate:raise")
     assert reproduce(str(project), return_state=True).is_failed()
     assert (project / "results/evaluate/metrics.json").read_bytes() == metrics  # dvc checkout
-    monkeypatch.delenv("VISIONFLOW_FAULT")
-    write_params(project, {"evaluate": {"top_k": 3}})
 
 
-def held_by_another(lock_file) -> bool:
-    with open(lock_file, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
+def test_a_silent_stage_past_its_timeout_is_killed_with_its_group(project, monkeypatch, tmp_path):
+    from pipeline.flows import reproduce
+
+    model = (project / "results/train/model.pt").read_bytes()
+    write_params(project, {"train": {"lr": 5e-3}})
+    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=train:pause={tmp_path / 'never'}")
+    started = time.monotonic()
+    state = reproduce(str(project), stage_timeout_s=20, return_state=True)
+    took = time.monotonic() - started
+    assert state.is_failed() and took < 60, (state, took)  # 20 s, SIGTERM, SIGKILL 5 s later
+    with pytest.raises(Exception, match=r"stage train: .*ran past 20 s and was killed"):
+        state.result()
+    assert stage_processes(project) == []  # dvc, the stage, everything in its group
+    assert (project / "results/train/model.pt").read_bytes() == model  # restored from the cache
 
 
-def test_overlapping_runs_never_run_dvc_at_once(prefect_server, project):
+def test_another_dvc_holding_the_repository_is_waited_out_with_prefect_retries(project, hold):
+    from pipeline.flows import reproduce
 
-    write_params(project, {"train": {"epochs": 4, "lr": 1e-3}})
-
-    def start(*extra):
-        return start_flows(
-            project, *extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-
-    first = start()
-    lock_file = project / ".dvc/tmp/visionflow-run.lock"
-    deadline = time.monotonic() + 120
-    while not (lock_file.exists() and held_by_another(lock_file)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    skipper, waiter = start("--if-busy", "skip"), start("--if-busy", "wait")
-    skipped_out, skipped_err = skipper.communicate(timeout=300)
-    assert first.poll() is None  # the skipper ended while the first still ran
-    assert json.loads(skipped_out.splitlines()[-1]) == {"ran": []} and "skipping" in skipped_err
-    first_out, first_err = first.communicate(timeout=600)
-    assert first.returncode == 0, first_err[-2000:]
-    assert json.loads(first_out.splitlines()[-1])["ran"] == ["check", "train", "evaluate", "export"]
-    waited_out, waited_err = waiter.communicate(timeout=300)
-    assert waiter.returncode == 0, waited_err[-2000:]
-    assert json.loads(waited_out.splitlines()[-1]) == {"ran": []}  # it waited: then nothing to do
-    assert "up to date" in waited_err and "waiting for it to finish" in waited_err
+    write_params(project, {"evaluate": {"top_k": 4}})
+    release = hold(project / ".dvc/tmp/lock")  # DVC's own lock, as a user's `dvc` holds it
+    threading.Timer(7, release).start()  # longer than one retry delay, shorter than all three
+    assert reproduce(str(project)) == ["check", "evaluate", "export"]
+    assert up_to_date(project)
 
 
-def test_experiments_flow_runs_each_override_and_publishes_the_comparison(prefect_server, project):
-    from pipeline.flows import experiments, reproduce
+def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
+    from pipeline.flows import reproduce
 
-    reproduce(str(project))  # the baseline the experiments are compared with (up to date in order)
-    commit(project, "baseline")
-    table = experiments(str(project), [["train.lr=0.003"], ["train.epochs=3"]])
-    assert "0.003" in table and "accuracy" in table and "train.epochs" in table
-    assert artifact("experiments").data.count("\n") >= 4  # header, rule, baseline, two experiments
-    assert max(map(len, table.splitlines())) <= 160  # what differs, not every metric and dep hash
+    fifo = project / "data/raw/pipe.png"
+    os.mkfifo(fifo)
+    state = reproduce(str(project), return_state=True)
+    with pytest.raises(Exception, match=re.escape(f"{fifo} is a FIFO: DVC would hang reading it")):
+        state.result()
+    visionflow = sh(project, sys.executable, "-m", "visionflow.cli", "repro", check=False)
+    assert visionflow.returncode == 1 and f"{fifo} is a FIFO" in visionflow.stderr
 
 
-def test_served_deployment_runs_on_demand_and_its_schedule_survives_shutdown(
-    prefect_server, project
+def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspace(project):
+    from pipeline.flows import experiments
+
+    params = (project / "params.yaml").read_text()
+    rows = experiments(str(project), [["train.lr=0.003"], ["train.epochs=3"]])
+    assert [row["state"] for row in rows] == ["success", "success"]
+    assert [(row["train.lr"], row["train.epochs"]) for row in rows] == [(0.003, None), (None, 3)]
+    assert all(0 <= row["accuracy"] <= 1 for row in rows)
+    assert artifact("experiments").data.count("sweep-") == 2
+    assert (project / "params.yaml").read_text() == params and up_to_date(project)
+
+
+def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
+    project, monkeypatch, tmp_path
 ):
-    from prefect.client.orchestration import get_client
+    import pipeline.flows
+    from pipeline.flows import experiments
 
-    env = flows_env()
-    server = start_flows(project, "--serve", "--interval", "3600", stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        with get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:
-                try:
-                    client.read_deployment_by_name("reproduce/scheduled")
-                    break
-                except Exception:
-                    time.sleep(1)
-        prefect = [sys.executable, "-m", "prefect"]
-        run = subprocess.run([*prefect, "deployment", "run", "reproduce/scheduled", "--watch"], env=env,
-                             capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-        assert "COMPLETED" in (run.stdout + run.stderr).upper()
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("reproduce/scheduled")
-    assert (
-        not deployment.paused and deployment.schedules
-    )  # still scheduled after the server stopped
+    monkeypatch.setattr(pipeline.flows, "DVC_TIMEOUT_S", 10.0)  # what used to cut sweeps at 120 s
+    state = experiments(
+        str(project), [["train.epochs=0"], ["train.lr=0.004"]], workers=2, return_state=True
+    )
+    with pytest.raises(Exception, match=r"experiments sweep-\w+-1 did not succeed"):
+        state.result()  # the first one is refused by check; the second one still ran
+    assert [row["state"] for row in json.loads(artifact("experiments").data)] == [
+        "failed",
+        "success",
+    ]
+    go = tmp_path / "go"  # the next sweep lasts longer than any helper call may
+    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=train:pause={go}")
+    threading.Timer(15, go.touch).start()
+    started = time.monotonic()
+    rows = experiments(str(project), [["train.lr=0.005"]], workers=1)
+    assert time.monotonic() - started > 15
+    assert [(row["state"], row["train.lr"]) for row in rows] == [("success", 0.005)]
+    assert "0.004" not in artifact("experiments").data  # this sweep only, not the queue's past
+    status = sh(project, "dvc", "queue", "status").stdout
+    assert "Running" not in status and "Queued" not in status
 
 
-def test_watcher_turns_a_burst_of_edits_into_one_run(prefect_server, project):
-    import yaml
-
-    watcher = start_flows(project, "--watch", "--settle", "2", stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)  # fmt: skip
-    try:
-        assert watcher.stdout.readline().startswith("watching")
-        for epochs in (5, 6, 5):  # a burst: three saves within a second
-            write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
-            time.sleep(0.3)
-
-        def locked_lr():  # None until train has run (when this test runs alone, say)
-            lock = project / "dvc.lock"
-            stages = yaml.safe_load(lock.read_text())["stages"] if lock.exists() else {}
-            train = stages.get("train")
-            return float(train["params"]["params.yaml"]["train.lr"]) if train else None
-
-        deadline = time.monotonic() + 300
-        while locked_lr() != 2e-3 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert locked_lr() == 2e-3  # the run happened and recorded the settled params
-        time.sleep(5)  # long enough for a second, unwanted run to start
-    finally:
-        os.killpg(watcher.pid, 15)
-        out, _ = watcher.communicate(timeout=60)
-    assert out.count("change settled: starting a run") == 1
+WAIT = {"if_busy": "wait"}  # a run started by hand waits for a scheduled one that got there first
 
 
-def training_processes(project) -> list[int]:
-    """Live processes running the train stage with `project` as their working folder."""
-    found = []
-    for proc in os.listdir("/proc"):
-        try:
-            cmdline = open(f"/proc/{proc}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-            if "pipeline.train" in cmdline and os.readlink(f"/proc/{proc}/cwd") == str(project):
-                found.append(int(proc))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def test_cancelling_a_run_during_training_leaves_no_training_process(prefect_server, project):
+def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(project, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    write_params(project, {"train": {"epochs": 400, "lr": 1.5e-3}})  # long enough to cancel
-    env = flows_env()
-    server = start_flows(project, "--serve", "--interval", "3600", stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)  # fmt: skip
+    env = flows_env(VISIONFLOW_FAULT=f"stage.start@stage=train:pause={tmp_path / 'never'}")
+    server = start_flows(
+        project,
+        "--serve",
+        "--interval",
+        "3600",
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        deadline = time.monotonic() + 120
-        run = None
-        while run is None and time.monotonic() < deadline:
-            try:
-                run = run_deployment("reproduce/scheduled", timeout=0)
-            except Exception:
-                time.sleep(1)
-        deadline = time.monotonic() + 300
-        while not training_processes(project) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert training_processes(project), "training never started"
-        cancel = subprocess.run([sys.executable, "-m", "prefect", "flow-run", "cancel", str(run.id)],
-                                env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
-        deadline = time.monotonic() + 120
         with get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:
-                state = client.read_flow_run(run.id).state
-                if state.is_final() and not training_processes(project):
-                    break
-                time.sleep(1)
-        assert state.is_cancelled(), state
-        assert training_processes(project) == []
+
+            def served():
+                try:
+                    return bool(client.read_deployment_by_name("experiments/on-demand"))
+                except Exception:
+                    return False
+
+            wait_for(served, 120, "the served deployments")
+            run = prefect(
+                "deployment",
+                "run",
+                "reproduce/scheduled",
+                "--params",
+                json.dumps(WAIT),
+                "--watch",
+                timeout=600,
+            )
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+            assert "COMPLETED" in (run.stdout + run.stderr).upper()  # up to date: nothing ran
+
+            def cancel(flow_run) -> None:  # as a user would, then wait for the final state
+                result = prefect("flow-run", "cancel", str(flow_run.id), timeout=120)
+                assert result.returncode == 0, result.stdout + result.stderr
+                wait_for(lambda: client.read_flow_run(flow_run.id).state.is_final(), 120)
+                assert client.read_flow_run(flow_run.id).state.is_cancelled()
+
+            write_params(project, {"train": {"lr": 6e-3}})  # train pauses: a long training run
+            flow_run = run_deployment("reproduce/scheduled", timeout=0, parameters=WAIT)
+            wait_for(lambda: stage_processes(project, "pipeline.train"), what="training")
+            cancel(flow_run)
+            wait_for(lambda: not stage_processes(project), 30, "no stage process left")
+
+            sweep = run_deployment(
+                "experiments/on-demand",
+                timeout=0,
+                parameters={"overrides": [["train.lr=0.007"]], "workers": 1},
+            )
+            wait_for(lambda: stage_processes(project, "pipeline.train"), what="queued training")
+            cancel(sweep)
+            wait_for(lambda: not stage_processes(project), 60, "no experiment process left")
+            wait_for(lambda: not stage_processes(project, "queue-worker"), 60, "the queue stopped")
     finally:
-        os.killpg(server.pid, 15)
+        os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
-    write_params(project, {"train": {"epochs": 3}})
-
-
-def test_prefect_yaml_deploys_both_flows_to_a_work_pool(prefect_server, tmp_path):
-    from prefect.client.orchestration import get_client
-
-    env = {**flows_env(), "VISIONFLOW_WORKDIR": str(ROOT)}
-    prefect = [sys.executable, "-m", "prefect"]
-    pool = subprocess.run([*prefect, "work-pool", "create", "visionflow", "--type", "process"], env=env,
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
-    assert pool.returncode == 0, pool.stdout + pool.stderr
-    deploy = subprocess.run([*prefect, "--no-prompt", "deploy", "--all"], env=env, capture_output=True,
-                            text=True, cwd=ROOT, timeout=300)  # fmt: skip
-    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     with get_client(sync_client=True) as client:
-        scheduled = client.read_deployment_by_name("reproduce/pool-scheduled")
-        sweep = client.read_deployment_by_name("experiments/pool-experiments")
-    assert scheduled.work_pool_name == sweep.work_pool_name == "visionflow"
-    assert scheduled.schedules and scheduled.parameters["if_busy"] == "skip"
+        deployment = client.read_deployment_by_name("reproduce/scheduled")
+    assert not deployment.paused and deployment.schedules  # still scheduled after it stopped
 
 
-def test_queued_experiments_run_with_workers(prefect_server, project):
-    from pipeline.flows import experiments
+def test_prefect_yaml_deployments_run_on_a_process_worker(project):
+    env = flows_env(VISIONFLOW_WORKDIR=str(project))
+    pool = prefect("work-pool", "create", "visionflow", "--type", "process", env=env, cwd=project)
+    assert pool.returncode == 0 or "already exists" in pool.stdout, pool.stdout + pool.stderr
+    deploy = prefect("--no-prompt", "deploy", "--all", env=env, cwd=project)
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "visionflow"],
+        env=env,
+        cwd=project,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        write_params(project, {"train": {"lr": 8e-3}})
+        run = prefect(
+            "deployment",
+            "run",
+            "reproduce/pool-scheduled",
+            "--params",
+            json.dumps(WAIT),
+            "--watch",
+            env=env,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert "COMPLETED" in (run.stdout + run.stderr).upper()
+        assert up_to_date(project)
+        commit(project, "lr 8e-3")
+        params = json.dumps({"overrides": [["train.epochs=3"]]})
+        sweep = prefect(
+            "deployment",
+            "run",
+            "experiments/pool-experiments",
+            "--params",
+            params,
+            "--watch",
+            env=env,
+            timeout=600,
+        )
+        assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+        assert "train.epochs" in artifact("experiments").data
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(timeout=60)
 
-    commit(project, "before the queue")  # the queue runs from commits plus the stashed changes
-    table = experiments(str(project), [["train.lr=0.004"], ["train.lr=0.005"]], workers=2)
-    assert "0.004" in table and "0.005" in table
-    from pipeline.flows import dvc
 
-    status = dvc(project, "queue", "status").stdout
-    assert status.count("Success") == 2 and "Queued" not in status and "Running" not in status
+def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project):
+    import yaml
+
+    watcher = start_flows(
+        project,
+        "--watch",
+        "--settle",
+        "2",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    lines = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in watcher.stdout], daemon=True
+    ).start()
+    try:
+        assert lines.get(timeout=120).startswith("watching")
+        for epochs in (5, 6, 5):  # a burst: three saves within a second
+            write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
+            time.sleep(0.3)
+        assert lines.get(timeout=60).startswith("change settled")
+
+        def locked_lr():
+            stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+            return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+
+        wait_for(lambda: locked_lr() == 2e-3, what="the run of the settled params")
+        extra = project / "data/pretrained/new.txt"  # a train dep outside the code and params
+        extra.write_text("x")
+        time.sleep(0.3)
+        extra.unlink()  # back as it was: the run that starts finds nothing to do
+        assert lines.get(timeout=60).startswith("change settled")
+        time.sleep(5)  # long enough for an unwanted third run to start
+    finally:
+        os.killpg(watcher.pid, signal.SIGTERM)
+        watcher.wait(timeout=60)
+    assert lines.empty()  # one run per settled burst

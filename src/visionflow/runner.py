@@ -20,12 +20,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from visionflow.project import all_deps, special_files
+
 STAGE_FAILED = "ERROR: failed to reproduce"  # DVC's line when a stage's command failed
+BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
+GRACE_S = 5.0  # after a timeout's SIGTERM, seconds before SIGKILL
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
@@ -46,6 +49,10 @@ while time.monotonic() < deadline:
 
 class NotAProject(RuntimeError):
     """No `.dvc` folder here or above."""
+
+
+class Timeout(TimeoutError):
+    """A command ran past its time and was killed with its whole process group."""
 
 
 def environment() -> dict[str, str]:
@@ -94,12 +101,20 @@ def run_group(
     """Run `cmd` in its own process group, streaming lines to `log`. SIGINT and SIGTERM sent to
     this process are passed on to the group; when `cmd` ends, or this call ends early (timeout,
     cancellation, an error), whatever is left of the group is killed; if this process dies, the
-    reaper kills it.
+    reaper kills it. At `timeout_s`, printing or silent, the group gets SIGTERM (training stops
+    at a safe point), then SIGKILL `GRACE_S` later, and `Timeout` is raised.
 
     Returns the exit code and the output's last 4,000 characters.
     """
-    process = subprocess.Popen(cmd, cwd=workdir, env=environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        cmd,
+        cwd=workdir,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     reaper = subprocess.Popen(
         [sys.executable, "-c", REAPER, str(process.pid)],
         stdin=subprocess.PIPE,
@@ -107,52 +122,73 @@ def run_group(
         start_new_session=True,  # not killed with this process's group
     )
 
-    def kill_group() -> None:
+    def signal_group(signum: int) -> None:
         try:
-            os.killpg(process.pid, signal.SIGKILL)
+            os.killpg(process.pid, signum)
         except ProcessLookupError:  # nothing left
             pass
 
     def reap() -> None:  # the moment `dvc` ends, its orphans go too (they hold our pipe open)
         process.wait()
-        kill_group()
+        signal_group(signal.SIGKILL)
 
-    def forward(signum, frame) -> None:
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:  # `dvc` and its group ended in this same instant
-            pass
+    ended, timed_out = threading.Event(), threading.Event()
+
+    def expire() -> None:  # the deadline, whether or not the command prints
+        if not ended.wait(timeout_s):
+            timed_out.set()
+            signal_group(signal.SIGTERM)
+            if not ended.wait(GRACE_S):
+                signal_group(signal.SIGKILL)
 
     watcher = threading.Thread(target=reap, daemon=True)
     watcher.start()
+    threading.Thread(target=expire, daemon=True).start()
     handlers = (
         (signal.SIGINT, signal.SIGTERM)
         if threading.current_thread() is threading.main_thread()
         else ()
     )
-    previous = {s: signal.signal(s, forward) for s in handlers}
-    tail, deadline = "", time.monotonic() + timeout_s
+    previous = {s: signal.signal(s, lambda signum, frame: signal_group(signum)) for s in handlers}
+    tail = ""
     try:
         for line in process.stdout:
             log(line.rstrip())
             tail = (tail + line)[-4000:]
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s; killed")
         watcher.join()
+        if timed_out.is_set():
+            raise Timeout(f"`{' '.join(cmd[2:])}` ran past {timeout_s:.0f} s and was killed")
         return process.returncode, tail
     finally:
+        ended.set()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        kill_group()  # timeout, cancellation, an error: nothing may survive
+        signal_group(signal.SIGKILL)  # timeout, cancellation, an error: nothing may survive
         watcher.join()
         reaper.stdin.close()  # the group is gone: the reaper finds nothing and ends
         reaper.wait()
 
 
-def restore(workdir: Path, log: Callable[[str], None]) -> None:
-    """After a failed run: `dvc checkout` puts back every output that dvc.lock records (the
-    failed stage's previous results among them) from DVC's cache."""
-    code, tail = run_group([*dvc_command(), "checkout"], workdir, 600, lambda line: None)
+def dvc_busy(workdir: Path) -> bool:
+    """Whether another `dvc` process holds the repository's lock (`.dvc/tmp/lock`, which DVC
+    takes with flock): asked of the lock itself, not read from DVC's error message."""
+    lock_file = workdir / ".dvc" / "tmp" / "lock"
+    if not lock_file.exists():
+        return False
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
+    """After a failed run: `dvc checkout [STAGES]` puts back the outputs that dvc.lock records
+    (the failed stage's previous results among them) from DVC's cache."""
+    cmd = [*dvc_command(), "checkout", *stages]
+    code, tail = run_group(cmd, workdir, 600, lambda line: None)
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
     else:
@@ -166,12 +202,16 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
     except NotAProject as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    special = special_files(all_deps(workdir))
+    if special:
+        print(f"error: {'; '.join(special)}: DVC would hang reading it; remove it", file=sys.stderr)
+        return 1
     with workspace_lock(workdir, wait) as held:
         if not held:
-            print("another run holds this workspace: skipping (--if-busy skip)")
-            return 0
-        code, tail = run_group([*dvc_command(), "repro", *args], workdir, timeout_s,
-                               lambda line: print(line, flush=True))  # fmt: skip
+            print("another run holds this workspace: skipped (--if-busy skip)", file=sys.stderr)
+            return BUSY_EXIT
+        cmd = [*dvc_command(), "repro", *args]
+        code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
         if code != 0 and STAGE_FAILED in tail:  # not DVC's own lock, a bad argument, ...
             restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
         return code
