@@ -15,7 +15,7 @@ import time
 import torch
 
 from visionflow.augment import augment
-from visionflow.engine import make_optimizer, train_one_epoch
+from visionflow.engine import Step, make_optimizer, train_one_epoch
 from visionflow.models import build_model
 
 SETTINGS = {  # name: (autocast dtype, channels_last, compile)
@@ -41,7 +41,9 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
         return augment(images, g, crop_padding=4, hflip=True)
 
     def epoch():
-        train_one_epoch(runner, optimizer, x, y, mean, std, batch, g, aug, dtype=dtype)
+        train_one_epoch(
+            runner, optimizer, x, y, mean, std, Step(batch, dtype=dtype), g, augment=aug
+        )
 
     epoch()  # warm-up: cuDNN autotuning, compilation
     torch.cuda.synchronize()

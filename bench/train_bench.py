@@ -36,7 +36,7 @@ from torchvision import transforms
 
 from visionflow import data
 from visionflow.augment import augment
-from visionflow.engine import evaluate, make_optimizer, train_one_epoch
+from visionflow.engine import Step, evaluate, make_optimizer, train_one_epoch
 from visionflow.models import build_model
 
 SIZE, BATCH = 32, 64
@@ -91,7 +91,7 @@ def stage(x, y, xv, yv, mean, std, epochs, target, seed):
         return augment(images, g, crop_padding=2, rotation=10)
 
     return run(model, epochs, target, xv, yv, mean, std,
-               lambda: train_one_epoch(model, optimizer, xt, yt, m, s, BATCH, g, aug))  # fmt: skip
+               lambda: train_one_epoch(model, optimizer, xt, yt, m, s, Step(BATCH), g, augment=aug))  # fmt: skip
 
 
 def run(model, epochs, target, xv, yv, mean, std, one_epoch):

@@ -23,7 +23,7 @@ import torch
 from pipeline import GateError, run, staged
 from visionflow import data
 from visionflow.errors import DiskFull
-from visionflow.export import check_formats, export_all, latency_table
+from visionflow.export import check_formats, export_all, latency_table, onnx_opset
 from visionflow.inference import describe, module_runner, normalise, spec_of
 from visionflow.models import load_model
 from visionflow.params import load_params
@@ -82,11 +82,16 @@ def main() -> None:
         raise DiskFull.at(out, needed)
     metadata = describe(meta["classes"], spec)
     paths, exporter = export_all(model, example, out, e.opset, metadata)
+    opset = onnx_opset(paths["onnx"])  # what the file says, which every record states
+    if opset != e.opset:
+        raise GateError(
+            f"export.opset is {e.opset}, but the {exporter} exporter wrote opset {opset}"
+        )
     parity, runners = check_formats(
         model, paths, pixels, meta["classes"], spec, (e.onnx_rtol, e.onnx_atol), (e.rtol, e.atol),
         e.min_top1_agreement)  # fmt: skip
     passed = all(r["passed"] for results in parity.values() for r in results.values())
-    report = {"exporter": exporter, "opset": e.opset, "passed": passed, **parity}
+    report = {"exporter": exporter, "opset": opset, "passed": passed, **parity}
     data.write_json(out / "parity.json", report)
     print_parity(parity)
     if not passed:

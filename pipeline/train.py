@@ -15,6 +15,7 @@ weights and metrics as an uninterrupted one (CPU, train.deterministic: true).
 
 import argparse
 import io
+import math
 import os
 import random
 import resource
@@ -37,6 +38,7 @@ from visionflow import checkpoint, data, faults, health
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
+    Step,
     amp_dtype,
     evaluate,
     make_optimizer,
@@ -235,12 +237,15 @@ def main() -> None:
     say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
         f"({'memory-mapped' if mapped else 'on the device'}) / {len(y_val)} val images, "
         f"{parameters} parameters")  # fmt: skip
+    for warning in degenerate_batches(len(y_train) // world, t.batch_size, t.accumulate):
+        say(f"train: warning: {warning}")
 
     def fail(message: str) -> GateError:
         """The run stops: the health report goes beside the (untouched) previous results."""
         if rank == 0:
-            data.write_json(args.out.with_name(args.out.name + ".health.json"), monitor.report())
-            say(monitor.summary())
+            report_path = args.out.with_name(args.out.name + ".health.json")
+            data.write_json(report_path, monitor.report())
+            say(monitor.summary(str(report_path)))
         # nothing left to resume once the outputs are in place; until then the state stays, so a
         # run refused at the end (a dep changed while it ran) resumes from its last epoch
         when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
@@ -258,13 +263,30 @@ def main() -> None:
             torch.save(training_state(), saved)
         while True:
             try:
+                step = Step(
+                    sizes["batch"],
+                    sizes["accumulate"],
+                    t.grad_clip,
+                    t.label_smoothing,
+                    t.max_nonfinite_steps,
+                    dtype,
+                )
                 return train_one_epoch(
-                    runner, optimizer, x_train, y_train, mean, std, sizes["batch"], shuffle,
-                    augmentation, scaler=scaler, dtype=dtype, accumulate=sizes["accumulate"],
-                    grad_clip=t.grad_clip, label_smoothing=t.label_smoothing,
-                    max_nonfinite=t.max_nonfinite_steps, epoch=epoch, rank=rank, world=world,
+                    runner,
+                    optimizer,
+                    x_train,
+                    y_train,
+                    mean,
+                    std,
+                    step,
+                    shuffle,
+                    augment=augmentation,
+                    scaler=scaler,
+                    epoch=epoch,
+                    rank=rank,
+                    world=world,
                     record_losses=monitor.steps_wanted(),
-                )  # fmt: skip
+                )
             except torch.OutOfMemoryError:
                 retry = saved is not None and sizes["batch"] > 1
                 monitor.add(health.out_of_memory(epoch, sizes["batch"], sizes["accumulate"],
@@ -357,12 +379,13 @@ def main() -> None:
         else:
             shutil.rmtree(state_dir, ignore_errors=True)
             raise GateError(f"{best_path} was deleted during the run; run again to start fresh")
+        monitor.finish(optimizer.param_groups[0]["lr"])
         report = monitor.report()
         data.write_json(out / "health.json", report)
         compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
         compared |= {k: report[k] for k in ("healthy", "findings")}
         data.write_json(out / "metrics.json", compared)
-        say(monitor.summary())
+        say(monitor.summary(str(args.out / "health.json")))
         # nothing left to resume once the outputs are in place; until then the state stays, so a
         # run refused at the end (a dep changed while it ran) resumes from its last epoch
         when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
@@ -370,6 +393,23 @@ def main() -> None:
             f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
             f"model.pt goes to {args.out} when the stage succeeds"
         )
+
+
+def degenerate_batches(images: int, batch_size: int, accumulate: int) -> list[str]:
+    """What to tell about batches that make an epoch a single optimizer step, with the numbers."""
+    per_epoch = math.ceil(images / batch_size)
+    found = []
+    if batch_size > images:
+        found.append(
+            f"train.batch_size {batch_size} is more than the {images} training images "
+            "(per process): one batch, one optimizer step per epoch"
+        )
+    if accumulate > per_epoch:
+        found.append(
+            f"train.accumulate {accumulate} is more than the {per_epoch} batches of an "
+            f"epoch: one optimizer step per epoch, over {per_epoch} batches"
+        )
+    return found
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import shutil
 import tarfile
 import zipfile
 
@@ -71,14 +72,44 @@ def test_class_below_min_per_class_is_named(image_folder, tmp_path):
         build(source, tmp_path / "out", min_per_class=5)
 
 
-def test_symlink_leading_outside_the_root_is_refused(image_folder, tmp_path):
+def test_links_are_never_followed_so_no_image_gets_two_labels(image_folder, tmp_path):
+    """One rule for links, wherever they point: skipped and named in rejects.json. Before, an alias
+    class folder became a class of copies and a loop recursed; a dangling link crashed the pool."""
     outside = tmp_path / "secret.png"
     solid((1, 2, 3)).save(outside)
     (image_folder / "red" / "link.png").symlink_to(outside)
     (image_folder / "red" / "inside.png").symlink_to(image_folder / "red" / "0.png")
+    (image_folder / "green" / "also_red.png").symlink_to(image_folder / "red" / "1.png")
+    (image_folder / "red" / "dangling.png").symlink_to(tmp_path / "gone.png")
+    (image_folder / "red_alias").symlink_to(image_folder / "red")
+    (image_folder / "blue" / "loop").symlink_to(image_folder)
     source = data.load_source("imagefolder", image_folder)
-    assert "outside" in source.skipped["red/link.png"]
-    assert "red/inside.png" in source.names
+    assert source.classes == ["blue", "green", "red"]
+    links = [
+        "blue/loop",
+        "green/also_red.png",
+        "red/dangling.png",
+        "red/inside.png",
+        "red/link.png",
+        "red_alias",
+    ]
+    assert (
+        sorted(k for k, why in source.skipped.items() if "links are not followed" in why) == links
+    )
+    assert not any(name in source.names for name in links)
+    manifest = build(source, tmp_path / "out", max_bad_fraction=1.0)
+    assert sum(sum(c.values()) for c in manifest["counts"].values()) == len(source.names)
+    rejects = json.loads((tmp_path / "out" / "rejects.json").read_text())["files"]
+    assert "links are not followed" in rejects["red_alias"]
+
+
+def test_a_single_class_is_refused_before_anything_trains(image_folder, tmp_path):
+    """Before, one class trained to test accuracy 1.0000 and exported a 1-class model."""
+    for name in ("blue", "green"):
+        shutil.rmtree(image_folder / name)
+    source = data.load_source("imagefolder", image_folder)
+    with pytest.raises(data.DataError, match=r"1 class \(red\): a classifier needs at least two"):
+        build(source, tmp_path / "out")
 
 
 def bad_files(folder):

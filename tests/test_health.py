@@ -83,7 +83,7 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
                "first_labels": {0: 4}, "layer_grad_norms": {"w": 1.0}}  # fmt: skip
     monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
     assert said == [] and monitor.report()["healthy"] is True
-    assert monitor.summary().startswith("health: healthy: no finding in 6 checks")
+    assert monitor.summary("health.json").startswith("health: healthy: no finding in 6 checks")
     slow = {**metrics, "data_seconds": 0.9, "first_losses": []}
     monitor.epoch(2, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 2, 1e-3, False)
     monitor.epoch(3, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 3, 1e-3, False)
@@ -93,6 +93,36 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     restored = health.Monitor(Health(first_steps=4), CLASSES)
     restored.load_state_dict(monitor.state_dict())
     assert restored.report() == report
+
+
+def test_a_run_shorter_than_first_steps_is_judged_on_what_it_had_or_says_it_was_not():
+    """A batch larger than the split: 3 steps of 50. Before, the summary said "healthy: no finding
+    in 6 checks" without having looked at the loss."""
+    metrics = {
+        "data_seconds": 0.0,
+        "seconds": 1.0,
+        "first_labels": {0: 2},
+        "layer_grad_norms": {"w": 1.0},
+    }
+    few = health.Monitor(Health(first_steps=50), CLASSES)
+    history = [{"train/loss": 2.3, "val/loss": 2.3}]
+    few.epoch(1, {**metrics, "first_losses": [2.3, 2.3, 2.3]}, history, 1e-3, False)
+    few.finish(1e-3)
+    assert "not judged: the run took 3 steps (train.health.first_steps is 50" in few.summary("h")
+    flat = health.Monitor(Health(first_steps=50), CLASSES)
+    flat.epoch(1, {**metrics, "first_losses": [2.303] * 8}, history, 1e-3, False)
+    flat.finish(1e-3)
+    assert flat.report()["loss_not_falling"] and flat.report()["first_steps_seen"] == 8
+
+
+def test_degenerate_batches_are_told_with_their_numbers():
+    from pipeline.train import degenerate_batches
+
+    assert degenerate_batches(1221, 128, 1) == []
+    (big,) = degenerate_batches(40, 64, 1)
+    assert "train.batch_size 64 is more than the 40 training images" in big
+    (many,) = degenerate_batches(40, 8, 16)
+    assert "train.accumulate 16 is more than the 5 batches of an epoch" in many
 
 
 # --- the train stage, on data built to trigger each check ------------------------------------

@@ -60,6 +60,16 @@ def test_out_of_range_is_rejected():
         parse_params(params_with(prepare={"val_fraction": 0.9}))
 
 
+def test_an_opset_the_exporter_cannot_write_is_refused_naming_the_key():
+    """Before, export.opset 99 was accepted and the file was written at opset 18."""
+    import onnx.defs
+
+    newest = onnx.defs.onnx_opset_version()
+    parse_params(params_with(export={"opset": newest}))
+    with pytest.raises(ParamsError, match=rf"export.opset: .*writes opsets 17 to {newest}, not 99"):
+        parse_params(params_with(export={"opset": 99}))
+
+
 def test_float_written_1e_minus_3_is_a_float(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(SHIPPED.replace("  lr: 1.0e-3", "  lr: 1e-3"))

@@ -7,6 +7,7 @@ import shutil
 import sys
 
 import numpy as np
+import onnx
 import pytest
 import yaml
 from PIL import Image
@@ -63,6 +64,8 @@ def test_every_stage_writes_its_outputs(reproduced):
     parity = json.loads((reproduced / "results/export/parity.json").read_text())
     assert parity["passed"] is True
     assert set(parity["onnx"]) == {"batch_1", "batch_3", "batch_8"}
+    onnx_file = onnx.load(str(reproduced / "results/export/model.onnx"))
+    assert parity["opset"] == next(o.version for o in onnx_file.opset_import if o.domain == "")
     card = (reproduced / "results/export/MODEL_CARD.md").read_text()
     assert "onnxruntime" in card and "| onnx | batch_8 |" in card
 

@@ -9,15 +9,20 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import ROOT, write_params
 from visionflow import checkpoint, data
+from visionflow.data import normalise, to_unit
 from visionflow.engine import (
     NonFiniteLoss,
+    Step,
     amp_dtype,
+    groups,
     make_optimizer,
     make_scheduler,
     step_scheduler,
@@ -49,8 +54,10 @@ def test_one_step_of_each_optimiser_and_amp_mode_learns(name, amp):
     optimizer = make_optimizer(name, model, 1e-2, 1e-4, 0.9, name == "sgd")
     before = [p.detach().clone() for p in model.parameters()]
     dtype = amp_dtype(amp, torch.device("cpu"))
-    metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 64, torch.Generator().manual_seed(0),
-                              dtype=dtype, grad_clip=1.0)  # fmt: skip
+    step = Step(64, grad_clip=1.0, dtype=dtype)
+    metrics = train_one_epoch(
+        model, optimizer, x, y, MEAN, STD, step, torch.Generator().manual_seed(0)
+    )
     assert metrics["steps"] == 1 and metrics["skipped_steps"] == 0 and metrics["grad_norm"] > 0
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert metrics["layer_grad_norms"] and all(v >= 0 for v in metrics["layer_grad_norms"].values())
@@ -62,8 +69,10 @@ def test_fp16_scaler_path_runs_where_autocast_supports_it():
     optimizer = make_optimizer("sgd", model, 1e-2, 0, 0.9, False)
     scaler = torch.amp.GradScaler("cpu", enabled=True)
     try:
-        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0),
-                                  scaler=scaler, dtype=torch.float16)  # fmt: skip
+        step = Step(16, dtype=torch.float16)
+        metrics = train_one_epoch(
+            model, optimizer, x, y, MEAN, STD, step, torch.Generator().manual_seed(0), scaler=scaler
+        )
     except RuntimeError as e:  # an older CPU autocast without fp16 kernels
         pytest.skip(f"fp16 autocast on this CPU: {e}")
     assert metrics["steps"] == 4 and scaler.get_scale() > 0
@@ -75,7 +84,7 @@ def test_overfitting_a_small_batch_drives_the_loss_to_zero():
     optimizer = make_optimizer("adam", model, 3e-3, 0, 0, False)
     g = torch.Generator().manual_seed(0)
     for _ in range(60):
-        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 32, g)
+        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, Step(32), g)
     assert metrics["loss"] < 0.01 and metrics["accuracy"] == 1.0
 
 
@@ -85,8 +94,16 @@ def test_accumulation_equals_one_big_batch():
     big.load_state_dict(small.state_dict())
     for model, batch, accumulate in ((small, 8, 4), (big, 32, 1)):
         optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
-        train_one_epoch(model.eval(), optimizer, x, y, MEAN, STD, batch, torch.Generator().manual_seed(3),
-                        accumulate=accumulate)  # fmt: skip
+        train_one_epoch(
+            model.eval(),
+            optimizer,
+            x,
+            y,
+            MEAN,
+            STD,
+            Step(batch, accumulate),
+            torch.Generator().manual_seed(3),
+        )
     for a, b in zip(small.parameters(), big.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 
@@ -116,14 +133,79 @@ def test_nan_loss_is_skipped_and_a_run_of_them_stops():
     model = SometimesNaN(fresh_model(), bad_calls={2})
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
     metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0)
+        model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
     )
     assert metrics["skipped_steps"] == 1 and metrics["steps"] == 3
+    assert metrics["images"] == 48  # the NaN batch is not counted in the epoch's loss
     assert all(torch.isfinite(p).all() for p in model.parameters())  # the bad step changed nothing
     model = SometimesNaN(fresh_model(), bad_calls={2, 3, 4})
-    with pytest.raises(NonFiniteLoss, match=r"3 steps in a row \(epoch 7, step 4\)"):
-        train_one_epoch(model, optimizer, x, y, MEAN, STD, 16, torch.Generator().manual_seed(0),
-                        max_nonfinite=3, epoch=7)  # fmt: skip
+    with pytest.raises(
+        NonFiniteLoss, match=r"3 optimizer steps in a row \(epoch 7, micro-batch 4\)"
+    ):
+        train_one_epoch(
+            model,
+            optimizer,
+            x,
+            y,
+            MEAN,
+            STD,
+            Step(16, max_nonfinite=3),
+            torch.Generator().manual_seed(0),
+            epoch=7,
+        )
+
+
+def test_a_nan_in_a_group_skips_that_optimizer_step_whole_and_counts_one():
+    """accumulate 2 over 4 micro-batches; a NaN in the first micro-batch of the second group: that
+    step is skipped whole (before, the good micro-batch after the NaN was stepped alone, at half
+    weight), and `skipped_steps` counts optimizer steps, as `steps` does."""
+    x, y = toy(64)
+    model = SometimesNaN(fresh_model(), bad_calls={3})
+    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+    metrics = train_one_epoch(
+        model.eval(), optimizer, x, y, MEAN, STD, Step(16, 2), torch.Generator().manual_seed(0)
+    )
+    assert metrics["steps"] == 1 and metrics["skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_accumulation_steps_the_last_short_group_with_its_true_size():
+    """40 images, batch 8, accumulate 2: groups of 2, 2 and 1 micro-batches, three steps; the last
+    one equals a plain step on that batch alone (a mean, not a half)."""
+    assert groups(5, 2) == [2, 2, 1] and groups(2, 8) == [2]
+    x, y = toy(40)
+    model = fresh_model()
+    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+    metrics = train_one_epoch(
+        model.eval(), optimizer, x, y, MEAN, STD, Step(8, 2), torch.Generator().manual_seed(0)
+    )
+    assert metrics["steps"] == 3 and metrics["images"] == 40
+    # the same epoch by hand: four batches in two groups of two, then the fifth alone
+    reference = fresh_model()
+    sgd = make_optimizer("sgd", reference, 0.1, 0, 0, False)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
+    for group in ([0, 1], [2, 3], [4]):
+        sgd.zero_grad()
+        for b in group:
+            idx = order[8 * b : 8 * b + 8]
+            loss = F.cross_entropy(reference.eval()(normalise(to_unit(x[idx]), MEAN, STD)), y[idx])
+            (loss / len(group)).backward()
+        sgd.step()
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_accumulation_beyond_the_batches_still_steps_once_per_epoch():
+    x, y = toy(40)
+    model, start = fresh_model(), fresh_model()
+    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+    metrics = train_one_epoch(
+        model, optimizer, x, y, MEAN, STD, Step(8, 16), torch.Generator().manual_seed(0)
+    )
+    assert metrics["steps"] == 1  # not zero: the weights moved off the initialisation
+    assert any(
+        not torch.equal(a, b) for a, b in zip(model.parameters(), start.parameters(), strict=True)
+    )
 
 
 def state(epoch, fp="abc"):
@@ -175,14 +257,29 @@ def workdir(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 5, "batch_size": 32}})
     source = data.load_source("digits", None)
-    data.build_cache(source, tmp_path / "prepared", data.Decode(8, "grayscale"), val_fraction=0.15,
-                     test_fraction=0.2, seed=0)  # fmt: skip
+    data.build_cache(
+        source,
+        tmp_path / "prepared",
+        data.Decode(8, "grayscale"),
+        val_fraction=0.15,
+        test_fraction=0.2,
+        seed=0,
+    )
     return tmp_path
 
 
 def train_cmd(cwd, out):
-    return [sys.executable, "-m", "pipeline.train", "--data", "prepared", "--out", out,
-            "--checkpoints", f"{out}-ckpt"]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "pipeline.train",
+        "--data",
+        "prepared",
+        "--out",
+        out,
+        "--checkpoints",
+        f"{out}-ckpt",
+    ]
 
 
 def run_train(cwd, out):
@@ -193,8 +290,9 @@ def run_train(cwd, out):
 def kill_after_checkpoint(cwd, out, epoch):
     """Start training and SIGKILL it once the checkpoint of `epoch` exists (mid-epoch after)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    victim = subprocess.Popen(train_cmd(cwd, out), cwd=cwd, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    victim = subprocess.Popen(
+        train_cmd(cwd, out), cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while (
         not list((cwd / f"{out}-ckpt").glob(f"*/epoch-{epoch:04d}.pt"))
@@ -261,18 +359,42 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     Both train on the same 640 images (overfit_batches x batch_size), a multiple of 32, so no
     step has a ragged last batch (which DDP weights per rank, not per image).
     """
-    plain = {"epochs": 2, "optimizer": "sgd", "momentum": 0.0, "lr": 0.05, "dropout": 0.0,
-             "augment": {"crop_padding": 0, "rotation": 0.0}}  # fmt: skip
+    plain = {
+        "epochs": 2,
+        "optimizer": "sgd",
+        "momentum": 0.0,
+        "lr": 0.05,
+        "dropout": 0.0,
+        "augment": {"crop_padding": 0, "rotation": 0.0},
+    }
     write_params(workdir, {"train": {**plain, "batch_size": 32, "overfit_batches": 20}})
     single = run_train(workdir, "single")
     assert single.returncode == 0, single.stderr
     write_params(workdir, {"train": {**plain, "batch_size": 16, "overfit_batches": 40}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     ddp = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "pipeline.train", "--data", "prepared", "--out", "ddp", "--checkpoints", "ddp-ckpt"],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "pipeline.train",
+            "--data",
+            "prepared",
+            "--out",
+            "ddp",
+            "--checkpoints",
+            "ddp-ckpt",
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert ddp.stdout.count("train: best val accuracy") == 1  # rank 0 alone reports and writes
     a = torch.load(workdir / "single/model.pt", weights_only=True)
@@ -288,8 +410,9 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
     source = data.load_source("digits", None)
-    data.build_cache(source, tmp_path, data.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2,
-                     seed=0)  # fmt: skip
+    data.build_cache(
+        source, tmp_path, data.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2, seed=0
+    )
     cpu = torch.device("cpu")
     mapped = data.load_for_training(tmp_path, "train", cpu, max_bytes=0)
     held = data.load_for_training(tmp_path, "train", cpu, max_bytes=2**30)
@@ -300,11 +423,28 @@ def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
         model = build_model("simple_cnn", 1, 10, 8)  # same seed: same initial weights
         optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
         g = torch.Generator().manual_seed(0)
-        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, 64, g, lambda im: im)
+        metrics = train_one_epoch(
+            model, optimizer, x, y, MEAN, STD, Step(64), g, augment=lambda im: im
+        )
         models.append(model)
         assert metrics["images"] == len(y)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_split_held_in_memory_loads_without_numpys_not_writable_warning(tmp_path):
+    """Every train run printed PyTorch's "The given NumPy array is not writable" (a fresh process:
+    PyTorch prints it once per process)."""
+    np.save(tmp_path / "train_x.npy", np.zeros((16, 8, 8, 1), np.uint8))  # as the cache writes it
+    np.save(tmp_path / "train_y.npy", np.zeros(16, np.int64))
+    code = (
+        "import sys, torch; from pathlib import Path; from visionflow import data; "
+        "data.load_for_training(Path(sys.argv[1]), 'train', torch.device('cpu'), 2**30)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code, str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "not writable" not in result.stderr, result.stderr[-2000:]
 
 
 @pytest.mark.gpu
@@ -314,8 +454,17 @@ def test_fp16_on_the_gpu_scales_and_steps():
     model = fresh_model().cuda()
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
     scaler = torch.amp.GradScaler("cuda")
-    metrics = train_one_epoch(model, optimizer, x, y, MEAN.cuda(), STD.cuda(), 16,
-                              torch.Generator().manual_seed(0), scaler=scaler, dtype=torch.float16)  # fmt: skip
+    metrics = train_one_epoch(
+        model,
+        optimizer,
+        x,
+        y,
+        MEAN.cuda(),
+        STD.cuda(),
+        Step(16, dtype=torch.float16),
+        torch.Generator().manual_seed(0),
+        scaler=scaler,
+    )
     assert (
         metrics["steps"] == 4 and scaler.get_scale() > 0 and amp_dtype("auto", torch.device("cuda"))
     )
@@ -330,8 +479,9 @@ def test_a_compiled_model_trains_like_the_eager_one():
         model = fresh_model()
         runner = torch.compile(model) if compiled else model
         optimizer = make_optimizer("sgd", model, 0.05, 0, 0.9, False)
-        metrics = train_one_epoch(runner, optimizer, x, y, MEAN, STD, 16,
-                                  torch.Generator().manual_seed(0))  # fmt: skip
+        metrics = train_one_epoch(
+            runner, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+        )
         losses.append(metrics["loss"])
         assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)

@@ -66,6 +66,9 @@ def digits_source() -> Source:
     return Source(images, digits.target.astype(np.int64), classes, None, names)
 
 
+LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
+
+
 def is_hidden(path: Path, root: Path) -> bool:
     """A dot-file, or inside a dot-folder (`.git`, `.ipynb_checkpoints`), below `root`."""
     return any(part.startswith(".") for part in path.relative_to(root).parts)
@@ -74,25 +77,34 @@ def is_hidden(path: Path, root: Path) -> bool:
 def imagefolder_source(root: Path) -> Source:
     """One subfolder per class; files in nested folders count for their class.
 
-    Hidden files and folders (`.git`, `.ipynb_checkpoints`) are neither classes nor samples. Files
-    that are not images by their suffix, and links that lead outside the root, are listed as
-    skipped with a reason.
+    Hidden files and folders (`.git`, `.ipynb_checkpoints`) are neither classes nor samples. Links
+    are not followed, files or folders, wherever they point: each is listed as skipped with the
+    reason (rejects.json), so no image gets two labels through an alias (`zero_alias -> zero`), a
+    loop (`loop -> .`) or a file linked into two classes, and what is read is what DVC hashes.
+    Files that are not images by their suffix are skipped too.
     """
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist or is not a folder")
-    real_root = root.resolve()
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    paths, labels, skipped, classes = [], [], {}, []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink():
+            skipped[entry.name] = f"{LINK_SKIPPED} (-> {os.readlink(entry)})"
+        elif entry.is_dir():
+            classes.append(entry.name)
     if not classes:
         raise DataError(f"{root} has no class subfolders (expected {root}/<class>/<image files>)")
-    paths, labels, skipped = [], [], {}
     for label, name in enumerate(classes):
         found = 0
-        for path in sorted((root / name).rglob("*")):
-            if is_hidden(path, root) or path.is_dir():
-                continue
+        for path in sorted((root / name).rglob("*")):  # rglob does not descend into links
             relative = path.relative_to(root).as_posix()
-            if not path.resolve().is_relative_to(real_root):
-                skipped[relative] = f"link leads outside {root}; refused"
+            if is_hidden(path, root):
+                continue
+            if path.is_symlink():
+                skipped[relative] = f"{LINK_SKIPPED} (-> {os.readlink(path)})"
+            elif path.is_dir():
+                continue
             elif path.suffix.lower() not in IMAGE_SUFFIXES:
                 skipped[relative] = f"not an image file type ({path.suffix or 'no suffix'})"
             else:
@@ -442,6 +454,11 @@ def build_cache(
             raise DataError(
                 f"classes below prepare.min_per_class ({min_per_class} images): {small}"
             )
+        if len(source.classes) < 2:
+            raise DataError(
+                f"{len(source.classes)} class ({', '.join(source.classes)}): a classifier needs at "
+                "least two; add a folder per class"
+            )
         is_test = source.is_test[good] if source.is_test is not None else None
         local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
         splits, duplicates = find_duplicates(
@@ -533,7 +550,8 @@ def load_for_training(
     x, y = read_split(cache, split, mmap=True)
     if x.nbytes > max_bytes:
         return x, torch.from_numpy(y)
-    return torch.from_numpy(np.ascontiguousarray(x)).to(device), torch.from_numpy(y).to(device)
+    held = np.array(x)  # read into memory: writable, so torch takes it as it is (no warning)
+    return torch.from_numpy(held).to(device), torch.from_numpy(y).to(device)
 
 
 def batches(

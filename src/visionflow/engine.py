@@ -8,6 +8,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,20 +56,31 @@ def make_optimizer(
     # CPU cores Adam's step took 0.25 ms instead of 0.75 ms for SimpleCNN); the same update rule
     params = model.parameters()
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov,
-                               weight_decay=weight_decay, fused=True)  # fmt: skip
+        return torch.optim.SGD(
+            params,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            fused=True,
+        )
     optimizers = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
     return optimizers[name](params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def make_scheduler(
-    name: str, optimizer: torch.optim.Optimizer, epochs: int, patience: int, factor: float,
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    epochs: int,
+    patience: int,
+    factor: float,
     step_size: int,
-):  # fmt: skip
+):
     """Stepped once per epoch; `plateau` on the validation loss (see `step_scheduler`)."""
     if name == "plateau":
-        return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", factor=factor,
-                                                          patience=patience)  # fmt: skip
+        return torch.optim.lr_scheduler.ReduceLROnPlateau(
+            optimizer, mode="min", factor=factor, patience=patience
+        )
     if name == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     if name == "step":
@@ -90,6 +102,26 @@ def grad_norms(model: nn.Module) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class Step:
+    """How one optimizer step is made (train.* in params.yaml): `accumulate` micro-batches of
+    `batch_size`, autocast to `dtype` (None: fp32), gradients clipped to `grad_clip` (0: off)."""
+
+    batch_size: int
+    accumulate: int = 1
+    grad_clip: float = 0.0
+    label_smoothing: float = 0.0
+    max_nonfinite: int = 5  # optimizer steps in a row with a non-finite loss before stopping
+    dtype: torch.dtype | None = None
+
+
+def groups(batches_per_epoch: int, accumulate: int) -> list[int]:
+    """The micro-batch count of each optimizer step of an epoch: full groups of `accumulate`, and
+    the last one with what is left (40 images, batch 8, accumulate 2: [2, 2, 1])."""
+    full, rest = divmod(batches_per_epoch, accumulate)
+    return [accumulate] * full + ([rest] if rest else [])
+
+
 def train_one_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -97,45 +129,46 @@ def train_one_epoch(
     y: torch.Tensor,
     mean: torch.Tensor,
     std: torch.Tensor,
-    batch_size: int,
+    step: Step,
     generator: torch.Generator,
-    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     *,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scaler: torch.amp.GradScaler | None = None,
-    dtype: torch.dtype | None = None,
-    accumulate: int = 1,
-    grad_clip: float = 0.0,
-    label_smoothing: float = 0.0,
-    max_nonfinite: int = 5,
     epoch: int = 0,
-    layer_norm_every: int = 50,
     rank: int = 0,
     world: int = 1,
     record_losses: int = 0,
 ) -> dict:
     """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
 
-    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The loss of
-    each micro-batch is divided by `accumulate`, so `accumulate` steps of batch b equal one of
-    batch `accumulate * b`. A non-finite loss skips its optimizer step; `max_nonfinite` in a row
-    raise NonFiniteLoss. The global gradient norm (every step when clipping) and per-layer norms
-    are sampled every `layer_norm_every` optimizer steps. The losses and label counts of the first
-    `record_losses` batches are returned for the health checks, and the seconds spent waiting for
-    batches (`data_seconds`) beside the epoch's.
+    zero_grad -> (forward -> loss -> backward) per micro-batch -> step, once per group of
+    `step.accumulate` micro-batches; each loss is divided by its group's true size, so the last,
+    shorter group of an epoch is stepped as a mean too, not dropped. Whether a group's losses were
+    all finite is asked once per optimizer step (one host sync): a group with a non-finite loss is
+    skipped whole, and `step.max_nonfinite` skipped steps in a row raise NonFiniteLoss.
+    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The losses
+    and label counts of the first `record_losses` micro-batches are returned for the health
+    checks, and the seconds spent waiting for batches (`data_seconds`) beside the epoch's.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
-    total_loss, correct, seen, steps, skipped, in_a_row = 0.0, 0, 0, 0, 0, 0
-    norms: list[float] = []
-    layers: dict[str, float] = {}
+    total = math.ceil(len(x) // world / step.batch_size)  # as `batches` shards them
+    sizes = iter(groups(total, step.accumulate))
+    stats = torch.zeros(3, device=mean.device)  # loss sum, correct, images: summed without syncs
+    steps, skipped, in_a_row, norms, layers = 0, 0, 0, [], {}
     first_losses: list[float] = []
     first_labels: Counter[int] = Counter()
     data_seconds, started = 0.0, time.perf_counter()
+    progress = tqdm(
+        batches(x, y, step.batch_size, generator, rank, world, mean.device),
+        total=total,
+        desc=f"epoch {epoch}",
+        unit="batch",
+        leave=False,
+        disable=None,
+    )
+    source, i, left, finite = iter(progress), 0, 0, None
     optimizer.zero_grad(set_to_none=True)
-    progress = tqdm(batches(x, y, batch_size, generator, rank, world, mean.device),
-                    total=math.ceil(len(x) / world / batch_size),
-                    desc=f"epoch {epoch}", unit="batch", leave=False, disable=None)  # fmt: skip
-    source, i = iter(progress), -1
     while True:
         wait = time.perf_counter()
         try:
@@ -144,66 +177,105 @@ def train_one_epoch(
             break
         i += 1
         if faults.ACTIVE:  # `sleep` here stands for a slow loader
-            faults.fault("train.batch", epoch=epoch, step=i + 1)
+            faults.fault("train.batch", epoch=epoch, step=i)
         data_seconds += time.perf_counter() - wait
-        images = to_unit(xb)
-        if augment is not None:
-            images = augment(images)
-        with torch.autocast(
-            mean.device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-        ):
-            logits = model(normalise(images, mean, std))
-            loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
+        if left == 0:
+            left = group = next(sizes)
+        loss, logits = forward(model, xb, yb, mean, std, step, augment)
         if faults.ACTIVE:
-            loss = faults.fault("train.loss", loss, epoch=epoch, step=i + 1, batch=len(yb))
-        if i < record_losses:  # a sync per step, for the first steps only
+            loss = faults.fault("train.loss", loss, epoch=epoch, step=i, batch=len(yb))
+        if len(first_losses) < record_losses:  # a sync per micro-batch, for the first ones only
             first_losses.append(loss.item())
             first_labels.update(yb.tolist())
-        finite = torch.isfinite(loss.detach()).to(torch.int32)
-        if world > 1:  # every rank must skip together, or DDP's gradient all-reduce would hang
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-        if not finite:
-            skipped, in_a_row = skipped + 1, in_a_row + 1
-            optimizer.zero_grad(set_to_none=True)
-            if in_a_row >= max_nonfinite:
-                raise NonFiniteLoss(f"loss was not finite for {in_a_row} steps in a row "
-                                    f"(epoch {epoch}, step {i + 1}); stopping")  # fmt: skip
+        ok = torch.isfinite(loss.detach())
+        finite = ok if finite is None else finite & ok
+        scaler.scale(loss / group).backward()
+        loss_sum = loss.detach().nan_to_num(0.0, 0.0, 0.0) * len(yb)
+        counts = (
+            loss_sum,
+            (logits.argmax(1) == yb).sum(),
+            torch.full((), len(yb), device=yb.device),
+        )
+        stats += ok * torch.stack([c.to(stats) for c in counts])  # a non-finite batch counts 0
+        left -= 1
+        if left:
             continue
-        in_a_row = 0
-        scaler.scale(loss / accumulate).backward()
-        total_loss += loss.detach() * len(yb)  # tensors: no device sync per step
-        correct += (logits.argmax(1) == yb).sum()
-        seen += len(yb)
-        if (i + 1) % accumulate == 0:
-            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            if steps % layer_norm_every == 0:  # sampled: norms cost a pass over the gradients
-                layers = grad_norms(model)
-            if grad_clip or steps % layer_norm_every == 0:
-                norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-                norms.append(norm.item())
-            scale = scaler.get_scale()
-            scaler.step(optimizer)  # skipped by the scaler when fp16 gradients overflowed
-            scaler.update()
-            skipped += int(scaler.is_enabled() and scaler.get_scale() < scale)
-            optimizer.zero_grad(set_to_none=True)
+        if not all_ranks_finite(finite, world):  # the one sync of the step
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            if in_a_row >= step.max_nonfinite:
+                raise NonFiniteLoss(
+                    f"loss was not finite in {in_a_row} optimizer steps in a row "
+                    f"(epoch {epoch}, micro-batch {i}); stopping"
+                )
+        else:
+            in_a_row = 0
+            sample = steps % LAYER_NORM_EVERY == 0  # norms cost a pass over the gradients
+            norm, sampled, overflowed = optimizer_step(model, optimizer, scaler, step, sample)
+            layers = sampled or layers
+            norms += [norm] if norm is not None else []
+            skipped += overflowed
             steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        finite = None
     if world > 1:  # sums over all ranks' shards
-        totals = torch.tensor([float(total_loss), float(correct), seen], device=mean.device)
-        dist.all_reduce(totals)
-        total_loss, correct, seen = totals[0], totals[1], int(totals[2])
+        dist.all_reduce(stats)
+    loss_sum, correct, seen = stats.tolist()
     return {
-        "loss": float(total_loss) / max(seen, 1),
-        "accuracy": int(correct) / max(seen, 1),
+        "loss": loss_sum / max(seen, 1),
+        "accuracy": correct / max(seen, 1),
         "grad_norm": sum(norms) / max(len(norms), 1),
         "steps": steps,
         "skipped_steps": skipped,
-        "images": seen,
+        "images": int(seen),
         "layer_grad_norms": layers,
         "first_losses": first_losses,
         "first_labels": dict(sorted(first_labels.items())),
         "data_seconds": data_seconds,
         "seconds": time.perf_counter() - started,
     }
+
+
+LAYER_NORM_EVERY = 50  # optimizer steps between samples of the per-layer gradient norms
+
+
+def forward(model, xb, yb, mean, std, step: Step, augment) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits) of one micro-batch: uint8 -> 0..1 -> augmented -> normalised -> model."""
+    images = to_unit(xb)
+    if augment is not None:
+        images = augment(images)
+    with torch.autocast(
+        mean.device.type, dtype=step.dtype or torch.float32, enabled=step.dtype is not None
+    ):
+        logits = model(normalise(images, mean, std))
+        loss = F.cross_entropy(logits.float(), yb, label_smoothing=step.label_smoothing)
+    return loss, logits
+
+
+def all_ranks_finite(finite: torch.Tensor, world: int) -> bool:
+    """True when every rank's group was finite: ranks must skip together, or DDP's next gradient
+    all-reduce would hang."""
+    flag = finite.to(torch.int32)
+    if world > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag)
+
+
+def optimizer_step(
+    model: nn.Module, optimizer, scaler, step: Step, sample: bool
+) -> tuple[float | None, dict[str, float], bool]:
+    """Unscale, clip, step, update the scaler. Returns the global gradient norm (when clipping
+    or sampling), the per-layer norms (when sampling) and whether fp16 gradients overflowed (the
+    scaler then skipped the step)."""
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    layers = grad_norms(model) if sample else {}
+    norm = None
+    if step.grad_clip or sample:
+        clipped = nn.utils.clip_grad_norm_(model.parameters(), step.grad_clip or math.inf)
+        norm = clipped.item()
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return norm, layers, scaler.is_enabled() and scaler.get_scale() < scale
 
 
 @torch.no_grad()

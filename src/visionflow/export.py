@@ -62,6 +62,12 @@ def export_onnx(
     return exporter
 
 
+def onnx_opset(path: Path) -> int:
+    """The default-domain opset a written ONNX file really declares."""
+    model = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+
+
 def export_pt2(
     model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
 ) -> None:

@@ -201,6 +201,13 @@ class Monitor:
         self.add(diverging(history, math.log(len(self.classes))))
         self.add(overfitting(history, c.overfit_epochs))
 
+    def finish(self, lr: float) -> None:
+        """At the end of a run shorter than train.health.first_steps: judge the loss over the
+        steps there were, when there were at least 4 (else the summary says it was not judged)."""
+        if self.steps_wanted() and len(self.losses) >= 4:
+            c = self.config
+            self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
+
     def report(self) -> dict:
         """health.json: flat numbers first; `healthy` and `findings` also go to the train metrics."""
         found = {f.check for f in self.findings}
@@ -212,19 +219,32 @@ class Monitor:
             **{check: check in found for check in CHECKS},
             "data_wait_fraction": self.data_wait,
             "loss_drop_first_steps": drop if math.isfinite(drop) else -1.0,
+            "first_steps_seen": len(self.losses),
             "overfit_from_epoch": overfit,
             "messages": [f.message for f in self.findings],
             "details": [asdict(f) for f in self.findings],
         }
 
-    def summary(self) -> str:
-        r = self.report()
-        if r["healthy"]:
-            return (f"health: healthy: no finding in {len(CHECKS)} checks (data wait "
-                    f"{r['data_wait_fraction']:.0%} at most; loss fell {r['loss_drop_first_steps']:.0%} "
-                    f"over the first {len(self.losses)} steps)")  # fmt: skip
-        return f"health: {r['findings']} finding(s): " + "; ".join(f.check for f in self.findings) + \
-            " (results/train/health.json; docs/troubleshooting.md)"  # fmt: skip
+    def summary(self, where: str) -> str:
+        """One line for the log; `where` is the health report's path."""
+        r, seen, wanted = self.report(), len(self.losses), self.config.first_steps
+        if not r["healthy"]:
+            checks = "; ".join(f.check for f in self.findings)
+            return (
+                f"health: {r['findings']} finding(s): {checks} ({where}; docs/troubleshooting.md)"
+            )
+        if seen < 4:
+            return (
+                f"health: no finding in {len(CHECKS) - 1} checks; the loss over the first steps was "
+                f"not judged: the run took {seen} steps (train.health.first_steps is {wanted}; "
+                "more images or a smaller train.batch_size give it more)"
+            )
+        short = f", all the run had (train.health.first_steps is {wanted})" if seen < wanted else ""
+        return (
+            f"health: healthy: no finding in {len(CHECKS)} checks (data wait "
+            f"{r['data_wait_fraction']:.0%} at most; loss fell {r['loss_drop_first_steps']:.0%} "
+            f"over the first {seen} steps{short})"
+        )
 
     def state_dict(self) -> dict:
         return {"findings": [asdict(f) for f in self.findings], "losses": self.losses,

@@ -12,7 +12,14 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 def read_yaml(path: str | Path):
@@ -117,13 +124,25 @@ class Evaluate(Section):
 
 class Export(Section):
     batch_size: int = Field(ge=3)
-    opset: int = Field(ge=17)
+    opset: int = Field(ge=17)  # and at most what the installed onnx defines (below)
     onnx_rtol: float = Field(ge=0)
     onnx_atol: float = Field(ge=0)
     rtol: float = Field(ge=0)
     atol: float = Field(ge=0)
     min_top1_agreement: float = Field(ge=0, le=1)
     latency_repeats: int = Field(ge=1)
+
+    @field_validator("opset")
+    @classmethod
+    def writable(cls, opset: int) -> int:
+        """The exporter writes 17 up to the newest opset the installed onnx defines; asked for
+        more, it would silently write 18."""
+        import onnx.defs  # here: the params check stays light for every other key
+
+        newest = onnx.defs.onnx_opset_version()
+        if opset > newest:
+            raise ValueError(f"the installed onnx writes opsets 17 to {newest}, not {opset}")
+        return opset
 
 
 class Params(Section):
@@ -153,8 +172,9 @@ def _model_at(loc: tuple) -> type[BaseModel]:
 def _describe(error: dict) -> str:
     loc = tuple(str(p) for p in error["loc"])
     key = ".".join(loc)
-    if error["type"] == "value_error":  # a rule across keys: its message names them
-        return str(error["ctx"]["error"])
+    if error["type"] == "value_error":  # a section's rule names its keys; a key's gets its name
+        message = str(error["ctx"]["error"])
+        return message if isinstance(error["input"], dict) else f"{key}: {message}"
     if error["type"] == "missing":
         return f"{key}: missing (a stage in dvc.yaml reads it)"
     if error["type"] == "bool_type":
