@@ -47,6 +47,7 @@ from visionflow.engine import (
     step_scheduler,
     train_one_epoch,
 )
+from visionflow.errors import Unavailable
 from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
 from visionflow.params import load_params
 
@@ -145,7 +146,10 @@ def main() -> None:
     rank, world = start_distributed(t.device)
     say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
     seed_everything(params.seed, t.deterministic)
-    device = pick_device(t.device)
+    try:
+        device = pick_device(t.device)
+    except Unavailable as e:
+        raise GateError(f"train.device is {t.device!r}, but {e}") from None
     data.verify_cache(args.data)  # a flipped byte is an error here, not a silently worse model
     meta = data.read_cache_meta(args.data)
     max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
@@ -164,7 +168,10 @@ def main() -> None:
     if t.pretrained:  # pretrained weights bring the normalisation they were trained with
         if t.model != "resnet18":
             raise GateError(f"train.pretrained is for resnet18, not {t.model}")
-        load_pretrained(model, t.pretrained)
+        try:
+            load_pretrained(model, t.pretrained)
+        except Unavailable as e:
+            raise GateError(f"train.pretrained: {e}") from None
         tracked = Path("data/pretrained").resolve()
         if t.pretrained != "imagenet" and not Path(t.pretrained).resolve().is_relative_to(tracked):
             say(f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from visionflow.errors import Unavailable
 from visionflow.models import MODELS, build_model, load_pretrained
 
 
@@ -48,6 +49,6 @@ def test_pretrained_resnet18_loads_from_a_local_file(tmp_path):
     gray = build_model("resnet18", 1, 7, 32, checkpointing=True)
     load_pretrained(gray, str(tmp_path / "r18.pt"))
     assert torch.allclose(gray.conv1.weight, reference.conv1.weight.mean(dim=1, keepdim=True))
-    with pytest.raises(ValueError, match="do not fit resnet18"):
+    with pytest.raises(Unavailable, match="does not fit resnet18"):
         torch.save({"bogus.weight": torch.zeros(1)}, tmp_path / "bad.pt")
         load_pretrained(model, str(tmp_path / "bad.pt"))

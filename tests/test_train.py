@@ -508,3 +508,35 @@ def test_each_configuration_keeps_its_own_state_and_old_ones_are_pruned(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c", "d"]
     loaded, why = checkpoint.load_latest(tmp_path / "c", "c", "cpu")
     assert loaded["epoch"] == 1 and "resuming" in why
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_known_setup_failures_are_one_line_naming_the_key(reproduced_base, tmp_path):
+    """`train.device: cuda` without a GPU, or `train.pretrained` that is not there: before, tracebacks."""
+    from tests.conftest import copy_project, sh
+
+    project = copy_project(reproduced_base, tmp_path / "project")
+    stage = [
+        sys.executable,
+        "-m",
+        "pipeline.train",
+        "--data",
+        "data/prepared",
+        "--out",
+        "out",
+        "--checkpoints",
+        "state",
+    ]
+    for change, message in (
+        ({"device": "cuda"}, "error: train.device is 'cuda', but torch sees no usable GPU"),
+        (
+            {"model": "resnet18", "pretrained": "data/pretrained/none.pt"},
+            "error: train.pretrained: data/pretrained/none.pt is not a file",
+        ),
+    ):
+        write_params(project, {"train": change})
+        result = sh(project, *stage, check=False)
+        assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+        sh(project, "git", "checkout", "HEAD", "--", "params.yaml")

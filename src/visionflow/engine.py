@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from visionflow import faults
 from visionflow.data import batches, normalise, to_model_input, to_unit
+from visionflow.errors import Unavailable
 
 
 class NonFiniteLoss(RuntimeError):
@@ -25,13 +26,14 @@ class NonFiniteLoss(RuntimeError):
 
 
 def pick_device(name: str) -> torch.device:
-    """`auto` takes CUDA when torch can use it, else the CPU; `cuda` without a GPU is an error."""
+    """`auto` takes CUDA when torch can use it, else the CPU; `cuda` without a GPU is Unavailable."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "train.device is 'cuda' but torch sees no usable GPU "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})"
+        build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise Unavailable(
+            f"torch sees no usable GPU (torch {torch.__version__}, {build}); `visionflow doctor` "
+            "says why, or use auto (falls back to the CPU)"
         )
     return torch.device(name)
 

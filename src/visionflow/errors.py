@@ -5,6 +5,11 @@ class DataError(ValueError):
     """The source data cannot be used; the message names the file, folder or class."""
 
 
+class Unavailable(RuntimeError):
+    """Something the params ask for is not there (a GPU, a weights file, the network); the message
+    says what is missing and the fix, and the stage adds the params key."""
+
+
 class DiskFull(OSError):
     """No room to write; the message names the folder and, where known, the bytes needed and free."""
 

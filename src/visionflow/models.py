@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from visionflow import faults
-from visionflow.errors import DiskFull
+from visionflow.errors import DiskFull, Unavailable
 
 
 class SimpleCNN(nn.Module):
@@ -133,16 +133,34 @@ def load_pretrained(model: nn.Module, source: str) -> None:
     if source == "imagenet":
         import torchvision
 
-        weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.get_state_dict(progress=True)
+        try:
+            weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.get_state_dict(
+                progress=True
+            )
+        except OSError as e:  # offline (URLError), or the download cache unwritable
+            raise Unavailable(
+                f"cannot download the ImageNet weights ({e}); when offline, put a resnet18 "
+                "state_dict in data/pretrained/ and name that file instead"
+            ) from None
     else:
-        weights = torch.load(source, map_location="cpu", weights_only=True)
+        if not Path(source).is_file():
+            raise Unavailable(
+                f"{source} is not a file (a resnet18 state_dict, in data/pretrained/)"
+            )
+        try:
+            weights = torch.load(source, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated file, or a pickle that is not plain tensors
+            raise Unavailable(
+                f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
+            ) from None
     weights = {k: v for k, v in weights.items() if not k.startswith("fc.")}
     if model.conv1.in_channels == 1:
         weights["conv1.weight"] = weights["conv1.weight"].mean(dim=1, keepdim=True)
     missing, unexpected = model.load_state_dict(_into(model, weights), strict=False)
     if unexpected or [k for k in missing if not k.startswith("fc.")]:
-        raise ValueError(f"pretrained weights {source} do not fit resnet18: missing {missing}, "
-                         f"unexpected {unexpected}")  # fmt: skip
+        raise Unavailable(
+            f"{source} does not fit resnet18: missing {missing}, unexpected {unexpected}"
+        )
 
 
 def _into(model: nn.Module, weights: dict) -> dict:
