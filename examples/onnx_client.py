@@ -15,22 +15,36 @@ import numpy as np
 import onnxruntime as ort
 from PIL import Image, ImageOps
 
+SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+
 
 def preprocess(path: str, spec: dict) -> np.ndarray:
-    """One image -> float32 CHW, exactly as in training."""
+    """One image -> float32 CHW, exactly as in training (visionflow.decode.normalise_mode): EXIF
+    orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
+    colour mode, the resize filter, and (pixel / 255 - mean) / std."""
     size = spec["image_size"]
     with Image.open(path) as image:
+        image.load()
         if spec["exif_transpose"]:
             image = ImageOps.exif_transpose(image)
-        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        if image.mode in SIXTEEN_BIT:  # Pillow's convert would clip 16-bit values at 255
+            wide = np.asarray(image).astype(np.float64)
+            image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8), "L")
+        elif image.mode == "F":
+            image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
+        if image.mode == "P" and "transparency" in image.info:
+            image = image.convert("RGBA")
+        if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
             under = Image.new("RGBA", image.size, (*spec["background"], 255))
             image = Image.alpha_composite(under, image.convert("RGBA"))
         image = image.convert("L" if spec["color"] == "grayscale" else "RGB")
-        image = image.resize((size, size), Image.Resampling[spec["resize"].upper()])
-    pixels = np.asarray(image, dtype=np.float32).reshape(size, size, -1) / np.float32(255)
+        if image.size != (size, size):
+            image = image.resize((size, size), Image.Resampling[spec["resize"].upper()])
+    pixels = np.asarray(image, dtype=np.uint8).reshape(size, size, -1)
+    scaled = pixels.astype(np.float32) / np.float32(255)
     mean = np.asarray(spec["mean"], np.float32)
     std = np.asarray(spec["std"], np.float32)
-    return ((pixels - mean) / std).transpose(2, 0, 1)
+    return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
 def main(model_path: str, image_paths: list[str]) -> None:

@@ -104,6 +104,10 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_p
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is not allowed')")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    wide = tmp_path / "sixteen_bit.png"  # 16-bit: training scales it; the client clipped it
+    x = np.load(reproduced / "data/prepared/test_x.npy")
+    Image.fromarray(x[0, ..., 0].astype(np.uint16) * 257).save(wide)
+    images = [*test_pngs, wide]
     import subprocess
 
     client = subprocess.run(
@@ -111,16 +115,61 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_p
             sys.executable,
             str(ROOT / "examples/onnx_client.py"),
             str(reproduced / "results/export/model.onnx"),
-            *map(str, test_pngs),
+            *map(str, images),
         ],
         capture_output=True,
         text=True,
         env=env,
         check=True,
     )
-    classes = [json.loads(line)["class"] for line in client.stdout.splitlines()]
-    _, rows = predict_json(reproduced, *test_pngs)
-    assert classes == [row["predictions"][0]["class"] for row in rows]
+    lines = [json.loads(line) for line in client.stdout.splitlines()]
+    _, rows = predict_json(reproduced, *images)
+    assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
+    probabilities = [row["predictions"][0]["probability"] for row in rows]
+    assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
+
+
+def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(reproduced, test_pngs):
+    export = reproduced / "results/export"
+    result, rows = predict_json(reproduced, "--model", export / "model.pt2", test_pngs[0])
+    assert result.returncode == 0 and rows[0]["predictions"], result.stderr
+    for model, runtime, real in (
+        ("model.onnx", "torchscript", "an ONNX file"),
+        ("model.pt2", "torch", "a torch.export .pt2 file"),
+        ("model.torchscript.pt", "pt2", "a TorchScript file"),
+    ):
+        cli = [
+            sys.executable,
+            "-m",
+            "visionflow.cli",
+            "predict",
+            "--model",
+            str(export / model),
+            "--runtime",
+            runtime,
+            str(test_pngs[0]),
+        ]
+        result = sh(reproduced, *cli, check=False)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert f"is {real}, not for --runtime {runtime}" in result.stderr
+    result, _ = predict_json(reproduced, "--model", export / "model.torchscript.pt", test_pngs[0])
+    assert "TorchScript, which is code: load only files you made or trust" in result.stderr
+
+
+def test_nothing_to_predict_is_an_error(reproduced, tmp_path):
+    result = sh(
+        reproduced, sys.executable, "-m", "visionflow.cli", "predict", str(tmp_path), check=False
+    )
+    assert result.returncode == 2 and f"no image files in {tmp_path}" in result.stderr
+
+
+def test_the_onnx_path_of_predict_never_imports_torch(reproduced, test_pngs):
+    probe = (
+        "import sys\nfrom visionflow.cli import main\ncode = main(sys.argv[1:])\n"
+        "print('torch' in sys.modules, 'torchvision' in sys.modules, code)"
+    )
+    result = sh(reproduced, sys.executable, "-c", probe, "predict", str(test_pngs[0]))
+    assert result.stdout.splitlines()[-1] == "False False 0"
 
 
 def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(reproduced, test_pngs, tmp_path):
@@ -208,3 +257,14 @@ def test_imagefolder_and_archive_sources_are_tracked_dependencies(project, image
     write_params(project, {"prepare": folder})  # the folder and its archive give the same cache
     sh(project, "dvc", "repro", "prepare")
     assert arrays == {n: (project / "data/prepared" / n).read_bytes() for n in arrays}
+
+
+def test_verify_is_not_all_good_when_the_manifest_or_the_cache_is_gone(reproduced_base, tmp_path):
+    project = copy_project(reproduced_base, tmp_path / "project")
+    verify = [sys.executable, "-m", "visionflow.cli", "verify"]
+    (project / "data/prepared/manifest.json").unlink()
+    result = sh(project, *verify, check=False)
+    assert result.returncode == 1 and "manifest.json is missing" in result.stdout
+    shutil.rmtree(project / "data/prepared")
+    result = sh(project, *verify, check=False)
+    assert result.returncode == 1 and "all good" not in result.stdout

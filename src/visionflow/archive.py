@@ -11,7 +11,7 @@ import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from visionflow.data import DataError
+from visionflow.errors import DataError
 
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
 MAX_RATIO = 200  # uncompressed / compressed size of one zip member above which it is a bomb

@@ -1,6 +1,7 @@
 """`visionflow` command line.
 
 visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript|pt2|torch]
+                   (the runtime is the model file's own by default)
                    [--top-k K] [--json]          classify images with an exported model
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
                                                  `dvc repro`, one run at a time, nothing orphaned
@@ -24,7 +25,7 @@ DEFAULT_MODELS = {
 
 def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
     """Files as given; folders searched for image files (hidden entries skipped), sorted."""
-    from visionflow.data import IMAGE_SUFFIXES, is_hidden
+    from visionflow.decode import IMAGE_SUFFIXES, is_hidden
 
     files, errors = [], {}
     for path in inputs:
@@ -44,15 +45,24 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
 def predict(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from visionflow.inference import load_images, load_runner, normalise, top_k
+    from visionflow.inference import file_format, load_images, load_runner, normalise, top_k
 
-    model = args.model or Path(DEFAULT_MODELS[args.runtime])
+    model = args.model or Path(DEFAULT_MODELS[args.runtime or "onnx"])
+    files, errors = expand(args.inputs)
+    if not files and not errors:
+        print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
+        return 2
     try:
+        if model.is_file() and file_format(model) == "torchscript":
+            print(
+                f"warning: {model} is TorchScript, which is code: load only files you made or "
+                "trust",
+                file=sys.stderr,
+            )
         runner, classes, spec = load_runner(args.runtime, model)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    files, errors = expand(args.inputs)
     pixels, good, decode_errors = load_images(files, spec)
     errors.update(decode_errors)
     logits = (
@@ -92,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--runtime",
         choices=list(DEFAULT_MODELS),
-        default="onnx",
-        help="default: onnx (ONNX Runtime)",
+        help="default: what the --model file is (without --model: onnx, ONNX Runtime)",
     )
     p.add_argument("--top-k", type=int, default=3, help="classes to show per image (default 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")

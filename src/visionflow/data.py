@@ -16,24 +16,30 @@ import json
 import multiprocessing
 import os
 import shutil
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
+from visionflow.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one place to import from)
+    IMAGE_SUFFIXES,
+    LINK_SKIPPED,
+    RESIZE,
+    Decode,
+    is_hidden,
+    open_image,
+    pixels_of,
+    to_pixels,
+)
 from visionflow.errors import DataError, DiskFull
-from visionflow.files import file_hash
+from visionflow.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
 
 SPLITS = ("train", "val", "test")
-RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
-SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
 class Source(NamedTuple):
@@ -45,16 +51,6 @@ class Source(NamedTuple):
     skipped: dict[str, str] = {}  # files rejected while listing (name -> reason)
 
 
-class Decode(NamedTuple):
-    """How one image becomes cache pixels."""
-
-    size: int  # square side, px
-    color: str  # grayscale | rgb
-    background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels
-    max_pixels: int = 50_000_000  # larger images are rejected from their header, undecoded
-    formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
-
-
 def digits_source() -> Source:
     """scikit-learn's 1,797 real 8x8 handwritten digits (ships with the package, works offline)."""
     from sklearn.datasets import load_digits
@@ -64,14 +60,6 @@ def digits_source() -> Source:
     classes = [str(c) for c in digits.target_names]
     names = [f"#{i}" for i in range(len(images))]
     return Source(images, digits.target.astype(np.int64), classes, None, names)
-
-
-LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
-
-
-def is_hidden(path: Path, root: Path) -> bool:
-    """A dot-file, or inside a dot-folder (`.git`, `.ipynb_checkpoints`), below `root`."""
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def imagefolder_source(root: Path) -> Source:
@@ -145,74 +133,6 @@ def load_source(name: str, path: Path, download: bool = False) -> Source:
     if name == "imagefolder":
         return imagefolder_source(path)
     return torchvision_source(name, path, download)
-
-
-def normalise_mode(image: Image.Image, color: str, background: tuple[int, int, int]) -> Image.Image:
-    """Any PIL mode -> L or RGB without mangling: alpha over `background`, 16-bit scaled, CMYK."""
-    if image.mode in SIXTEEN_BIT:  # PIL's convert would clip 16-bit values at 255
-        wide = np.asarray(image).astype(np.float64)
-        image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8), "L")
-    elif image.mode == "F":
-        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
-        under = Image.new("RGBA", image.size, (*background, 255))
-        image = Image.alpha_composite(under, image.convert("RGBA"))
-    return image.convert("L" if color == "grayscale" else "RGB")  # CMYK: PIL's conversion
-
-
-def open_image(path: Path, decode: Decode) -> Image.Image:
-    """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
-    if path.stat().st_size == 0:
-        raise DataError("empty file (0 bytes)")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # an error below instead
-        try:
-            with Image.open(path, formats=list(decode.formats)) as opened:
-                width, height = opened.size  # from the header; nothing decoded yet
-                if width * height > decode.max_pixels:
-                    raise DataError(
-                        f"{width}x{height} = {width * height} px is over "
-                        f"prepare.max_pixels ({decode.max_pixels}); not decoded"
-                    )
-                if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
-                    raise DataError(
-                        f"decompression bomb: {width}x{height} px is over Pillow's "
-                        f"limit of {Image.MAX_IMAGE_PIXELS} px; not decoded"
-                    )
-                opened.load()
-                ImageOps.exif_transpose(opened, in_place=True)  # upright, as the camera was held
-                return opened
-        except DataError:
-            raise
-        except UnidentifiedImageError:
-            formats = ", ".join(decode.formats)
-            raise DataError(f"not a readable image in the allowed formats ({formats})") from None
-        except Image.DecompressionBombError as e:
-            raise DataError(f"decompression bomb: {e}") from None
-        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
-            raise DataError(f"corrupt or truncated: {e}") from None
-
-
-def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
-    """Normalise the mode and resize: one uint8 HxWxC image."""
-    image = normalise_mode(image, decode.color, decode.background)
-    if image.size != (decode.size, decode.size):
-        image = image.resize((decode.size, decode.size), Image.Resampling[RESIZE.upper()])
-    pixels = np.asarray(image, dtype=np.uint8)
-    return pixels[..., None] if pixels.ndim == 2 else pixels
-
-
-def to_pixels(item, decode: Decode) -> np.ndarray:
-    """An array or an image file as cache pixels; a file that cannot be used is a DataError."""
-    if isinstance(item, np.ndarray):
-        return pixels_of(Image.fromarray(item), decode)
-    try:
-        image = open_image(Path(item), decode)
-    except DataError as e:
-        raise DataError(f"cannot decode {item}: {e}") from None
-    return pixels_of(image, decode)
 
 
 _worker: dict = {}  # per decoding process: the output memmap and the Decode options
@@ -493,26 +413,6 @@ class Cache(NamedTuple):
     mean: list[float]
     std: list[float]
     background: list[int]  # what transparent pixels were composited on
-
-
-def verify_cache(cache: Path) -> list[str]:
-    """Re-hash every array against the manifest written by prepare; raises DataError naming each
-    file that differs, with both hashes. Returns the files checked."""
-    manifest_path = cache / "manifest.json"
-    if not manifest_path.exists():
-        raise DataError(f"{manifest_path} is missing: run `dvc repro prepare`")
-    bad = []
-    for name, entry in json.loads(manifest_path.read_text())["files"].items():
-        path = cache / name
-        actual = file_hash(path) if path.exists() else "missing"
-        if actual != entry["sha256"]:
-            bad.append(f"{path}: sha256 {actual}, manifest says {entry['sha256']}")
-    if bad:
-        raise DataError(
-            "the prepared cache is corrupted: " + "; ".join(bad) + ". Restore it with "
-            f"`dvc checkout {cache}` or rebuild it with `dvc repro --force prepare`"
-        )
-    return [str(cache / name) for name in json.loads(manifest_path.read_text())["files"]]
 
 
 def read_cache_meta(cache: Path) -> Cache:

@@ -1,7 +1,10 @@
 """File hashes and stats, torch-free: the cache manifest, `visionflow verify`, the mid-run guard."""
 
 import hashlib
+import json
 from pathlib import Path
+
+from visionflow.errors import DataError
 
 
 def file_hash(path: Path, algorithm: str = "sha256") -> str:
@@ -24,3 +27,23 @@ def file_stats(paths) -> dict[str, tuple[int, int]]:
                 stat = f.stat()
                 found[str(f)] = (stat.st_size, stat.st_mtime_ns)
     return found
+
+
+def verify_cache(cache: Path) -> list[str]:
+    """Re-hash every array against the manifest written by prepare; raises DataError naming each
+    file that differs, with both hashes. Returns the files checked."""
+    manifest_path = cache / "manifest.json"
+    if not manifest_path.exists():
+        raise DataError(f"{manifest_path} is missing: run `dvc repro prepare`")
+    bad = []
+    for name, entry in json.loads(manifest_path.read_text())["files"].items():
+        path = cache / name
+        actual = file_hash(path) if path.exists() else "missing"
+        if actual != entry["sha256"]:
+            bad.append(f"{path}: sha256 {actual}, manifest says {entry['sha256']}")
+    if bad:
+        raise DataError(
+            "the prepared cache is corrupted: " + "; ".join(bad) + ". Restore it with "
+            f"`dvc checkout {cache}` or rebuild it with `dvc repro --force prepare`"
+        )
+    return [str(cache / name) for name in json.loads(manifest_path.read_text())["files"]]

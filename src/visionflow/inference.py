@@ -7,13 +7,16 @@ inside the TorchScript and `.pt2` archives). A client needs the file and nothing
 
 import json
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from visionflow.data import RESIZE, DataError, Decode, to_pixels
+from visionflow.decode import RESIZE, Decode, to_pixels
+from visionflow.errors import DataError
+
+# torch is imported by the torch runtimes only: the ONNX path runs on ONNX Runtime and NumPy
 
 Runner = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
 RUNTIMES = ("onnx", "torchscript", "pt2", "torch")
@@ -91,6 +94,8 @@ def onnx_runner(path: Path) -> tuple[Runner, dict[str, str]]:
 
 def torchscript_runner(path: Path) -> tuple[Runner, dict[str, str]]:
     """A TorchScript file is code: load only files you made or trust."""
+    import torch
+
     files = {CLASSES_KEY: "", PREPROCESS_KEY: ""}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=JIT_DEPRECATED)
@@ -99,6 +104,8 @@ def torchscript_runner(path: Path) -> tuple[Runner, dict[str, str]]:
 
 
 def pt2_runner(path: Path) -> tuple[Runner, dict[str, str]]:
+    import torch
+
     files = {CLASSES_KEY: "", PREPROCESS_KEY: ""}
     module = torch.export.load(str(path), extra_files=files).module()
     return module_runner(module), {k: _text(v) for k, v in files.items()}
@@ -119,6 +126,7 @@ def _text(value: str | bytes) -> str:
 
 def module_runner(module: Callable) -> Runner:
     """A torch module (eager, scripted or exported) as a function on NumPy batches."""
+    import torch
 
     @torch.no_grad()
     def run(x: np.ndarray) -> np.ndarray:
@@ -135,11 +143,46 @@ LOADERS = {
 }
 
 
-def load_runner(runtime: str, path: Path) -> tuple[Runner, list[str], dict]:
-    """A model file as a function on normalised batches, with its class names and preprocessing."""
+NAMES = {
+    "onnx": "an ONNX file",
+    "torchscript": "a TorchScript file",
+    "pt2": "a torch.export .pt2 file",
+    "torch": "a PyTorch checkpoint (results/train/model.pt)",
+}
+
+
+def file_format(path: Path) -> str | None:
+    """Which runtime a model file is for, from its content: the three torch formats are zip
+    archives told apart by their entries; ONNX is a protobuf whose first field is ir_version."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+        if any("/code/" in n for n in names):
+            return "torchscript"
+        if any(n.endswith("/models/model.json") or n.endswith("/archive_format") for n in names):
+            return "pt2"
+        return "torch" if any(n.endswith("/data.pkl") for n in names) else None
+    with open(path, "rb") as f:
+        return "onnx" if f.read(1) == b"\x08" else None
+
+
+def load_runner(runtime: str | None, path: Path) -> tuple[Runner, list[str], dict]:
+    """A model file as a function on normalised batches, with its class names and preprocessing;
+    `runtime` None: the one the file is for. A file of another format than `runtime` is a
+    ValueError naming the format it is."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"no {runtime} model at {path} (run `dvc repro` first?)")
-    runner, meta = LOADERS[runtime](Path(path))
+        raise FileNotFoundError(f"no model file at {path} (run `dvc repro` first?)")
+    found = file_format(Path(path))
+    if found is None:
+        raise ValueError(
+            f"{path} is not a model file visionflow exports (ONNX, TorchScript, .pt2, model.pt)"
+        )
+    if runtime is not None and runtime != found:
+        raise ValueError(
+            f"{path} is {NAMES[found]}, not for --runtime {runtime}: use --runtime {found}, "
+            "or leave --runtime out"
+        )
+    runner, meta = LOADERS[found](Path(path))
     if not meta.get(CLASSES_KEY) or not meta.get(PREPROCESS_KEY):
         raise ValueError(
             f"{path} lacks {CLASSES_KEY} / {PREPROCESS_KEY} metadata; "

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from visionflow.data import DataError, verify_cache
-from visionflow.files import file_hash
+from visionflow.errors import DataError
+from visionflow.files import file_hash, verify_cache
 
 
 def uncached_outs(root: Path) -> set[str]:
@@ -64,11 +64,9 @@ def dvc_objects(root: Path) -> tuple[int, list[str]]:
 
 def verify(root: Path, cache: Path) -> int:
     """Print what was checked and any problem; 1 when something is bad, else 0."""
-    problems, manifest = [], cache / "manifest.json"
-    arrays = len(json.loads(manifest.read_text())["files"]) if manifest.exists() else 0
-    try:
-        if arrays:
-            verify_cache(cache)
+    problems, arrays = [], 0
+    try:  # a missing manifest, or a missing cache, is a problem too, not "all good"
+        arrays = len(verify_cache(cache))
     except DataError as e:
         problems.append(str(e))
     checked, bad_objects = dvc_objects(root)

@@ -1,0 +1,105 @@
+"""Image files to uint8 pixels, defensively, exactly as training saw them; torch-free, so the
+ONNX path of `visionflow predict` and the CLI load without torch.
+
+Broken, empty, non-image and oversized files are a DataError with the reason; image modes are
+normalised (alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied).
+"""
+
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from visionflow.errors import DataError
+
+RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+
+
+class Decode(NamedTuple):
+    """How one image becomes cache pixels."""
+
+    size: int  # square side, px
+    color: str  # grayscale | rgb
+    background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels
+    max_pixels: int = 50_000_000  # larger images are rejected from their header, undecoded
+    formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
+
+
+LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
+
+
+def is_hidden(path: Path, root: Path) -> bool:
+    """A dot-file, or inside a dot-folder (`.git`, `.ipynb_checkpoints`), below `root`."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def normalise_mode(image: Image.Image, color: str, background: tuple[int, int, int]) -> Image.Image:
+    """Any PIL mode -> L or RGB without mangling: alpha over `background`, 16-bit scaled, CMYK."""
+    if image.mode in SIXTEEN_BIT:  # PIL's convert would clip 16-bit values at 255
+        wide = np.asarray(image).astype(np.float64)
+        image = Image.fromarray(np.clip(np.round(wide / 257), 0, 255).astype(np.uint8), "L")
+    elif image.mode == "F":
+        image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        under = Image.new("RGBA", image.size, (*background, 255))
+        image = Image.alpha_composite(under, image.convert("RGBA"))
+    return image.convert("L" if color == "grayscale" else "RGB")  # CMYK: PIL's conversion
+
+
+def open_image(path: Path, decode: Decode) -> Image.Image:
+    """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
+    if path.stat().st_size == 0:
+        raise DataError("empty file (0 bytes)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # an error below instead
+        try:
+            with Image.open(path, formats=list(decode.formats)) as opened:
+                width, height = opened.size  # from the header; nothing decoded yet
+                if width * height > decode.max_pixels:
+                    raise DataError(
+                        f"{width}x{height} = {width * height} px is over "
+                        f"prepare.max_pixels ({decode.max_pixels}); not decoded"
+                    )
+                if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+                    raise DataError(
+                        f"decompression bomb: {width}x{height} px is over Pillow's "
+                        f"limit of {Image.MAX_IMAGE_PIXELS} px; not decoded"
+                    )
+                opened.load()
+                ImageOps.exif_transpose(opened, in_place=True)  # upright, as the camera was held
+                return opened
+        except DataError:
+            raise
+        except UnidentifiedImageError:
+            formats = ", ".join(decode.formats)
+            raise DataError(f"not a readable image in the allowed formats ({formats})") from None
+        except Image.DecompressionBombError as e:
+            raise DataError(f"decompression bomb: {e}") from None
+        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            raise DataError(f"corrupt or truncated: {e}") from None
+
+
+def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
+    """Normalise the mode and resize: one uint8 HxWxC image."""
+    image = normalise_mode(image, decode.color, decode.background)
+    if image.size != (decode.size, decode.size):
+        image = image.resize((decode.size, decode.size), Image.Resampling[RESIZE.upper()])
+    pixels = np.asarray(image, dtype=np.uint8)
+    return pixels[..., None] if pixels.ndim == 2 else pixels
+
+
+def to_pixels(item, decode: Decode) -> np.ndarray:
+    """An array or an image file as cache pixels; a file that cannot be used is a DataError."""
+    if isinstance(item, np.ndarray):
+        return pixels_of(Image.fromarray(item), decode)
+    try:
+        image = open_image(Path(item), decode)
+    except DataError as e:
+        raise DataError(f"cannot decode {item}: {e}") from None
+    return pixels_of(image, decode)
