@@ -32,7 +32,7 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
     model = build_model(name, 3, 10, 32).cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    runner = torch.compile(model) if compiled else model
+    net = torch.compile(model) if compiled else model
     optimizer = make_optimizer("sgd", model, 0.05, 5e-4, 0.9, True)
     g = torch.Generator().manual_seed(0)
     mean, std = torch.tensor([0.5] * 3, device="cuda"), torch.tensor([0.25] * 3, device="cuda")
@@ -41,9 +41,7 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
         return augment(images, g, crop_padding=4, hflip=True)
 
     def epoch():
-        train_one_epoch(
-            runner, optimizer, x, y, mean, std, Step(batch, dtype=dtype), g, augment=aug
-        )
+        train_one_epoch(net, optimizer, x, y, mean, std, Step(batch, dtype=dtype), g, augment=aug)
 
     epoch()  # warm-up: cuDNN autotuning, compilation
     torch.cuda.synchronize()
@@ -66,8 +64,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.images, 32, 32, 3), dtype=torch.uint8, generator=g).cuda()
     y = torch.randint(0, 10, (args.images,), generator=g).cuda()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.images} images 32x32x3, "
-          f"batch {args.batch}")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.images} images 32x32x3, "
+        f"batch {args.batch}"
+    )
     print("| model | setting | images/s | vs fp32 |\n|---|---|---|---|")
     for name in ("simple_cnn", "small_resnet"):
         base = None

@@ -65,8 +65,15 @@ def main() -> None:
         seconds = {}
         for workers in (1, 0):  # one process, then one per core (the default)
             start = time.perf_counter()
-            data.build_cache(source, Path(tmp) / f"prepared{workers}", data.Decode(args.size, "rgb"),
-                             val_fraction=0.1, test_fraction=0.1, seed=0, workers=workers)  # fmt: skip
+            data.build_cache(
+                source,
+                Path(tmp) / f"prepared{workers}",
+                data.Decode(args.size, "rgb"),
+                val_fraction=0.1,
+                test_fraction=0.1,
+                seed=0,
+                workers=workers,
+            )
             seconds[workers] = time.perf_counter() - start
         stage_s = seconds[0]
     assert plain.shape[0] == args.images

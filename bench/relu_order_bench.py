@@ -60,8 +60,12 @@ def main() -> None:
     for pair in range(args.pairs):
         rate = {}
         for order in ("usual", "pool_first"):
-            done = subprocess.run([sys.executable, __file__, "--one", order], check=True,
-                                  capture_output=True, text=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", order],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             rate[order] = float(done.stdout.split()[-1])
         ratios.append(rate["pool_first"] / rate["usual"])
         print(

@@ -58,12 +58,22 @@ def plain(x, y, xv, yv, mean, std, epochs, target, seed):
     torch.manual_seed(seed)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    train_tf = transforms.Compose([
-        transforms.RandomRotation(10), transforms.RandomCrop(SIZE, padding=2), transforms.ToTensor(),
-        transforms.Normalize(mean, std),
-    ])  # fmt: skip
-    loader = DataLoader(PilImages(x, y, train_tf), batch_size=BATCH, shuffle=True, num_workers=2,
-                        persistent_workers=True, pin_memory=DEVICE.type == "cuda")  # fmt: skip
+    train_tf = transforms.Compose(
+        [
+            transforms.RandomRotation(10),
+            transforms.RandomCrop(SIZE, padding=2),
+            transforms.ToTensor(),
+            transforms.Normalize(mean, std),
+        ]
+    )
+    loader = DataLoader(
+        PilImages(x, y, train_tf),
+        batch_size=BATCH,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        pin_memory=DEVICE.type == "cuda",
+    )
     return run(
         model, epochs, target, xv, yv, mean, std, lambda: plain_epoch(model, optimizer, loader)
     )
@@ -90,8 +100,16 @@ def stage(x, y, xv, yv, mean, std, epochs, target, seed):
     def aug(images):
         return augment(images, g, crop_padding=2, rotation=10)
 
-    return run(model, epochs, target, xv, yv, mean, std,
-               lambda: train_one_epoch(model, optimizer, xt, yt, m, s, Step(BATCH), g, augment=aug))  # fmt: skip
+    return run(
+        model,
+        epochs,
+        target,
+        xv,
+        yv,
+        mean,
+        std,
+        lambda: train_one_epoch(model, optimizer, xt, yt, m, s, Step(BATCH), g, augment=aug),
+    )
 
 
 def run(model, epochs, target, xv, yv, mean, std, one_epoch):
@@ -103,9 +121,14 @@ def run(model, epochs, target, xv, yv, mean, std, one_epoch):
         one_epoch()
         sync()
         trained += time.perf_counter() - start
-        metrics, _ = evaluate(model, torch.from_numpy(xv).to(DEVICE), torch.from_numpy(yv).to(DEVICE),
-                              torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE),
-                              512)  # fmt: skip
+        metrics, _ = evaluate(
+            model,
+            torch.from_numpy(xv).to(DEVICE),
+            torch.from_numpy(yv).to(DEVICE),
+            torch.tensor(mean, device=DEVICE),
+            torch.tensor(std, device=DEVICE),
+            512,
+        )
         accuracy = metrics["accuracy"]
         if reached is None and accuracy >= target:
             reached = trained, epoch
@@ -117,8 +140,11 @@ def ceiling(x, mean, std, epochs):
     torch.manual_seed(0)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
-    batch = data.to_model_input(torch.from_numpy(x[:BATCH]).to(DEVICE),
-                                torch.tensor(mean, device=DEVICE), torch.tensor(std, device=DEVICE))  # fmt: skip
+    batch = data.to_model_input(
+        torch.from_numpy(x[:BATCH]).to(DEVICE),
+        torch.tensor(mean, device=DEVICE),
+        torch.tensor(std, device=DEVICE),
+    )
     labels = torch.zeros(BATCH, dtype=torch.long, device=DEVICE)
     steps = len(x) * epochs // BATCH
     start = time.perf_counter()
@@ -152,15 +178,31 @@ def one(name: str, seed: int, epochs: int, target: float) -> dict:
     if name in ("plain", "stage"):
         loop = plain if name == "plain" else stage
         seconds, reached, accuracy = loop(x, y, xv, yv, mean, std, epochs, target, seed)
-        return {"rate": len(x) * epochs / seconds, "accuracy": accuracy, "images": len(x),
-                "seconds_to_target": reached[0] if reached else None,
-                "epochs_to_target": reached[1] if reached else None}  # fmt: skip
+        return {
+            "rate": len(x) * epochs / seconds,
+            "accuracy": accuracy,
+            "images": len(x),
+            "seconds_to_target": reached[0] if reached else None,
+            "epochs_to_target": reached[1] if reached else None,
+        }
     return {"rate": ceiling(x, mean, std, epochs)}
 
 
 def in_fresh_process(args, name: str, seed: int) -> dict:
-    command = [sys.executable, __file__, "--one", name, "--seed", str(seed), "--epochs",
-               str(args.epochs), "--target", str(args.target), "--device", args.device]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        name,
+        "--seed",
+        str(seed),
+        "--epochs",
+        str(args.epochs),
+        "--target",
+        str(args.target),
+        "--device",
+        args.device,
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{name} (seed {seed}) failed:\n{done.stderr}")
@@ -183,18 +225,25 @@ def main() -> None:
         print(json.dumps(one(args.one, args.seed, args.epochs, args.target)))
         return
 
-    names = {"plain": "plain tutorial loop", "stage": "train stage loop",
-             "ceiling": "compute ceiling (one batch in memory)"}  # fmt: skip
+    names = {
+        "plain": "plain tutorial loop",
+        "stage": "train stage loop",
+        "ceiling": "compute ceiling (one batch in memory)",
+    }
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(args.seeds):  # interleaved, so a noisy spell hits every contender
         for name in names:
             runs[name].append(in_fresh_process(args, name, seed))
             print(f"seed {seed} {name}: {runs[name][-1]}", file=sys.stderr)
-    print(f"{runs['stage'][0]['images']} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, target val "
-          f"accuracy {args.target}, {args.seeds} seeds, {torch.get_num_threads()} threads, "
-          f"{DEVICE}, a fresh process per run")  # fmt: skip
-    print("| loop | images/s (median) | epochs to target (mean) | seconds to target (mean) | "
-          "final val accuracy (median) |\n|---|---|---|---|---|")  # fmt: skip
+    print(
+        f"{runs['stage'][0]['images']} train images {SIZE}x{SIZE}, batch {BATCH}, {args.epochs} epochs, target val "
+        f"accuracy {args.target}, {args.seeds} seeds, {torch.get_num_threads()} threads, "
+        f"{DEVICE}, a fresh process per run"
+    )
+    print(
+        "| loop | images/s (median) | epochs to target (mean) | seconds to target (mean) | "
+        "final val accuracy (median) |\n|---|---|---|---|---|"
+    )
     rate, to_target = {}, {}
     for name, results in runs.items():
         rate[name] = float(np.median([r["rate"] for r in results]))
@@ -204,13 +253,17 @@ def main() -> None:
         accuracy = float(np.median([r["accuracy"] for r in results]))
         reached = [r for r in results if r["seconds_to_target"] is not None]
         if len(reached) < len(results):  # a mean over the lucky runs would flatter the loop
-            print(f"| {names[name]} | {rate[name]:.0f} | {len(results) - len(reached)} of "
-                  f"{len(results)} runs never reached it | | {accuracy:.4f} |")  # fmt: skip
+            print(
+                f"| {names[name]} | {rate[name]:.0f} | {len(results) - len(reached)} of "
+                f"{len(results)} runs never reached it | | {accuracy:.4f} |"
+            )
             continue
         to_target[name] = float(np.mean([r["seconds_to_target"] for r in results]))
         epochs = float(np.mean([r["epochs_to_target"] for r in results]))
-        print(f"| {names[name]} | {rate[name]:.0f} | {epochs:.1f} | {to_target[name]:.2f} | "
-              f"{accuracy:.4f} |")  # fmt: skip
+        print(
+            f"| {names[name]} | {rate[name]:.0f} | {epochs:.1f} | {to_target[name]:.2f} | "
+            f"{accuracy:.4f} |"
+        )
     print(f"stage / plain images/s: {rate['stage'] / rate['plain']:.2f}x")
     if len(to_target) == 2:
         print(f"stage / plain time to target: {to_target['plain'] / to_target['stage']:.2f}x")
@@ -220,8 +273,10 @@ def main() -> None:
     print(f"ceiling / plain images/s: {rate['ceiling'] / rate['plain']:.2f}x")
     for name in ("plain", "stage"):
         counts = Counter(r["epochs_to_target"] or args.epochs + 1 for r in runs[name])
-        shown = ", ".join(f"{'never' if epoch > args.epochs else f'epoch {epoch}'}: {n}"
-                          for epoch, n in sorted(counts.items()))  # fmt: skip
+        shown = ", ".join(
+            f"{'never' if epoch > args.epochs else f'epoch {epoch}'}: {n}"
+            for epoch, n in sorted(counts.items())
+        )
         print(f"{names[name]}: runs first reaching the target at {shown}")
 
 

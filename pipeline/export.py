@@ -24,7 +24,7 @@ from pipeline import GateError, run, staged
 from visionflow import data
 from visionflow.errors import DiskFull
 from visionflow.export import check_formats, export_all, latency_table, onnx_opset
-from visionflow.inference import describe, module_runner, normalise, spec_of
+from visionflow.inference import describe, module_predictor, normalise, spec_of
 from visionflow.models import load_model
 from visionflow.params import load_params
 from visionflow.report import model_card
@@ -87,9 +87,16 @@ def main() -> None:
         raise GateError(
             f"export.opset is {e.opset}, but the {exporter} exporter wrote opset {opset}"
         )
-    parity, runners = check_formats(
-        model, paths, pixels, meta["classes"], spec, (e.onnx_rtol, e.onnx_atol), (e.rtol, e.atol),
-        e.min_top1_agreement)  # fmt: skip
+    parity, predictors = check_formats(
+        model,
+        paths,
+        pixels,
+        meta["classes"],
+        spec,
+        (e.onnx_rtol, e.onnx_atol),
+        (e.rtol, e.atol),
+        e.min_top1_agreement,
+    )
     passed = all(r["passed"] for results in parity.values() for r in results.values())
     report = {"exporter": exporter, "opset": opset, "passed": passed, **parity}
     data.write_json(out / "parity.json", report)
@@ -102,8 +109,8 @@ def main() -> None:
             f"atol {e.atol}); nothing promoted, {args.out} keeps the last good export; see {miss}"
         )
 
-    runners = {"eager": module_runner(model), **runners}
-    latency = latency_table(runners, example.numpy(), (1, 64), e.latency_repeats)
+    predictors = {"eager": module_predictor(model), **predictors}
+    latency = latency_table(predictors, example.numpy(), (1, 64), e.latency_repeats)
     data.write_json(out / "latency.json", {"unit": "ms (median)", **latency})
     data.write_json(out / "metrics.json", summary(report, latency))
     metrics = json.loads(args.metrics.read_text())

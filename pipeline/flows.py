@@ -39,6 +39,7 @@ from visionflow.project import all_deps, special_files
 from visionflow.runner import (
     BUSY_EXIT,
     GRACE_S,
+    NotAProject,
     Timeout,
     dvc_busy,
     dvc_command,
@@ -141,10 +142,18 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
     if code == 0:
         return locked(workdir, stage) != before
-    if dvc_busy(workdir):
+    if dvc_busy(workdir):  # DVC could not take its lock back to record the stage's results:
+        wait_until_free(workdir)  # put the outputs back as dvc.lock records them, then retry
+        restore(workdir, logger.warning, stage)
         raise DvcBusy(f"{stage}: another dvc process holds {workdir}/.dvc/tmp/lock")
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
+
+
+def wait_until_free(workdir: Path, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while dvc_busy(workdir) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def publish(workdir: Path) -> None:
@@ -257,8 +266,11 @@ def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> Non
         except Timeout as e:
             logger.error(f"{name}: {e}")
             continue
-        summary = results(root, [name]).get(name, {})
-        logger.info(f"{name}: {summary.get('state', 'failed')} {main_metrics(summary)}")
+        if code != 0:
+            logger.error(f"{name}: failed (exit {code}): {tail.strip().splitlines()[-1:]}")
+            continue
+        summary = results(root, [name])[name]
+        logger.info(f"{name}: {summary['state']} {main_metrics(summary)}".rstrip())
 
 
 def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float) -> None:
@@ -354,11 +366,12 @@ def results(root: Path, names) -> dict[str, dict]:
             if exp.get("name") in names:
                 data = exp["revs"][0].get("data") or {}
                 state = (exp.get("executor") or {}).get("state")
-                found[exp["name"]] = {
-                    "state": state or ("success" if data.get("metrics") else "failed"),
+                state = state or ("success" if data.get("metrics") else "failed")
+                found[exp["name"]] = {  # metrics of one not done are its baseline's: none
+                    "state": state,
                     "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
                     "params": data.get("params", {}),
-                    "metrics": data.get("metrics", {}),
+                    "metrics": data.get("metrics", {}) if state == "success" else {},
                     "baseline": (baseline.get("data") or {}).get("params", {}),
                 }
     return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
@@ -424,28 +437,36 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
     root = root.resolve()
     deps = all_deps(root)
     changed_at: list[float] = []
+    rewatch = threading.Event()
 
     class Changes(FileSystemEventHandler):
         def on_any_event(self, event) -> None:
+            if event.event_type in ("opened", "closed_no_write"):
+                return
             paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
-            if event.event_type not in ("opened", "closed_no_write") and any(
-                path == dep or path.is_relative_to(dep) for path in paths for dep in deps
-            ):
+            if any(path == dep or path.is_relative_to(dep) for path in paths for dep in deps):
                 changed_at[:] = [time.monotonic()]
+            if event.event_type in ("created", "deleted", "moved") and any(
+                dep.is_relative_to(path) for path in paths for dep in deps
+            ):  # a dep folder, or one above a dep, came or went: its watch is gone or due
+                changed_at[:] = [time.monotonic()]
+                rewatch.set()
 
     observer, handler = Observer(), Changes()
-    watches = set()  # folders whole; a file through its folder (an editor replaces the file)
-    for dep in deps:
-        folder = dep if dep.is_dir() else next(p for p in dep.parents if p.is_dir())
-        watches.add((folder, folder != root and dep.is_dir()))
-    for folder, recursive in sorted(watches):
-        observer.schedule(handler, str(folder), recursive=recursive)
+
+    def schedule() -> None:
+        observer.unschedule_all()
+        for folder, recursive in sorted(watch_points(root, deps)):
+            observer.schedule(handler, str(folder), recursive=recursive)
+
+    schedule()
     observer.start()
     print(f"watching {len(deps)} deps of {root} (settle {settle_s} s)", flush=True)
-    wake = threading.Event()
     try:
         while True:
-            wake.wait(0.2)
+            if rewatch.wait(0.2):
+                rewatch.clear()
+                schedule()
             if changed_at and time.monotonic() - changed_at[0] >= settle_s:
                 changed_at.clear()
                 print("change settled: starting a run", flush=True)
@@ -455,6 +476,18 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
                     reproduce(str(root), return_state=True)
     finally:
         observer.stop()
+
+
+def watch_points(root: Path, deps: list[Path]) -> set[tuple[Path, bool]]:
+    """(folder, recursive) to watch: a folder dep whole, plus its parent (to see it go and come
+    back); a file dep, or a dep not there yet, through its nearest existing folder."""
+    points = set()
+    for dep in deps:
+        if dep.is_dir():
+            points.add((dep, True))
+        parent = next(p for p in dep.parents if p.is_dir())
+        points.add((parent, False))
+    return points
 
 
 def main() -> None:
@@ -473,12 +506,16 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=2.0, help="with --watch: quiet seconds")
     parser.add_argument("--deployment", help="with --watch: start this deployment instead")
     args = parser.parse_args()
+    try:
+        root = find_root(Path(args.workdir))
+    except NotAProject as e:
+        sys.exit(f"error: {e}")
     if args.watch:
-        watch(Path(args.workdir), args.settle, deployment=args.deployment)
+        watch(root, args.settle, deployment=args.deployment)
     elif args.serve:
-        serve_deployments(Path(args.workdir), args.interval, args.cron)
+        serve_deployments(root, args.interval, args.cron)
     else:
-        state = reproduce(args.workdir, args.if_busy, return_state=True)
+        state = reproduce(str(root), args.if_busy, return_state=True)
         if state.is_failed() or state.is_crashed():
             sys.exit(f"error: {state.message}")
         print(json.dumps({"ran": state.result(), "skipped": state.name == "Skipped"}))

@@ -33,9 +33,17 @@ def main() -> None:
         source = data.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         manifest = data.build_cache(
-            source, staged(args.out), decode, val_fraction=p.val_fraction, test_fraction=p.test_fraction,
-            seed=params.seed, workers=p.workers, max_bad_fraction=p.max_bad_fraction,
-            min_per_class=p.min_per_class, dedupe=p.dedupe)  # fmt: skip
+            source,
+            staged(args.out),
+            decode,
+            val_fraction=p.val_fraction,
+            test_fraction=p.test_fraction,
+            seed=params.seed,
+            workers=p.workers,
+            max_bad_fraction=p.max_bad_fraction,
+            min_per_class=p.min_per_class,
+            dedupe=p.dedupe,
+        )
     sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
     print(
         f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "

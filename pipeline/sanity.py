@@ -30,15 +30,20 @@ def scan(cache: Path, classes: list[str]) -> dict:
         if len(x) != len(y):
             raise GateError(f"{split}: {len(x)} images but {len(y)} labels")
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
-            raise GateError(f"{split}: labels span {y.min()}..{y.max()}, "
-                            f"outside 0..{len(classes) - 1} for {len(classes)} classes")  # fmt: skip
+            raise GateError(
+                f"{split}: labels span {y.min()}..{y.max()}, "
+                f"outside 0..{len(classes) - 1} for {len(classes)} classes"
+            )
         counts = dict(zip(classes, np.bincount(y, minlength=len(classes)).tolist(), strict=True))
         if counts != expected[split]:
             raise GateError(
                 f"{split}: class counts {counts} differ from the manifest's {expected[split]}"
             )
-        report["splits"][split] = {"images": len(y), "per_class": counts,
-                                   "label_range": [int(y.min()), int(y.max())] if len(y) else None}  # fmt: skip
+        report["splits"][split] = {
+            "images": len(y),
+            "per_class": counts,
+            "label_range": [int(y.min()), int(y.max())] if len(y) else None,
+        }
     return report
 
 
@@ -99,8 +104,10 @@ def main() -> None:
     viz.counts_figure(counts).savefig(out / "counts.png", dpi=100)
     (out / "counts").mkdir(exist_ok=True)
     for split, per_class in counts.items():
-        data.write_json(out / "counts" / f"{split}.json",
-                        [{"class": c, "images": n} for c, n in per_class.items()])  # fmt: skip
+        data.write_json(
+            out / "counts" / f"{split}.json",
+            [{"class": c, "images": n} for c, n in per_class.items()],
+        )
     data.write_json(out / "scan.json", report)
     print(
         f"sanity: {args.out}/labels.png, augmented.png, counts.png; "

@@ -45,6 +45,7 @@ from visionflow.engine import (
     make_scheduler,
     pick_device,
     step_scheduler,
+    sync_buffers,
     train_one_epoch,
 )
 from visionflow.errors import Unavailable
@@ -98,22 +99,33 @@ def cpu_copy(state_dict: dict) -> dict:
 def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
     """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
     return {
-        "train/loss": train["loss"], "train/accuracy": train["accuracy"],
-        "val/loss": val["loss"], "val/accuracy": val["accuracy"],
-        "lr": lr, "grad_norm": train["grad_norm"], "skipped_steps": train["skipped_steps"],
-        "train/images_per_s": train["images"] / seconds, "epoch_seconds": seconds,
-        "peak_memory_mb": peak_mb, "data_wait_fraction": train["data_seconds"] / train["seconds"],
+        "train/loss": train["loss"],
+        "train/accuracy": train["accuracy"],
+        "val/loss": val["loss"],
+        "val/accuracy": val["accuracy"],
+        "lr": lr,
+        "grad_norm": train["grad_norm"],
+        "skipped_steps": train["skipped_steps"],
+        "train/images_per_s": train["images"] / seconds,
+        "epoch_seconds": seconds,
+        "peak_memory_mb": peak_mb,
+        "data_wait_fraction": train["data_seconds"] / train["seconds"],
         # "classifier.1.bias" -> "classifier_1_bias": Vega reads a dot in a field name as nesting
-        **{f"grad_norm_layer/{k.replace('.', '_')}": v for k, v in train["layer_grad_norms"].items()},
-    }  # fmt: skip
+        **{
+            f"grad_norm_layer/{k.replace('.', '_')}": v
+            for k, v in train["layer_grad_norms"].items()
+        },
+    }
 
 
 def epoch_line(r: dict) -> str:
     """The log line's numbers for one epoch's record `r`."""
-    return (f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
-            f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
-            f"{r['train/images_per_s']:7.0f} img/s"
-            + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else ""))  # fmt: skip
+    return (
+        f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
+        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
+        f"{r['train/images_per_s']:7.0f} img/s"
+        + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else "")
+    )
 
 
 class StopRequest:
@@ -129,8 +141,12 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
-              "(Ctrl-C again stops at once)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
+            "(Ctrl-C again stops at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -174,8 +190,10 @@ def main() -> None:
             raise GateError(f"train.pretrained: {e}") from None
         tracked = Path("data/pretrained").resolve()
         if t.pretrained != "imagenet" and not Path(t.pretrained).resolve().is_relative_to(tracked):
-            say(f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
-                "tracks: DVC will not rerun train when that file changes")  # fmt: skip
+            say(
+                f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
+                "tracks: DVC will not rerun train when that file changes"
+            )
         norm_mean, norm_std = IMAGENET_MEAN[:channels], IMAGENET_STD[:channels]
         if channels == 1:
             norm_mean, norm_std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
@@ -183,8 +201,8 @@ def main() -> None:
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    runner = DistributedDataParallel(model) if world > 1 else model
-    runner = torch.compile(runner) if t.compile else runner
+    net = DistributedDataParallel(model) if world > 1 else model
+    net = torch.compile(net) if t.compile else net
     optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
@@ -195,17 +213,29 @@ def main() -> None:
     augment_rng = torch.Generator().manual_seed(params.seed + rank)  # each rank its own draws
     augmentation = partial(augment, generator=augment_rng, **t.augment.model_dump())
     model_meta = {  # plain values only, so the file loads with weights_only=True
-        "model": t.model, "in_channels": channels, "image_size": image_size, "dropout": t.dropout,
-        "classes": meta.classes, "mean": norm_mean, "std": norm_std, "background": meta.background,
+        "model": t.model,
+        "in_channels": channels,
+        "image_size": image_size,
+        "dropout": t.dropout,
+        "classes": meta.classes,
+        "mean": norm_mean,
+        "std": norm_std,
+        "background": meta.background,
         "checkpointing": t.checkpointing,
-    }  # fmt: skip
+    }
 
     def training_state() -> dict:
         """What stepping changes: saved in each checkpoint, restored on resume and OOM retry."""
-        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(),
-                "rng": {"torch": torch.get_rng_state(), "shuffle": shuffle.get_state(),
-                        "augment": augment_rng.get_state()}}  # fmt: skip
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "shuffle": shuffle.get_state(),
+                "augment": augment_rng.get_state(),
+            },
+        }
 
     def restore(state: dict) -> None:
         model.load_state_dict(state["model"])
@@ -241,9 +271,11 @@ def main() -> None:
         monitor.load_state_dict(state["health"])
         start = state["epoch"] + 1
     parameters, mapped = sum(p.numel() for p in model.parameters()), not torch.is_tensor(x_train)
-    say(f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
+    say(
+        f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
         f"({'memory-mapped' if mapped else 'on the device'}) / {len(y_val)} val images, "
-        f"{parameters} parameters")  # fmt: skip
+        f"{parameters} parameters"
+    )
     for warning in degenerate_batches(len(y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
 
@@ -279,7 +311,7 @@ def main() -> None:
                     dtype,
                 )
                 return train_one_epoch(
-                    runner,
+                    net,
                     optimizer,
                     x_train,
                     y_train,
@@ -296,8 +328,16 @@ def main() -> None:
                 )
             except torch.OutOfMemoryError:
                 retry = saved is not None and sizes["batch"] > 1
-                monitor.add(health.out_of_memory(epoch, sizes["batch"], sizes["accumulate"],
-                                                 parameters, peak_memory_mb(device), retry))  # fmt: skip
+                monitor.add(
+                    health.out_of_memory(
+                        epoch,
+                        sizes["batch"],
+                        sizes["accumulate"],
+                        parameters,
+                        peak_memory_mb(device),
+                        retry,
+                    )
+                )
                 if not retry:
                     raise fail(
                         f"out of memory at epoch {epoch}; see the health line above"
@@ -333,13 +373,19 @@ def main() -> None:
             try:
                 train_metrics = one_epoch(epoch)
             except NonFiniteLoss as e:
-                monitor.add(health.Finding("diverging", epoch, f"diverging: {e}; train.lr is "
-                    f"{t.lr:g}: divide it by 10, or set train.grad_clip", {"lr": t.lr}))  # fmt: skip
+                monitor.add(
+                    health.Finding(
+                        "diverging",
+                        epoch,
+                        f"diverging: {e}; train.lr is "
+                        f"{t.lr:g}: divide it by 10, or set train.grad_clip",
+                        {"lr": t.lr},
+                    )
+                )
                 raise fail(f"{e}; the last good checkpoint is kept in {args.checkpoints}") from None
             seconds = time.perf_counter() - start_time
-            val_metrics, _ = evaluate(
-                model, x_val, y_val, mean, std, 1024
-            )  # every rank: same answer
+            sync_buffers(model, world)  # every rank evaluates rank 0's model: the same answer
+            val_metrics, _ = evaluate(model, x_val, y_val, mean, std, 1024)
             lr = optimizer.param_groups[0]["lr"]
             step_scheduler(scheduler, val_metrics["loss"])
             record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(device))
@@ -358,11 +404,19 @@ def main() -> None:
                     best_meta = {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": best_meta}
                     save_atomic(best_state, best_path)
-                checkpoint.save_checkpoint(state_dir, {
-                    **training_state(), "epoch": epoch, "fingerprint": run_fingerprint,
-                    "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "best": best, "stale": stale, "history": history, "health": monitor.state_dict(),
-                })  # fmt: skip
+                checkpoint.save_checkpoint(
+                    state_dir,
+                    {
+                        **training_state(),
+                        "epoch": epoch,
+                        "fingerprint": run_fingerprint,
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "best": best,
+                        "stale": stale,
+                        "history": history,
+                        "health": monitor.state_dict(),
+                    },
+                )
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             say(
@@ -371,8 +425,10 @@ def main() -> None:
                 + ("  (best)" if improved else "")
             )
             if stop.requested:
-                raise Interrupted(f"train stopped after epoch {epoch}; its checkpoint is in "
-                                  f"{state_dir}, and `dvc repro` resumes from it")  # fmt: skip
+                raise Interrupted(
+                    f"train stopped after epoch {epoch}; its checkpoint is in "
+                    f"{state_dir}, and `dvc repro` resumes from it"
+                )
 
     if world > 1:
         dist.barrier()

@@ -51,8 +51,13 @@ def test_shift_and_rotation_sample_where_affine_grid_would():
     angle = (torch.rand(6, generator=g) * 40 - 20) * (math.pi / 180)
     shift = torch.randint(-2, 3, (2, 6), generator=g)
     cos, sin = torch.cos(angle), torch.sin(angle)
-    theta = torch.stack([torch.stack([cos, -sin, 2 * shift[0] / 14], 1),
-                         torch.stack([sin, cos, 2 * shift[1] / 9], 1)], 1)  # fmt: skip
+    theta = torch.stack(
+        [
+            torch.stack([cos, -sin, 2 * shift[0] / 14], 1),
+            torch.stack([sin, cos, 2 * shift[1] / 9], 1),
+        ],
+        1,
+    )
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     expected = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     assert torch.allclose(out, expected, atol=1e-5)
@@ -71,8 +76,9 @@ def test_draws_the_same_distribution_as_torchvision_rotation_and_padded_crop():
     image[14:18, 6:26], image[10:14, 6:10] = 255, 200  # a bar with a knob: it has an orientation
     n = 2000
     torch.manual_seed(0)
-    reference = transforms.Compose([transforms.RandomRotation(10),
-                                    transforms.RandomCrop(32, padding=2), transforms.ToTensor()])  # fmt: skip
+    reference = transforms.Compose(
+        [transforms.RandomRotation(10), transforms.RandomCrop(32, padding=2), transforms.ToTensor()]
+    )
     theirs = torch.stack([reference(Image.fromarray(image)) for _ in range(n)])
     batch = torch.from_numpy(image).float().div(255).expand(n, 1, 32, 32)
     ours = augment(batch, torch.Generator().manual_seed(0), crop_padding=2, rotation=10)
@@ -91,6 +97,9 @@ def test_draws_the_same_distribution_as_torchvision_rotation_and_padded_crop():
     assert abs(mass.mean() / mass_t.mean() - 1) < 0.02  # zero fill keeps as much of the shape
     assert abs(cy.mean() - cy_t.mean()) < 0.1 and abs(cx.mean() - cx_t.mean()) < 0.1
     assert abs(angle.mean() - angle_t.mean()) < 0.5
-    for spread, expected in ((cy.std(), cy_t.std()), (cx.std(), cx_t.std()),
-                             (angle.std(), angle_t.std())):  # fmt: skip
+    for spread, expected in (
+        (cy.std(), cy_t.std()),
+        (cx.std(), cx_t.std()),
+        (angle.std(), angle_t.std()),
+    ):
         assert abs(spread / expected - 1) < 0.08

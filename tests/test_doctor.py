@@ -14,10 +14,19 @@ from visionflow import doctor
 
 
 def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
-           **(env_change or {})}  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "visionflow.cli", "doctor", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
+        **(env_change or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "visionflow.cli", "doctor", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def by_name(report: dict) -> dict:

@@ -222,8 +222,9 @@ def test_the_import_reading_sees_what_python_loads():
         " if getattr(m, '__file__', None)))"
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
-    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                            text=True, check=True).stdout.split()  # fmt: skip
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
     files = [Path(f).resolve() for f in loaded]
     ours = {str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "pipeline")} | {
         str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "src/visionflow")
@@ -248,8 +249,11 @@ def test_editing_a_module_the_stage_imports_makes_it_stale(project):
 def test_dvc_lock_matches_the_code():
     """Every file that dvc.lock records (code, params.yaml) has the md5 the lock says: a commit
     that changes a stage without rerunning it fails here, in CI, rather than on a user's clone."""
-    tracked = set(subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                                 check=True).stdout.split())  # fmt: skip
+    tracked = set(
+        subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
     lock = yaml.safe_load((ROOT / "dvc.lock").read_text())["stages"]
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     assert set(lock) == set(stages), "dvc.lock lacks a stage: run `dvc repro`"
@@ -295,8 +299,12 @@ def test_exp_show_after_two_experiments_fits_160_columns(project):
     env_columns = {**os.environ, "COLUMNS": "160"}
     table = subprocess.run(
         [str(Path(sys.executable).parent / "dvc"), "exp", "show", "--only-changed", "--no-pager"],
-        cwd=project, env=env_columns, capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        cwd=project,
+        env=env_columns,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
     header = next(line for line in table.splitlines() if "Experiment" in line)

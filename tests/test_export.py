@@ -18,7 +18,13 @@ from visionflow.export import (
     export_torchscript,
     latency_table,
 )
-from visionflow.inference import describe, load_runner, module_runner, normalise, preprocess_spec
+from visionflow.inference import (
+    describe,
+    load_predictor,
+    module_predictor,
+    normalise,
+    preprocess_spec,
+)
 from visionflow.models import build_model
 
 MEAN, STD = [0.3], [0.25]
@@ -58,11 +64,11 @@ def test_onnx_client_path_matches_eager_at_each_batch_size(model, pixels, tmp_pa
     path = tmp_path / "model.onnx"
     assert export_onnx(model, example(pixels), path, 18, META) in {"dynamo", "legacy"}
     onnx.checker.check_model(onnx.load(str(path)), full_check=True)
-    runner, classes, spec = load_runner("onnx", path)
+    predictor, classes, spec = load_predictor("onnx", path)
     assert classes == ["a", "b", "c", "d"] and spec == SPEC
     results = check_parity(
         eager_on_pixels(model),
-        lambda p: runner(normalise(p, spec)),
+        lambda p: predictor(normalise(p, spec)),
         pixels,
         [1, 3, 16],
         rtol=1e-3,
@@ -85,11 +91,11 @@ def test_torch_formats_match_eager_and_carry_metadata(model, pixels, tmp_path, r
             export_pt2(model, example(pixels), path, META)
         else:
             export_torchscript(model, example(pixels), path, META)
-        runner, classes, spec = load_runner(runtime, path)
+        predictor, classes, spec = load_predictor(runtime, path)
     assert not [w for w in seen if "torch.jit" in str(w.message)]  # handled, not drowning the log
     assert classes == ["a", "b", "c", "d"] and spec == SPEC
     x = example(pixels).numpy()
-    results = check_parity(module_runner(model), runner, x, [1, 3, 16], rtol=1e-5, atol=1e-6)
+    results = check_parity(module_predictor(model), predictor, x, [1, 3, 16], rtol=1e-5, atol=1e-6)
     assert all(r["passed"] for r in results.values()), results
 
 
@@ -104,9 +110,9 @@ def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runt
             export_torchscript(model, example(pixels), path, META)
     finally:
         model.eval()
-    runner, _, _ = load_runner(runtime, path)
+    predictor, _, _ = load_predictor(runtime, path)
     x = example(pixels).numpy()
-    results = check_parity(module_runner(model), runner, x, [16], rtol=1e-5, atol=1e-6)
+    results = check_parity(module_predictor(model), predictor, x, [16], rtol=1e-5, atol=1e-6)
     assert not results["batch_16"]["passed"] and results["batch_16"]["max_abs_diff"] > 1e-3
 
 
@@ -114,10 +120,10 @@ def test_gate_catches_wrong_normalisation_constants(model, pixels, tmp_path):
     path = tmp_path / "model.onnx"
     wrong = describe(["a", "b", "c", "d"], preprocess_spec(8, 1, [0.5], [0.5]))
     export_onnx(model, example(pixels), path, 18, wrong)
-    runner, _, spec = load_runner("onnx", path)
+    predictor, _, spec = load_predictor("onnx", path)
     results = check_parity(
         eager_on_pixels(model),
-        lambda p: runner(normalise(p, spec)),
+        lambda p: predictor(normalise(p, spec)),
         pixels,
         [3],
         rtol=1e-3,
@@ -139,11 +145,13 @@ def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pi
     paths, exporter = export_all(model, example(pixels), tmp_path, 18, META)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
     tolerances = ((1e-3, 1e-5), (1e-5, 1e-6), 1.0)
-    parity, runners = check_formats(model, paths, pixels, ["a", "b", "c", "d"], SPEC, *tolerances)
+    parity, predictors = check_formats(
+        model, paths, pixels, ["a", "b", "c", "d"], SPEC, *tolerances
+    )
     assert set(parity) == {"onnx", "pt2", "torchscript"}
     assert all(r["passed"] for results in parity.values() for r in results.values())
     parity, _ = check_formats(model, paths, pixels, ["w", "x", "y", "z"], SPEC, *tolerances)
     assert all(parity[runtime]["metadata"]["passed"] is False for runtime in parity)
-    table = latency_table(runners, example(pixels).numpy(), (1, 4), repeats=2)
-    assert set(table) == {"batch_1", "batch_4"} and set(table["batch_4"]) == set(runners)
+    table = latency_table(predictors, example(pixels).numpy(), (1, 4), repeats=2)
+    assert set(table) == {"batch_1", "batch_4"} and set(table["batch_4"]) == set(predictors)
     assert all(ms > 0 for row in table.values() for ms in row.values())

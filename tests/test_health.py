@@ -79,8 +79,13 @@ def test_data_wait_over_the_limit_is_data_bound():
 def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     said = []
     monitor = health.Monitor(Health(first_steps=4), CLASSES, said.append)
-    metrics = {"data_seconds": 0.1, "seconds": 1.0, "first_losses": [2.3, 2.0, 1.5, 1.0],
-               "first_labels": {0: 4}, "layer_grad_norms": {"w": 1.0}}  # fmt: skip
+    metrics = {
+        "data_seconds": 0.1,
+        "seconds": 1.0,
+        "first_losses": [2.3, 2.0, 1.5, 1.0],
+        "first_labels": {0: 4},
+        "layer_grad_norms": {"w": 1.0},
+    }
     monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
     assert said == [] and monitor.report()["healthy"] is True
     assert monitor.summary("health.json").startswith("health: healthy: no finding in 6 checks")
@@ -141,8 +146,9 @@ def caches(tmp_path_factory):
         shuffled, root / "shuffled", decode, val_fraction=0.15, test_fraction=0.2, seed=0
     )
     few = rng.choice(len(source.labels), 150, replace=False)
-    tiny = source._replace(images=source.images[few], labels=source.labels[few],
-                           names=[source.names[i] for i in few])  # fmt: skip
+    tiny = source._replace(
+        images=source.images[few], labels=source.labels[few], names=[source.names[i] for i in few]
+    )
     data.build_cache(tiny, root / "tiny", decode, val_fraction=0.3, test_fraction=0.2, seed=0)
     return root
 
@@ -152,8 +158,17 @@ def train(caches, tmp_path, cache: str, change: dict, fault: str = ""):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 3, "batch_size": 32, "augment": STILL, **change}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "VISIONFLOW_FAULT": fault}
-    cmd = [sys.executable, "-m", "pipeline.train", "--data", str(caches / cache), "--out", "out",
-           "--checkpoints", "ckpt"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.train",
+        "--data",
+        str(caches / cache),
+        "--out",
+        "out",
+        "--checkpoints",
+        "ckpt",
+    ]
     result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
     report = tmp_path / ("out/health.json" if result.returncode == 0 else "out.health.json")
     log = result.stdout + result.stderr

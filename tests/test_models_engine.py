@@ -67,8 +67,15 @@ def test_device_auto_falls_back_to_cpu_and_cuda_without_gpu_is_an_error():
 def test_simple_cnn_pooling_before_relu_is_the_usual_conv_relu_pool():
     model = build_model("simple_cnn", 1, 10, 16, dropout=0.0)
     conv1, _, _, conv2, _, _ = model.features
-    usual = torch.nn.Sequential(conv1, torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                                conv2, torch.nn.ReLU(), torch.nn.MaxPool2d(2), model.classifier)  # fmt: skip
+    usual = torch.nn.Sequential(
+        conv1,
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        conv2,
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        model.classifier,
+    )
     x = torch.randn(8, 1, 16, 16)
     ours = model(x)
     grads = torch.autograd.grad(ours.sum(), list(model.parameters()))

@@ -37,8 +37,15 @@ def project(reproduced_base, tmp_path) -> Path:
 def start_dvc(project: Path, *args: str, fault: str = "") -> subprocess.Popen:
     """Plain `dvc ARGS` in its own session, output readable line by line."""
     dvc = str(Path(sys.executable).parent / "dvc")
-    return subprocess.Popen([dvc, *args], cwd=project, env=env(project, fault), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        [dvc, *args],
+        cwd=project,
+        env=env(project, fault),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def states(project: Path) -> list[Path]:
@@ -219,12 +226,22 @@ def test_sigkill_of_the_runner_leaves_no_stage_and_no_overlap(project, tmp_path)
 def test_the_runner_finds_the_project_root_and_creates_nothing_elsewhere(project):
     docs = project / "docs"
     docs.mkdir()
-    result = subprocess.run([sys.executable, "-m", "visionflow.cli", "repro"], cwd=docs,
-                            env=env(project), capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "visionflow.cli", "repro"],
+        cwd=docs,
+        env=env(project),
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0 and "Data and pipelines are up to date" in result.stdout
     assert not (docs / ".dvc").exists()
-    outside = subprocess.run([sys.executable, "-m", "visionflow.cli", "repro"], cwd=project.parent,
-                             env=env(project), capture_output=True, text=True)  # fmt: skip
+    outside = subprocess.run(
+        [sys.executable, "-m", "visionflow.cli", "repro"],
+        cwd=project.parent,
+        env=env(project),
+        capture_output=True,
+        text=True,
+    )
     assert outside.returncode == 2 and "is not inside a DVC project" in outside.stderr
     assert not (project.parent / ".dvc").exists()
 
@@ -248,8 +265,9 @@ def test_an_experiment_started_during_a_run_loses_no_epoch(project, tmp_path):
 
 def tmpfs(path: Path, size: str):
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                             capture_output=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     if mounted.returncode != 0:
         pytest.skip("cannot mount a small tmpfs here to fill")
     return path
@@ -264,14 +282,36 @@ def full_disk(tmp_path):
 
 def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(project, full_disk):
     stage_env = env(project)
-    prepare = subprocess.run([sys.executable, "-m", "pipeline.prepare", "--out", str(full_disk / "prepared")],
-                             cwd=project, env=stage_env, capture_output=True, text=True)  # fmt: skip
+    prepare = subprocess.run(
+        [sys.executable, "-m", "pipeline.prepare", "--out", str(full_disk / "prepared")],
+        cwd=project,
+        env=stage_env,
+        capture_output=True,
+        text=True,
+    )
     assert prepare.returncode == 1 and "Traceback" not in prepare.stderr
-    assert re.search(rf"error: disk full: no room to write in {full_disk}/prepared.partial "
-                     r"\([\d.]+ MB needed, 0\.\d MB free\)", prepare.stderr), prepare.stderr  # fmt: skip
-    train = subprocess.run([sys.executable, "-m", "pipeline.train", "--data", "data/prepared",
-                            "--out", str(full_disk / "train"), "--checkpoints", str(full_disk / "ck")],
-                           cwd=project, env=stage_env, capture_output=True, text=True)  # fmt: skip
+    assert re.search(
+        rf"error: disk full: no room to write in {full_disk}/prepared.partial "
+        r"\([\d.]+ MB needed, 0\.\d MB free\)",
+        prepare.stderr,
+    ), prepare.stderr
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.train",
+            "--data",
+            "data/prepared",
+            "--out",
+            str(full_disk / "train"),
+            "--checkpoints",
+            str(full_disk / "ck"),
+        ],
+        cwd=project,
+        env=stage_env,
+        capture_output=True,
+        text=True,
+    )
     assert train.returncode == 1 and "Traceback" not in train.stderr
     assert f"error: disk full: no room to write in {full_disk}/" in train.stderr, train.stderr
     left = [p.relative_to(full_disk) for p in full_disk.rglob("*") if p.is_file()]

@@ -104,8 +104,10 @@ def test_duplicate_keys_and_missing_sections_are_refused(tmp_path):
     with pytest.raises(ParamsError, match=r"sanity: missing"):
         parse_params({k: v for k, v in params_with().items() if k != "sanity"})
     with pytest.raises(ParamsError, match=r"train.lr: missing"):
-        parse_params(params_with(train={"lr": None}) | {"train": {
-            k: v for k, v in params_with()["train"].items() if k != "lr"}})  # fmt: skip
+        parse_params(
+            params_with(train={"lr": None})
+            | {"train": {k: v for k, v in params_with()["train"].items() if k != "lr"}}
+        )
 
 
 def test_every_problem_is_listed_at_once():

@@ -29,9 +29,13 @@ BASELINE = {}  # the weights of the last uninterrupted run with the current para
 
 
 def env(project: Path, fault: str = "") -> dict:
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": str(project / "src"), "DVC_NO_ANALYTICS": "1",
-            "VISIONFLOW_FAULT": fault}  # fmt: skip
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(project / "src"),
+        "DVC_NO_ANALYTICS": "1",
+        "VISIONFLOW_FAULT": fault,
+    }
 
 
 def repro_cmd(*dvc_args: str) -> list[str]:
@@ -39,15 +43,27 @@ def repro_cmd(*dvc_args: str) -> list[str]:
 
 
 def repro(project: Path, *dvc_args: str, fault: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(repro_cmd(*dvc_args), cwd=project, env=env(project, fault),
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    return subprocess.run(
+        repro_cmd(*dvc_args),
+        cwd=project,
+        env=env(project, fault),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def start(project: Path, *dvc_args: str, fault: str = "") -> subprocess.Popen:
     """The runner in its own session, as a terminal's foreground job would be."""
-    return subprocess.Popen(repro_cmd(*dvc_args), cwd=project, env=env(project, fault),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        repro_cmd(*dvc_args),
+        cwd=project,
+        env=env(project, fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def read_until(process: subprocess.Popen, marker: str, timeout: float = 300) -> str:
@@ -154,7 +170,10 @@ def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
 def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
     failed = repro(project, "-f", "-s", "train", fault="train.loss@epoch=2:nan")
     assert failed.returncode != 0
-    assert "loss was not finite for 5 steps in a row (epoch 2, step 5)" in failed.stdout
+    assert (
+        "loss was not finite in 5 optimizer steps in a row (epoch 2, micro-batch 5)"
+        in failed.stdout
+    )
     folder = state_folder(project)
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-0001.pt"]
     assert torch.load(folder / "epoch-0001.pt", weights_only=True)["epoch"] == 1

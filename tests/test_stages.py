@@ -18,14 +18,25 @@ def cache(tmp_path):
     """A small real cache (digits at 8x8) and the shipped params.yaml in a working folder."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     source = data.load_source("digits", None)
-    data.build_cache(source, tmp_path / "prepared", data.Decode(8, "grayscale"), val_fraction=0.15,
-                     test_fraction=0.2, seed=0)  # fmt: skip
+    data.build_cache(
+        source,
+        tmp_path / "prepared",
+        data.Decode(8, "grayscale"),
+        val_fraction=0.15,
+        test_fraction=0.2,
+        seed=0,
+    )
     return tmp_path
 
 
 def stage(cwd, name, *args):
-    return subprocess.run([sys.executable, "-m", f"pipeline.{name}", *args], cwd=cwd,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", f"pipeline.{name}", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
 
 
 def test_sanity_writes_grids_counts_and_scan(cache):
@@ -63,8 +74,16 @@ def test_evaluate_refuses_a_model_with_another_class_count(cache):
     from visionflow.models import build_model, save_model
 
     model = build_model("simple_cnn", 1, 3, 8)
-    meta = {"model": "simple_cnn", "in_channels": 1, "image_size": 8, "dropout": 0.0,
-            "classes": ["a", "b", "c"], "mean": [0.3], "std": [0.3], "background": [255] * 3}  # fmt: skip
+    meta = {
+        "model": "simple_cnn",
+        "in_channels": 1,
+        "image_size": 8,
+        "dropout": 0.0,
+        "classes": ["a", "b", "c"],
+        "mean": [0.3],
+        "std": [0.3],
+        "background": [255] * 3,
+    }
     save_model(model, meta, cache / "model.pt")
     result = stage(cache, "evaluate", "--model", "model.pt", "--data", "prepared", "--out", "ev")
     assert result.returncode == 1

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -477,10 +478,10 @@ def test_a_compiled_model_trains_like_the_eager_one():
     losses = []
     for compiled in (False, True):
         model = fresh_model()
-        runner = torch.compile(model) if compiled else model
+        net = torch.compile(model) if compiled else model
         optimizer = make_optimizer("sgd", model, 0.05, 0, 0.9, False)
         metrics = train_one_epoch(
-            runner, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+            net, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
         )
         losses.append(metrics["loss"])
         assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
@@ -540,3 +541,65 @@ def test_known_setup_failures_are_one_line_naming_the_key(reproduced_base, tmp_p
         assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
         sh(project, "git", "checkout", "HEAD", "--", "params.yaml")
+
+
+def test_a_checkpointed_model_trains_and_evaluates_exactly_like_the_plain_one():
+    """Activation checkpointing recomputes the forward in backward; BatchNorm's running statistics
+    must be updated once per step, not twice (pytorch/pytorch#96136), so the two evaluate alike."""
+    x, y = toy(64)
+    models = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model("small_resnet", 1, 2, 8, checkpointing=checkpointing)
+        optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
+        train_one_epoch(
+            model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+        )
+        models.append(model)
+    plain, checkpointed = (m.state_dict() for m in models)
+    for key, value in plain.items():
+        other = checkpointed.get(key, checkpointed.get(key.replace(".", ".inner.", 1)))
+        assert torch.allclose(value.float(), other.float(), atol=1e-6), key
+
+
+def _ranks_evaluate(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from visionflow.engine import evaluate, sync_buffers
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    torch.manual_seed(0)
+    model = build_model("small_resnet", 1, 2, 8)
+    x, y = toy(64)
+    model.train()
+    model(normalise(to_unit(x[rank::2]), MEAN, STD))  # each rank's shard: its own BN statistics
+    losses = []
+    for synced in (False, True):
+        if synced:
+            sync_buffers(model, world)
+        loss = torch.tensor(evaluate(model, x, y, MEAN, STD, 64)[0]["loss"])
+        gathered = [torch.zeros(()) for _ in range(world)]
+        dist.all_gather(gathered, loss)
+        losses.append([float(g) for g in gathered])
+    if rank == 0:
+        Path(out).write_text(json.dumps(losses))
+    dist.destroy_process_group()
+
+
+def test_every_rank_evaluates_the_same_model_so_they_decide_together(tmp_path):
+    """Under DDP, BatchNorm's running statistics differ per rank; evaluated as they are, plateau
+    and early-stop decisions could differ and hang the group. sync_buffers gives every rank rank 0's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "losses.json"
+    mp.spawn(_ranks_evaluate, args=(2, port, str(out)), nprocs=2)
+    unsynced, synced = json.loads(out.read_text())
+    assert unsynced[0] != unsynced[1]  # the problem is real
+    assert synced[0] == synced[1]

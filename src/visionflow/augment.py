@@ -43,8 +43,13 @@ def augment(
         u = ((torch.arange(width, device=x.device) * 2 + 1) / width - 1).view(1, 1, width)
         v = ((torch.arange(height, device=x.device) * 2 + 1) / height - 1).view(1, height, 1)
         grid = torch.stack([cos * u - sin * v + dx, sin * u + cos * v + dy], dim=-1)
-        x = F.grid_sample(x, grid, mode="bilinear" if rotation else "nearest",
-                          padding_mode="zeros", align_corners=False)  # fmt: skip
+        x = F.grid_sample(
+            x,
+            grid,
+            mode="bilinear" if rotation else "nearest",
+            padding_mode="zeros",
+            align_corners=False,
+        )
     if hflip:
         flip = (uniform(0, 1) < 0.5).view(n, 1, 1, 1)
         x = torch.where(flip, x.flip(3), x)

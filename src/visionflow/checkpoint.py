@@ -47,12 +47,17 @@ def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None,
                 raise ValueError("not a visionflow checkpoint")
         except Exception as e:  # truncated or corrupt: any unpickling error
             reason = str(e).split(". ")[0]  # not torch's advice to load it unsafely
-            warnings.warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {reason}); "
-                          "falling back to the previous one", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"checkpoint {path} is unreadable ({type(e).__name__}: {reason}); "
+                "falling back to the previous one",
+                stacklevel=2,
+            )
             continue
         if state.get("fingerprint") != expected:
-            return None, (f"not resuming {path}: it was trained with other params or data "
-                          f"(fingerprint {state.get('fingerprint')} != {expected}); starting fresh")  # fmt: skip
+            return None, (
+                f"not resuming {path}: it was trained with other params or data "
+                f"(fingerprint {state.get('fingerprint')} != {expected}); starting fresh"
+            )
         return state, f"resuming from {path} (epoch {state['epoch']} done)"
     return None, "no checkpoint to resume for these params, data and code; starting fresh"
 

@@ -45,7 +45,7 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
 def predict(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from visionflow.inference import file_format, load_images, load_runner, normalise, top_k
+    from visionflow.inference import file_format, load_images, load_predictor, normalise, top_k
 
     model = args.model or Path(DEFAULT_MODELS[args.runtime or "onnx"])
     files, errors = expand(args.inputs)
@@ -59,7 +59,7 @@ def predict(args: argparse.Namespace) -> int:
                 "trust",
                 file=sys.stderr,
             )
-        runner, classes, spec = load_runner(args.runtime, model)
+        predictor, classes, spec = load_predictor(args.runtime, model)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,7 +67,7 @@ def predict(args: argparse.Namespace) -> int:
     errors.update(decode_errors)
     logits = (
         np.concatenate(
-            [runner(normalise(pixels[i : i + 256], spec)) for i in range(0, len(pixels), 256)]
+            [predictor(normalise(pixels[i : i + 256], spec)) for i in range(0, len(pixels), 256)]
         )
         if len(good)
         else np.empty((0, 0))
@@ -109,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     r = commands.add_parser(
         "repro", help="`dvc repro` under the workspace lock, in its own process group"
     )
-    r.add_argument("--if-busy", choices=("wait", "skip"), default="wait",
-                   help="when another run holds the workspace (default: wait)")  # fmt: skip
+    r.add_argument(
+        "--if-busy",
+        choices=("wait", "skip"),
+        default="wait",
+        help="when another run holds the workspace (default: wait)",
+    )
     r.add_argument("dvc_args", nargs="*", help="passed to `dvc repro` (after --)")
     v = commands.add_parser("verify", help="re-hash the prepared cache and the DVC cache objects")
     v.add_argument("--data", type=Path, default=Path("data/prepared"), help="prepared cache folder")

@@ -177,8 +177,9 @@ def decode_into(
         results = (
             pool.imap_unordered(_decode_one, jobs, chunksize=64) if pool else map(_decode_one, jobs)
         )
-        for index, reason, digest in tqdm(results, total=len(images), desc="decode", unit="img",
-                                          mininterval=1.0):  # fmt: skip
+        for index, reason, digest in tqdm(
+            results, total=len(images), desc="decode", unit="img", mininterval=1.0
+        ):
             if reason is None:
                 ok[index], digests[index] = True, digest
             else:
@@ -483,8 +484,12 @@ def batches(
     if isinstance(x, np.ndarray):
         device = device or torch.device("cpu")
         index_batches = [order[s : s + batch_size].numpy() for s in range(0, n, batch_size)]
-        loader = DataLoader(MemmapBatches(x.filename, index_batches), batch_size=None,
-                            num_workers=min(2, os.cpu_count() or 1), pin_memory=device.type == "cuda")  # fmt: skip
+        loader = DataLoader(
+            MemmapBatches(x.filename, index_batches),
+            batch_size=None,
+            num_workers=min(2, os.cpu_count() or 1),
+            pin_memory=device.type == "cuda",
+        )
         for index, xb in zip(index_batches, loader, strict=True):
             yield (
                 xb.to(device, non_blocking=True),

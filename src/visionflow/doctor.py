@@ -54,8 +54,12 @@ def torch_pair(torch, torchvision) -> dict:
     v_minor = int(torchvision.__version__.split(".")[1])
     found = f"torch {torch.__version__}, torchvision {torchvision.__version__}"
     if v_minor != t_minor + 15:
-        return check("torch/torchvision", "FAIL", found + ": not a matching pair",
-                     f"install the torchvision for torch 2.{t_minor}: pip install torchvision==0.{t_minor + 15}.*")  # fmt: skip
+        return check(
+            "torch/torchvision",
+            "FAIL",
+            found + ": not a matching pair",
+            f"install the torchvision for torch 2.{t_minor}: pip install torchvision==0.{t_minor + 15}.*",
+        )
     return check("torch/torchvision", "ok", found + " (a matching pair)")
 
 
@@ -70,27 +74,52 @@ def gpu(torch, driver: bool) -> list[dict]:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         arch = f"sm_{props.major}{props.minor}"
-        found = (f"{torch.cuda.device_count()} x {props.name} ({arch}), "
-                 f"{props.total_memory / 2**30:.0f} GiB; bf16 "
-                 f"{'yes' if torch.cuda.is_bf16_supported() else 'no'}")  # fmt: skip
+        found = (
+            f"{torch.cuda.device_count()} x {props.name} ({arch}), "
+            f"{props.total_memory / 2**30:.0f} GiB; bf16 "
+            f"{'yes' if torch.cuda.is_bf16_supported() else 'no'}"
+        )
         if arch not in torch.cuda.get_arch_list():
-            results.append(check("gpu", "warn", f"{found}; this torch has no kernels built for "
-                                 f"{arch} ({', '.join(torch.cuda.get_arch_list())})",
-                                 f"install a torch build that lists {arch}: {CUDA_WHEELS}"))  # fmt: skip
+            results.append(
+                check(
+                    "gpu",
+                    "warn",
+                    f"{found}; this torch has no kernels built for "
+                    f"{arch} ({', '.join(torch.cuda.get_arch_list())})",
+                    f"install a torch build that lists {arch}: {CUDA_WHEELS}",
+                )
+            )
         else:
             results.append(check("gpu", "ok", found))
     elif driver and not torch.version.cuda:
-        results.append(check("gpu", "FAIL", "an NVIDIA driver is installed, but this torch is a "
-                             "CPU-only build: training would run on the CPU",
-                             f"install a CUDA build of torch: {CUDA_WHEELS}"))  # fmt: skip
+        results.append(
+            check(
+                "gpu",
+                "FAIL",
+                "an NVIDIA driver is installed, but this torch is a "
+                "CPU-only build: training would run on the CPU",
+                f"install a CUDA build of torch: {CUDA_WHEELS}",
+            )
+        )
     elif driver:
-        results.append(check("gpu", "FAIL", f"an NVIDIA driver is installed and torch is built for "
-                             f"CUDA {torch.version.cuda}, but torch sees no GPU",
-                             "check `nvidia-smi`; the driver may be older than the CUDA this torch "
-                             "needs, or CUDA_VISIBLE_DEVICES hides the GPU"))  # fmt: skip
+        results.append(
+            check(
+                "gpu",
+                "FAIL",
+                f"an NVIDIA driver is installed and torch is built for "
+                f"CUDA {torch.version.cuda}, but torch sees no GPU",
+                "check `nvidia-smi`; the driver may be older than the CUDA this torch "
+                "needs, or CUDA_VISIBLE_DEVICES hides the GPU",
+            )
+        )
     else:
-        results.append(check("gpu", "ok", "none visible (no NVIDIA driver): training runs on the "
-                             "CPU with train.device: auto"))  # fmt: skip
+        results.append(
+            check(
+                "gpu",
+                "ok",
+                "none visible (no NVIDIA driver): training runs on the CPU with train.device: auto",
+            )
+        )
     return results
 
 
@@ -101,21 +130,42 @@ def runtime(onnxruntime) -> dict:
 def disk(workdir: Path) -> dict:
     free = shutil.disk_usage(workdir).free / 2**30
     if free < MIN_FREE_GB:
-        return check("disk", "warn", f"{free:.1f} GiB free in {workdir}",
-                     "free some space: the cache, DVC's cache and checkpoints live here")  # fmt: skip
+        return check(
+            "disk",
+            "warn",
+            f"{free:.1f} GiB free in {workdir}",
+            "free some space: the cache, DVC's cache and checkpoints live here",
+        )
     return check("disk", "ok", f"{free:.0f} GiB free in {workdir}")
 
 
 def workspace(workdir: Path) -> list[dict]:
     if not (workdir / ".dvc").is_dir() or not (workdir / "dvc.yaml").exists():
-        return [check("dvc repo", "warn", f"{workdir} is not the project (no .dvc/ or dvc.yaml)",
-                      "run doctor from the project's root")]  # fmt: skip
+        return [
+            check(
+                "dvc repo",
+                "warn",
+                f"{workdir} is not the project (no .dvc/ or dvc.yaml)",
+                "run doctor from the project's root",
+            )
+        ]
     results = [check("dvc repo", "ok", str(workdir))]
-    status = subprocess.run([sys.executable, "-m", "dvc", "status", "--json"], cwd=workdir,
-                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    status = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--json"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if status.returncode != 0:
-        results.append(check("pipeline", "warn", f"`dvc status` failed: {status.stderr.strip()[-300:]}",
-                             "run `dvc status` to see why"))  # fmt: skip
+        results.append(
+            check(
+                "pipeline",
+                "warn",
+                f"`dvc status` failed: {status.stderr.strip()[-300:]}",
+                "run `dvc status` to see why",
+            )
+        )
     elif json.loads(status.stdout or "{}"):
         changed = ", ".join(json.loads(status.stdout))
         results.append(check("pipeline", "warn", f"not up to date: {changed}", "run `make repro`"))
@@ -138,13 +188,23 @@ def prefect_api() -> dict:
         httpx.get(f"{url.rstrip('/')}/health", timeout=3).raise_for_status()
         return check("prefect api", "ok", f"{url} answers")
     except httpx.HTTPError as e:
-        return check("prefect api", "warn", f"{url} does not answer ({type(e).__name__})",
-                     "start it with `prefect server start`, or unset PREFECT_API_URL")  # fmt: skip
+        return check(
+            "prefect api",
+            "warn",
+            f"{url} does not answer ({type(e).__name__})",
+            "start it with `prefect server start`, or unset PREFECT_API_URL",
+        )
 
 
 def diagnose(workdir: Path) -> list[dict]:
-    results = [check("python", "ok" if sys.version_info >= (3, 10) else "FAIL", sys.version.split()[0],
-                     "" if sys.version_info >= (3, 10) else "use Python 3.10 or newer")]  # fmt: skip
+    results = [
+        check(
+            "python",
+            "ok" if sys.version_info >= (3, 10) else "FAIL",
+            sys.version.split()[0],
+            "" if sys.version_info >= (3, 10) else "use Python 3.10 or newer",
+        )
+    ]
     found, modules = packages()
     results += found
     if "torch" in modules:

@@ -280,6 +280,15 @@ def optimizer_step(
     return norm, layers, scaler.is_enabled() and scaler.get_scale() < scale
 
 
+def sync_buffers(model: nn.Module, world: int) -> None:
+    """Under DDP, every rank takes rank 0's buffers (BatchNorm's running statistics, which each
+    rank updated from its own shard), so all ranks evaluate the model rank 0 saves, get the same
+    numbers and take the same plateau and early-stop decisions."""
+    if world > 1:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,

@@ -17,7 +17,13 @@ import torch
 from torch import nn
 
 from visionflow.data import to_model_input
-from visionflow.inference import JIT_DEPRECATED, Runner, load_runner, module_runner, normalise
+from visionflow.inference import (
+    JIT_DEPRECATED,
+    Predictor,
+    load_predictor,
+    module_predictor,
+    normalise,
+)
 
 FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.torchscript.pt"}
 
@@ -137,7 +143,7 @@ def check_formats(
     onnx_tol: tuple[float, float],
     torch_tol: tuple[float, float],
     min_top1: float,
-) -> tuple[dict[str, dict], dict[str, Runner]]:
+) -> tuple[dict[str, dict], dict[str, Predictor]]:
     """Parity of each exported file with eager `model`, loaded as a client loads it.
 
     ONNX is checked end to end as a client runs it: uint8 images, the preprocessing read from the
@@ -146,38 +152,45 @@ def check_formats(
     class names or preprocessing differ from the model's fails too.
     """
     mean, std = torch.tensor(spec["mean"]), torch.tensor(spec["std"])
-    eager = module_runner(model)
+    eager = module_predictor(model)
     batch_sizes = sorted({min(n, len(pixels)) for n in (1, 3, len(pixels))})
     normalised = to_model_input(torch.from_numpy(pixels), mean, std).contiguous().numpy()
-    parity, runners = {}, {}
+    parity, predictors = {}, {}
     for runtime, path in paths.items():
-        runner, file_classes, file_spec = load_runner(runtime, path)
+        predictor, file_classes, file_spec = load_predictor(runtime, path)
         if runtime == "onnx":
             parity[runtime] = check_parity(
                 lambda p: eager(to_model_input(torch.from_numpy(p), mean, std).numpy()),
-                lambda p, r=runner, s=file_spec: r(normalise(p, s)),
-                pixels, batch_sizes, *onnx_tol, min_top1,
-            )  # fmt: skip
+                lambda p, r=predictor, s=file_spec: r(normalise(p, s)),
+                pixels,
+                batch_sizes,
+                *onnx_tol,
+                min_top1,
+            )
         else:
             parity[runtime] = check_parity(
-                eager, runner, normalised, batch_sizes, *torch_tol, min_top1
+                eager, predictor, normalised, batch_sizes, *torch_tol, min_top1
             )
         if (file_classes, file_spec) != (classes, spec):
-            parity[runtime]["metadata"] = {"passed": False, "classes": file_classes,
-                                           "preprocess": file_spec}  # fmt: skip
-        runners[runtime] = runner
-    return parity, runners
+            parity[runtime]["metadata"] = {
+                "passed": False,
+                "classes": file_classes,
+                "preprocess": file_spec,
+            }
+        predictors[runtime] = predictor
+    return parity, predictors
 
 
 def latency_table(
-    runners: dict[str, Runner], x: np.ndarray, batch_sizes: tuple[int, ...], repeats: int
+    predictors: dict[str, Predictor], x: np.ndarray, batch_sizes: tuple[int, ...], repeats: int
 ) -> dict[str, dict[str, float]]:
-    """Median ms per call of each runner, at each batch size (rows of `x` repeated to fill it)."""
+    """Median ms per call of each predictor, at each batch size (rows of `x` repeated to fill it)."""
     table = {}
     for n in batch_sizes:
         batch = x[np.arange(n) % len(x)]
-        table[f"batch_{n}"] = {name: latency_ms(lambda r=r, b=batch: r(b), repeats)
-                               for name, r in runners.items()}  # fmt: skip
+        table[f"batch_{n}"] = {
+            name: latency_ms(lambda r=r, b=batch: r(b), repeats) for name, r in predictors.items()
+        }
     return table
 
 

@@ -37,8 +37,9 @@ def parse(spec: str) -> list[tuple[str, dict[str, str], str, str]]:
         point, _, where = target.partition("@")
         action, _, argument = action.partition("=")
         if not sep or action not in ACTIONS:
-            raise ValueError(f"VISIONFLOW_FAULT: {item!r} is not <point>[@k=v,...]:"
-                             f"{'|'.join(ACTIONS)}")  # fmt: skip
+            raise ValueError(
+                f"VISIONFLOW_FAULT: {item!r} is not <point>[@k=v,...]:{'|'.join(ACTIONS)}"
+            )
         pairs = dict(pair.split("=", 1) for pair in filter(None, where.split(",")))
         faults.append((point, pairs, action, argument))
     return faults

@@ -45,10 +45,15 @@ def data_bound(
         if mapped
         else "the split is already held on the device: look for a slow augmentation or a busy machine"
     )
-    return Finding("data_bound", epoch, f"data-bound: the loop waited for data {share:.0%} of epoch "
-                   f"{epoch} ({data_s:.1f} of {epoch_s:.1f} s, over train.health.data_bound "
-                   f"{limit:.0%}); {where}. Pinned memory and more loader workers help when the "
-                   "data comes from disk", {"data_wait_fraction": share})  # fmt: skip
+    return Finding(
+        "data_bound",
+        epoch,
+        f"data-bound: the loop waited for data {share:.0%} of epoch "
+        f"{epoch} ({data_s:.1f} of {epoch_s:.1f} s, over train.health.data_bound "
+        f"{limit:.0%}); {where}. Pinned memory and more loader workers help when the "
+        "data comes from disk",
+        {"data_wait_fraction": share},
+    )
 
 
 def loss_drop(losses: list[float]) -> tuple[float, float, float]:
@@ -66,13 +71,24 @@ def first_steps(
     chance = math.log(len(classes))
     total = sum(labels.values()) or 1
     top_label, top_count = max(labels.items(), key=lambda item: item[1], default=(0, 0))
-    evidence = {"steps": len(losses), "first_loss": first, "last_loss": last, "loss_drop": drop,
-                "chance_loss": chance, "lr": lr,
-                "first_labels": {classes[int(c)]: n for c, n in sorted(labels.items())}}  # fmt: skip
+    evidence = {
+        "steps": len(losses),
+        "first_loss": first,
+        "last_loss": last,
+        "loss_drop": drop,
+        "chance_loss": chance,
+        "lr": lr,
+        "first_labels": {classes[int(c)]: n for c, n in sorted(labels.items())},
+    }
     if not math.isfinite(last) or last > first * 1.5:
-        return Finding("diverging", 1, f"diverging: the loss rose from {first:.3g} to {last:.3g} over "
-                       f"the first {len(losses)} steps; the learning rate ({lr:g}) is likely too high: "
-                       "divide train.lr by 10, or set train.grad_clip", evidence)  # fmt: skip
+        return Finding(
+            "diverging",
+            1,
+            f"diverging: the loss rose from {first:.3g} to {last:.3g} over "
+            f"the first {len(losses)} steps; the learning rate ({lr:g}) is likely too high: "
+            "divide train.lr by 10, or set train.grad_clip",
+            evidence,
+        )
     if drop >= min_drop:
         return None
     share = top_count / total
@@ -82,14 +98,20 @@ def first_steps(
         if share > max(0.5, 2 / len(classes))
         else f"the first {total} labels spread over {len(labels)} classes"
     )
-    return Finding("loss_not_falling", 1, (
-        f"loss not falling: {first:.3f} -> {last:.3f} over the first {len(losses)} steps "
-        f"({drop:+.1%}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
-        f"{len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and labels: do "
-        f"the images in results/sanity/labels.png match their labels? {labels_line}; "
-        "(2) preprocessing: mean/std in results/sanity/scan.json; (3) output shapes and loss: one "
-        f"logit per class ({len(classes)}); (4) learning rate: train.lr {lr:g}, try 10x up and "
-        "down; (5) optimiser: train.optimizer; (6) the architecture, last"), evidence)  # fmt: skip
+    return Finding(
+        "loss_not_falling",
+        1,
+        (
+            f"loss not falling: {first:.3f} -> {last:.3f} over the first {len(losses)} steps "
+            f"({drop:+.1%}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
+            f"{len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and labels: do "
+            f"the images in results/sanity/labels.png match their labels? {labels_line}; "
+            "(2) preprocessing: mean/std in results/sanity/scan.json; (3) output shapes and loss: one "
+            f"logit per class ({len(classes)}); (4) learning rate: train.lr {lr:g}, try 10x up and "
+            "down; (5) optimiser: train.optimizer; (6) the architecture, last"
+        ),
+        evidence,
+    )
 
 
 def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float) -> Finding | None:
@@ -99,19 +121,32 @@ def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float
         return None
     parts = []
     if exploding:
-        parts.append("exploding in " + ", ".join(f"{k} ({v:.3g})" for k, v in exploding.items())
-                     + f" (over train.health.max_grad_norm {high:g}): lower train.lr or set "
-                     "train.grad_clip")  # fmt: skip
+        parts.append(
+            "exploding in "
+            + ", ".join(f"{k} ({v:.3g})" for k, v in exploding.items())
+            + f" (over train.health.max_grad_norm {high:g}): lower train.lr or set "
+            "train.grad_clip"
+        )
     if vanishing:
         dead = all(k in vanishing for k in layer_norms if k.endswith("weight"))
-        parts.append("vanishing in " + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
-                     + f" (under train.health.min_grad_norm {low:g}): "
-                     + ("every weight: the network has stopped learning, typically dead ReLUs after "
-                        "a learning rate far too high; lower train.lr" if dead else
-                        "these layers barely learn; try a ResNet (skip connections) or a higher "
-                        "train.lr"))  # fmt: skip
-    return Finding("gradients", epoch, f"gradients at epoch {epoch}: " + "; ".join(parts),
-                   {"exploding": exploding, "vanishing": vanishing})  # fmt: skip
+        parts.append(
+            "vanishing in "
+            + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
+            + f" (under train.health.min_grad_norm {low:g}): "
+            + (
+                "every weight: the network has stopped learning, typically dead ReLUs after "
+                "a learning rate far too high; lower train.lr"
+                if dead
+                else "these layers barely learn; try a ResNet (skip connections) or a higher "
+                "train.lr"
+            )
+        )
+    return Finding(
+        "gradients",
+        epoch,
+        f"gradients at epoch {epoch}: " + "; ".join(parts),
+        {"exploding": exploding, "vanishing": vanishing},
+    )
 
 
 def diverging(history: list[dict], chance: float) -> Finding | None:
@@ -124,9 +159,14 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
         why = f"more than twice its best {min(losses[:-1]):.3g}"
     else:
         return None
-    return Finding("diverging", epoch, f"diverging at epoch {epoch}: train loss {loss:.3g}, {why}; "
-                   "the learning rate is likely too high: divide train.lr by 10, or set "
-                   "train.grad_clip", {"train_loss": loss, "chance_loss": chance})  # fmt: skip
+    return Finding(
+        "diverging",
+        epoch,
+        f"diverging at epoch {epoch}: train loss {loss:.3g}, {why}; "
+        "the learning rate is likely too high: divide train.lr by 10, or set "
+        "train.grad_clip",
+        {"train_loss": loss, "chance_loss": chance},
+    )
 
 
 def overfitting(history: list[dict], epochs: int) -> Finding | None:
@@ -140,27 +180,47 @@ def overfitting(history: list[dict], epochs: int) -> Finding | None:
         return None
     losses = [h["val/loss"] for h in history]
     began = 1 + losses.index(min(losses))  # where validation loss turned
-    return Finding("overfitting", began, (
-        f"overfitting from epoch {began} (lowest val loss, {min(losses):.3f}): val loss rose "
-        f"{val[0]:.3f} -> {val[-1]:.3f} over the last {epochs} epochs while train loss fell "
-        f"{train[0]:.3f} -> {train[-1]:.3f}. The best epoch "
-        "by val accuracy is the one kept; to generalise better: more data or augmentation "
-        "(train.augment), train.dropout, train.weight_decay, train.early_stop or fewer epochs"),
-        {"began_epoch": began, "val_loss": val, "train_loss": train})  # fmt: skip
+    return Finding(
+        "overfitting",
+        began,
+        (
+            f"overfitting from epoch {began} (lowest val loss, {min(losses):.3f}): val loss rose "
+            f"{val[0]:.3f} -> {val[-1]:.3f} over the last {epochs} epochs while train loss fell "
+            f"{train[0]:.3f} -> {train[-1]:.3f}. The best epoch "
+            "by val accuracy is the one kept; to generalise better: more data or augmentation "
+            "(train.augment), train.dropout, train.weight_decay, train.early_stop or fewer epochs"
+        ),
+        {"began_epoch": began, "val_loss": val, "train_loss": train},
+    )
 
 
 def out_of_memory(
     epoch: int, batch: int, accumulate: int, parameters: int, peak_mb: float, retry: bool
 ) -> Finding:
-    options = (f"train.batch_size {batch // 2} with train.accumulate {accumulate * 2} (the same "
-               "effective batch), train.amp: bf16 or fp16, train.checkpointing: true (ResNets), "
-               "or train.auto_batch: true to retry so automatically")  # fmt: skip
-    then = (f"retrying once with batch_size {batch // 2} and accumulate {accumulate * 2}"
-            if retry else f"options: {options}")  # fmt: skip
-    return Finding("out_of_memory", epoch, f"out of memory on the GPU at epoch {epoch} with "
-                   f"batch_size {batch} (accumulate {accumulate}), {parameters:,} parameters, peak "
-                   f"{peak_mb:.0f} MB; {then}", {"batch_size": batch, "accumulate": accumulate,
-                   "parameters": parameters, "peak_memory_mb": peak_mb, "retried": retry})  # fmt: skip
+    options = (
+        f"train.batch_size {batch // 2} with train.accumulate {accumulate * 2} (the same "
+        "effective batch), train.amp: bf16 or fp16, train.checkpointing: true (ResNets), "
+        "or train.auto_batch: true to retry so automatically"
+    )
+    then = (
+        f"retrying once with batch_size {batch // 2} and accumulate {accumulate * 2}"
+        if retry
+        else f"options: {options}"
+    )
+    return Finding(
+        "out_of_memory",
+        epoch,
+        f"out of memory on the GPU at epoch {epoch} with "
+        f"batch_size {batch} (accumulate {accumulate}), {parameters:,} parameters, peak "
+        f"{peak_mb:.0f} MB; {then}",
+        {
+            "batch_size": batch,
+            "accumulate": accumulate,
+            "parameters": parameters,
+            "peak_memory_mb": peak_mb,
+            "retried": retry,
+        },
+    )
 
 
 class Monitor:
@@ -247,8 +307,12 @@ class Monitor:
         )
 
     def state_dict(self) -> dict:
-        return {"findings": [asdict(f) for f in self.findings], "losses": self.losses,
-                "labels": self.labels, "data_wait": self.data_wait}  # fmt: skip
+        return {
+            "findings": [asdict(f) for f in self.findings],
+            "losses": self.losses,
+            "labels": self.labels,
+            "data_wait": self.data_wait,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.findings = [Finding(**f) for f in state["findings"]]

@@ -18,7 +18,7 @@ from visionflow.errors import DataError
 
 # torch is imported by the torch runtimes only: the ONNX path runs on ONNX Runtime and NumPy
 
-Runner = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
+Predictor = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
 RUNTIMES = ("onnx", "torchscript", "pt2", "torch")
 JIT_DEPRECATED = r".*torch\.jit\.\w+` is deprecated"  # TorchScript still works in torch 2.14
 CLASSES_KEY, PREPROCESS_KEY = "visionflow.classes", "visionflow.preprocess"
@@ -51,8 +51,9 @@ def preprocess_spec(
 
 def spec_of(meta: dict) -> dict:
     """The preprocessing of a model saved by the train stage (its meta)."""
-    return preprocess_spec(meta["image_size"], meta["in_channels"], meta["mean"], meta["std"],
-                           meta["background"])  # fmt: skip
+    return preprocess_spec(
+        meta["image_size"], meta["in_channels"], meta["mean"], meta["std"], meta["background"]
+    )
 
 
 def describe(classes: list[str], spec: dict) -> dict[str, str]:
@@ -83,7 +84,7 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
     return (np.stack(pixels) if pixels else empty), good, errors
 
 
-def onnx_runner(path: Path) -> tuple[Runner, dict[str, str]]:
+def onnx_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -92,7 +93,7 @@ def onnx_runner(path: Path) -> tuple[Runner, dict[str, str]]:
     return (lambda x: session.run(None, {name: x})[0]), meta
 
 
-def torchscript_runner(path: Path) -> tuple[Runner, dict[str, str]]:
+def torchscript_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     """A TorchScript file is code: load only files you made or trust."""
     import torch
 
@@ -100,31 +101,31 @@ def torchscript_runner(path: Path) -> tuple[Runner, dict[str, str]]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=JIT_DEPRECATED)
         module = torch.jit.load(str(path), map_location="cpu", _extra_files=files)
-    return module_runner(module), {k: _text(v) for k, v in files.items()}
+    return module_predictor(module), {k: _text(v) for k, v in files.items()}
 
 
-def pt2_runner(path: Path) -> tuple[Runner, dict[str, str]]:
+def pt2_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     import torch
 
     files = {CLASSES_KEY: "", PREPROCESS_KEY: ""}
     module = torch.export.load(str(path), extra_files=files).module()
-    return module_runner(module), {k: _text(v) for k, v in files.items()}
+    return module_predictor(module), {k: _text(v) for k, v in files.items()}
 
 
-def torch_runner(path: Path) -> tuple[Runner, dict[str, str]]:
+def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     """The trained checkpoint itself (results/train/model.pt), eager PyTorch."""
     from visionflow.models import load_model
 
     model, meta = load_model(path)
     spec = spec_of(meta)
-    return module_runner(model), describe(meta["classes"], spec)
+    return module_predictor(model), describe(meta["classes"], spec)
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def module_runner(module: Callable) -> Runner:
+def module_predictor(module: Callable) -> Predictor:
     """A torch module (eager, scripted or exported) as a function on NumPy batches."""
     import torch
 
@@ -136,10 +137,10 @@ def module_runner(module: Callable) -> Runner:
 
 
 LOADERS = {
-    "onnx": onnx_runner,
-    "torchscript": torchscript_runner,
-    "pt2": pt2_runner,
-    "torch": torch_runner,
+    "onnx": onnx_predictor,
+    "torchscript": torchscript_predictor,
+    "pt2": pt2_predictor,
+    "torch": torch_predictor,
 }
 
 
@@ -166,7 +167,7 @@ def file_format(path: Path) -> str | None:
         return "onnx" if f.read(1) == b"\x08" else None
 
 
-def load_runner(runtime: str | None, path: Path) -> tuple[Runner, list[str], dict]:
+def load_predictor(runtime: str | None, path: Path) -> tuple[Predictor, list[str], dict]:
     """A model file as a function on normalised batches, with its class names and preprocessing;
     `runtime` None: the one the file is for. A file of another format than `runtime` is a
     ValueError naming the format it is."""
@@ -182,13 +183,13 @@ def load_runner(runtime: str | None, path: Path) -> tuple[Runner, list[str], dic
             f"{path} is {NAMES[found]}, not for --runtime {runtime}: use --runtime {found}, "
             "or leave --runtime out"
         )
-    runner, meta = LOADERS[found](Path(path))
+    predictor, meta = LOADERS[found](Path(path))
     if not meta.get(CLASSES_KEY) or not meta.get(PREPROCESS_KEY):
         raise ValueError(
             f"{path} lacks {CLASSES_KEY} / {PREPROCESS_KEY} metadata; "
             "export it with `dvc repro export`"
         )
-    return runner, json.loads(meta[CLASSES_KEY]), json.loads(meta[PREPROCESS_KEY])
+    return predictor, json.loads(meta[CLASSES_KEY]), json.loads(meta[PREPROCESS_KEY])
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -49,9 +51,12 @@ class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout),
-        )  # fmt: skip
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
         self.shortcut = nn.Identity()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(
@@ -69,31 +74,46 @@ class SmallResNet(nn.Module):
     stored (torch.utils.checkpoint): less memory, about a third more compute.
     """
 
-    def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0,
-                 checkpointing: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        in_channels: int,
+        num_classes: int,
+        image_size: int,
+        dropout: float = 0.0,
+        checkpointing: bool = False,
+    ):
         super().__init__()
         self.checkpointing = checkpointing
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU()
         )
         self.blocks = nn.Sequential(
-            BasicBlock(32, 32, 1), BasicBlock(32, 64, 2), BasicBlock(64, 128, 2), BasicBlock(128, 128, 1)
-        )  # fmt: skip
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout),
-                                  nn.Linear(128, num_classes))  # fmt: skip
+            BasicBlock(32, 32, 1),
+            BasicBlock(32, 64, 2),
+            BasicBlock(64, 128, 2),
+            BasicBlock(128, 128, 1),
+        )
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(128, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for block in self.blocks:
             if self.checkpointing and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = recompute(block, x)
             else:
                 x = block(x)
         return self.head(x)
 
 
-def resnet18(in_channels: int, num_classes: int, image_size: int, dropout: float = 0.0,
-             checkpointing: bool = False) -> nn.Module:  # fmt: skip
+def resnet18(
+    in_channels: int,
+    num_classes: int,
+    image_size: int,
+    dropout: float = 0.0,
+    checkpointing: bool = False,
+) -> nn.Module:
     """torchvision's ResNet-18 with its input and head resized (weights: `load_pretrained`)."""
     import torchvision  # imported on use: it costs seconds at every stage start
 
@@ -116,8 +136,36 @@ class Checkpointed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            return checkpoint(self.inner, x, use_reentrant=False)
+            return recompute(self.inner, x)
         return self.inner(x)
+
+
+def recompute(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`block(x)` with its activations recomputed in the backward pass (torch.utils.checkpoint).
+    The recomputed forward must not update BatchNorm's running statistics a second time
+    (pytorch/pytorch#96136): they are put back as the first forward left them."""
+    return checkpoint(
+        block, x, use_reentrant=False, context_fn=lambda: (nullcontext(), norm_stats_kept(block))
+    )
+
+
+@contextmanager
+def norm_stats_kept(module: nn.Module) -> Iterator[None]:
+    norms = [
+        m
+        for m in module.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+    saved = [
+        [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked)] for m in norms
+    ]
+    try:
+        yield
+    finally:
+        for m, (mean, var, count) in zip(norms, saved, strict=True):
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+            m.num_batches_tracked.copy_(count)
 
 
 # ImageNet statistics, which torchvision's pretrained weights expect their inputs normalised with.

@@ -186,8 +186,9 @@ def dvc_busy(workdir: Path) -> bool:
 
 def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     """After a failed run: `dvc checkout [STAGES]` puts back the outputs that dvc.lock records
-    (the failed stage's previous results among them) from DVC's cache."""
-    cmd = [*dvc_command(), "checkout", *stages]
+    (the failed stage's previous results among them) from DVC's cache. Named stages are forced:
+    what is in their outputs now came from the run that failed (or that DVC could not record)."""
+    cmd = [*dvc_command(), "checkout", *(["--force", *stages] if stages else [])]
     code, tail = run_group(cmd, workdir, 600, lambda line: None)
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
