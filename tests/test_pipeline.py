@@ -129,7 +129,9 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_p
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
 
 
-def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(reproduced, test_pngs):
+def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(
+    reproduced, test_pngs, tmp_path
+):
     export = reproduced / "results/export"
     result, rows = predict_json(reproduced, "--model", export / "model.pt2", test_pngs[0])
     assert result.returncode == 0 and rows[0]["predictions"], result.stderr
@@ -154,6 +156,16 @@ def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(reproduced
         assert f"is {real}, not for --runtime {runtime}" in result.stderr
     result, _ = predict_json(reproduced, "--model", export / "model.torchscript.pt", test_pngs[0])
     assert "TorchScript, which is code: load only files you made or trust" in result.stderr
+    cli = [sys.executable, "-m", "visionflow.cli", "predict", str(test_pngs[0]), "--model"]
+    mismatch = sh(
+        reproduced, *cli, str(export / "model.torchscript.pt"), "--runtime", "onnx", check=False
+    )
+    assert mismatch.stderr.count("\n") == 1  # one line: the file is not loaded, so no warning
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes((export / "model.onnx").read_bytes()[:1000])
+    corrupt = sh(reproduced, *cli, str(truncated), check=False)
+    assert corrupt.returncode == 2 and f"error: {truncated} could not be loaded" in corrupt.stderr
+    assert "Traceback" not in corrupt.stderr
 
 
 def test_nothing_to_predict_is_an_error(reproduced, tmp_path):
@@ -262,6 +274,20 @@ def test_imagefolder_and_archive_sources_are_tracked_dependencies(project, image
 def test_verify_is_not_all_good_when_the_manifest_or_the_cache_is_gone(reproduced_base, tmp_path):
     project = copy_project(reproduced_base, tmp_path / "project")
     verify = [sys.executable, "-m", "visionflow.cli", "verify"]
+    classes = project / "data/prepared/classes.json"  # class names go into every exported model
+    original = classes.read_bytes()
+    classes.write_text(classes.read_text().replace('"0"', '"O"'))
+    result = sh(project, *verify, check=False)
+    assert result.returncode == 1 and "classes.json: sha256" in result.stdout
+    classes.write_bytes(original)
+    manifest = project / "data/prepared/manifest.json"
+    original = manifest.read_bytes()
+    manifest.write_text("{not json")
+    result = sh(project, *verify, check=False)
+    assert result.returncode == 1 and "is not a manifest prepare wrote" in result.stdout
+    assert "Traceback" not in result.stderr
+    manifest.write_bytes(original)
+    assert sh(project, *verify).returncode == 0
     (project / "data/prepared/manifest.json").unlink()
     result = sh(project, *verify, check=False)
     assert result.returncode == 1 and "manifest.json is missing" in result.stdout

@@ -170,6 +170,53 @@ def test_a_nan_in_a_group_skips_that_optimizer_step_whole_and_counts_one():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class NaNInput(nn.Module):
+    """NaN images on chosen calls, before the model's BatchNorm sees them."""
+
+    def __init__(self, inner, bad_calls):
+        super().__init__()
+        self.inner, self.bad_calls, self.calls = inner, bad_calls, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x * float("nan") if self.calls in self.bad_calls else x)
+
+
+def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were():
+    """NaN reaching BatchNorm in forward updated its running statistics before the step was
+    skipped; evaluation was NaN for the rest of the run."""
+    x, y = toy(64)
+    torch.manual_seed(0)
+    model = NaNInput(build_model("small_resnet", 1, 2, 8), bad_calls={2})
+    optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
+    metrics = train_one_epoch(
+        model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+    )
+    assert metrics["skipped_steps"] == 1 and metrics["steps"] == 3
+    assert all(torch.isfinite(b).all() for b in model.buffers())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_epoch_without_one_finite_step_stops_the_run():
+    """Every step skipped (a few steps per epoch, fewer than max_nonfinite): before, the epoch
+    reported loss 0.0 and training went on."""
+    x, y = toy(32)
+    model = SometimesNaN(fresh_model(), bad_calls=set(range(1, 100)))
+    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+    with pytest.raises(NonFiniteLoss, match=r"no optimizer step of epoch 3 had a finite loss"):
+        train_one_epoch(
+            model,
+            optimizer,
+            x,
+            y,
+            MEAN,
+            STD,
+            Step(16, max_nonfinite=5),
+            torch.Generator().manual_seed(0),
+            epoch=3,
+        )
+
+
 def test_accumulation_steps_the_last_short_group_with_its_true_size():
     """40 images, batch 8, accumulate 2: groups of 2, 2 and 1 micro-batches, three steps; the last
     one equals a plain step on that batch alone (a mean, not a half)."""

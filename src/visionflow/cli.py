@@ -49,11 +49,14 @@ def predict(args: argparse.Namespace) -> int:
 
     model = args.model or Path(DEFAULT_MODELS[args.runtime or "onnx"])
     files, errors = expand(args.inputs)
-    if not files and not errors:
+    if not files:
+        for message in errors.values():
+            print(f"error: {message}", file=sys.stderr)
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        if model.is_file() and file_format(model) == "torchscript":
+        runtime = args.runtime or (file_format(model) if model.is_file() else None)
+        if runtime == "torchscript" and model.is_file() and file_format(model) == "torchscript":
             print(
                 f"warning: {model} is TorchScript, which is code: load only files you made or "
                 "trust",
@@ -62,6 +65,13 @@ def predict(args: argparse.Namespace) -> int:
         predictor, classes, spec = load_predictor(args.runtime, model)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # the right format, but a corrupt or truncated file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"error: {model} could not be loaded ({type(e).__name__}: {first[:200]})",
+            file=sys.stderr,
+        )
         return 2
     pixels, good, decode_errors = load_images(files, spec)
     errors.update(decode_errors)

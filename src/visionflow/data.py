@@ -312,6 +312,9 @@ def write_cache(
     mean, std = channel_stats(np.load(out / "train_x.npy", mmap_mode="r"))
     write_json(out / "classes.json", source.classes)
     write_json(out / "stats.json", {"mean": mean, "std": std, "computed_on": "train"})
+    for name in ("classes.json", "stats.json", "decode.json"):  # class names, preprocessing
+        if (out / name).exists():
+            files[name] = {"sha256": file_hash(out / name)}
     manifest = {"files": files, "counts": counts}
     write_json(out / "manifest.json", manifest)
     return manifest

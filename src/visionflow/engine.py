@@ -183,6 +183,7 @@ def train_one_epoch(
         data_seconds += time.perf_counter() - wait
         if left == 0:
             left = group = next(sizes)
+            kept = [b.clone() for b in floating_buffers(model)]
         loss, logits = forward(model, xb, yb, mean, std, step, augment)
         if faults.ACTIVE:
             loss = faults.fault("train.loss", loss, epoch=epoch, step=i, batch=len(yb))
@@ -203,6 +204,8 @@ def train_one_epoch(
         if left:
             continue
         if not all_ranks_finite(finite, world):  # the one sync of the step
+            for buffer, saved in zip(floating_buffers(model), kept, strict=True):
+                buffer.copy_(saved)  # BatchNorm saw the NaN in forward: as before the group
             skipped, in_a_row = skipped + 1, in_a_row + 1
             if in_a_row >= step.max_nonfinite:
                 raise NonFiniteLoss(
@@ -219,6 +222,8 @@ def train_one_epoch(
             steps += 1
         optimizer.zero_grad(set_to_none=True)
         finite = None
+    if skipped and not steps:
+        raise NonFiniteLoss(f"no optimizer step of epoch {epoch} had a finite loss; stopping")
     if world > 1:  # sums over all ranks' shards
         dist.all_reduce(stats)
     loss_sum, correct, seen = stats.tolist()
@@ -251,6 +256,10 @@ def forward(model, xb, yb, mean, std, step: Step, augment) -> tuple[torch.Tensor
         logits = model(normalise(images, mean, std))
         loss = F.cross_entropy(logits.float(), yb, label_smoothing=step.label_smoothing)
     return loss, logits
+
+
+def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b for b in model.buffers() if b.is_floating_point()]
 
 
 def all_ranks_finite(finite: torch.Tensor, world: int) -> bool:

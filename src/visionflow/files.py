@@ -30,20 +30,29 @@ def file_stats(paths) -> dict[str, tuple[int, int]]:
 
 
 def verify_cache(cache: Path) -> list[str]:
-    """Re-hash every array against the manifest written by prepare; raises DataError naming each
-    file that differs, with both hashes. Returns the files checked."""
+    """Re-hash every file the manifest written by prepare lists (arrays, classes, statistics,
+    preprocessing); raises DataError naming each file that differs, with both hashes, or a
+    manifest that is missing or not one prepare wrote. Returns the files checked."""
     manifest_path = cache / "manifest.json"
     if not manifest_path.exists():
         raise DataError(f"{manifest_path} is missing: run `dvc repro prepare`")
+    try:
+        listed = json.loads(manifest_path.read_text())["files"]
+        expected = {name: entry["sha256"] for name, entry in listed.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise DataError(
+            f"{manifest_path} is not a manifest prepare wrote ({type(e).__name__}: {e}); "
+            f"`dvc checkout {cache}` or `dvc repro --force prepare`"
+        ) from None
     bad = []
-    for name, entry in json.loads(manifest_path.read_text())["files"].items():
+    for name, sha256 in expected.items():
         path = cache / name
         actual = file_hash(path) if path.exists() else "missing"
-        if actual != entry["sha256"]:
-            bad.append(f"{path}: sha256 {actual}, manifest says {entry['sha256']}")
+        if actual != sha256:
+            bad.append(f"{path}: sha256 {actual}, manifest says {sha256}")
     if bad:
         raise DataError(
             "the prepared cache is corrupted: " + "; ".join(bad) + ". Restore it with "
             f"`dvc checkout {cache}` or rebuild it with `dvc repro --force prepare`"
         )
-    return [str(cache / name) for name in json.loads(manifest_path.read_text())["files"]]
+    return [str(cache / name) for name in expected]

@@ -1,6 +1,7 @@
 """`visionflow verify`: re-hash the prepared cache and the DVC cache objects the pipeline uses.
 
-The prepared arrays are checked against the sha256 in prepare's manifest.json; every object that
+The prepared files (arrays, classes, statistics, preprocessing) are checked against the sha256 in
+prepare's manifest.json; every object that
 dvc.lock's outs point at (directories through their `.dir` listing) is re-hashed with md5, the
 hash DVC names it by. Outs declared `cache: false` have no object and are skipped.
 """
@@ -74,5 +75,5 @@ def verify(root: Path, cache: Path) -> int:
     for problem in problems:
         print(f"BAD  {problem}")
     summary = f"{len(problems)} problem(s)" if problems else "all good"
-    print(f"verify: {arrays} prepared arrays in {cache}, {checked} DVC cache objects: {summary}")
+    print(f"verify: {arrays} prepared files in {cache}, {checked} DVC cache objects: {summary}")
     return 1 if problems else 0
