@@ -103,6 +103,13 @@ def test_links_are_never_followed_so_no_image_gets_two_labels(image_folder, tmp_
     assert "links are not followed" in rejects["red_alias"]
 
 
+def test_a_class_of_links_only_says_its_links_were_skipped(image_folder, tmp_path):
+    (image_folder / "links").mkdir()
+    (image_folder / "links" / "a.png").symlink_to(image_folder / "red" / "0.png")
+    with pytest.raises(data.DataError, match=r"class 'links' .* no image files \(1 links skipped"):
+        data.load_source("imagefolder", image_folder)
+
+
 def test_a_single_class_is_refused_before_anything_trains(image_folder, tmp_path):
     """Before, one class trained to test accuracy 1.0000 and exported a 1-class model."""
     for name in ("blue", "green"):

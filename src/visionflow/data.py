@@ -100,7 +100,13 @@ def imagefolder_source(root: Path) -> Source:
                 labels.append(label)
                 found += 1
         if not found:
-            raise DataError(f"class '{name}' ({root / name}) has no image files")
+            links = sum(
+                1
+                for k, why in skipped.items()
+                if k.startswith(f"{name}/") and why.startswith(LINK_SKIPPED)
+            )
+            also = f" ({links} links skipped: links are not followed)" if links else ""
+            raise DataError(f"class '{name}' ({root / name}) has no image files{also}")
     names = [p.relative_to(root).as_posix() for p in paths]
     return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
 
@@ -338,6 +344,11 @@ def build_cache(
     Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, or when
     a class keeps fewer than `min_per_class` good images, naming it.
     """
+    if len(source.classes) < 2:  # before decoding anything
+        raise DataError(
+            f"{len(source.classes)} class ({', '.join(source.classes)}): a classifier needs at "
+            "least two; add a folder per class"
+        )
     out.mkdir(parents=True, exist_ok=True)
     channels = 1 if decode.color == "grayscale" else 3
     scratch = out / ".decoded.npy"  # all images, in source order; removed when done
@@ -377,11 +388,6 @@ def build_cache(
         if small:
             raise DataError(
                 f"classes below prepare.min_per_class ({min_per_class} images): {small}"
-            )
-        if len(source.classes) < 2:
-            raise DataError(
-                f"{len(source.classes)} class ({', '.join(source.classes)}): a classifier needs at "
-                "least two; add a folder per class"
             )
         is_test = source.is_test[good] if source.is_test is not None else None
         local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
