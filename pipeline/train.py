@@ -23,7 +23,9 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from dvclive import Live
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
@@ -50,7 +53,7 @@ from visionflow.engine import (
 )
 from visionflow.errors import Unavailable
 from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
-from visionflow.params import load_params
+from visionflow.params import Train, load_params
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -149,39 +152,64 @@ class StopRequest:
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train on the cached train split.")
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     parser.add_argument("--checkpoints", type=Path, required=True, help="resumable state folder")
-    args = parser.parse_args()
-    params = load_params()
-    t = params.train
+    return parser.parse_args()
 
-    # --- data, model and the things that step it ---------------------------------------------
-    rank, world = start_distributed(t.device)
-    say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
-    seed_everything(params.seed, t.deterministic)
+
+def device_for(t: Train) -> torch.device:
     try:
-        device = pick_device(t.device)
+        return pick_device(t.device)
     except Unavailable as e:
         raise GateError(f"train.device is {t.device!r}, but {e}") from None
-    data.verify_cache(args.data)  # a flipped byte is an error here, not a silently worse model
-    meta = data.read_cache_meta(args.data)
+
+
+@dataclass
+class Data:
+    """The cached splits the loop reads, on the device (or memory-mapped), and their description."""
+
+    x_train: torch.Tensor | np.ndarray
+    y_train: torch.Tensor
+    x_val: torch.Tensor | np.ndarray
+    y_val: torch.Tensor
+    meta: data.Cache  # classes, train-split mean/std, background
+
+    @property
+    def channels(self) -> int:
+        return self.x_train.shape[3]
+
+    @property
+    def image_size(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def mapped(self) -> bool:
+        return not torch.is_tensor(self.x_train)
+
+
+def load_data(cache: Path, t: Train, device: torch.device) -> Data:
+    data.verify_cache(cache)  # a flipped byte is an error here, not a silently worse model
     max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
-    x_train, y_train = data.load_for_training(args.data, "train", device, max_bytes)
-    x_val, y_val = data.load_for_training(args.data, "val", device, max_bytes)
-    channels, image_size = x_train.shape[3], x_train.shape[1]
+    x_train, y_train = data.load_for_training(cache, "train", device, max_bytes)
+    x_val, y_val = data.load_for_training(cache, "val", device, max_bytes)
     if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
         subset = t.overfit_batches * t.batch_size
         x_train, y_train = x_train[:subset], y_train[:subset]
         x_val, y_val = x_train, y_train
+    return Data(x_train, y_train, x_val, y_val, data.read_cache_meta(cache))
 
+
+def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list]:
+    """The model on the device, and the mean/std its inputs are normalised with: the train
+    split's, or those the pretrained weights were trained with."""
     model = build_model(
-        t.model, channels, len(meta.classes), image_size, t.dropout, t.checkpointing
+        t.model, d.channels, len(d.meta.classes), d.image_size, t.dropout, t.checkpointing
     )
-    norm_mean, norm_std = meta.mean, meta.std  # train-split statistics
-    if t.pretrained:  # pretrained weights bring the normalisation they were trained with
+    mean, std = d.meta.mean, d.meta.std
+    if t.pretrained:
         if t.model != "resnet18":
             raise GateError(f"train.pretrained is for resnet18, not {t.model}")
         try:
@@ -194,268 +222,359 @@ def main() -> None:
                 f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
                 "tracks: DVC will not rerun train when that file changes"
             )
-        norm_mean, norm_std = IMAGENET_MEAN[:channels], IMAGENET_STD[:channels]
-        if channels == 1:
-            norm_mean, norm_std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
-    mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
+        mean, std = IMAGENET_MEAN[: d.channels], IMAGENET_STD[: d.channels]
+        if d.channels == 1:
+            mean, std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    net = DistributedDataParallel(model) if world > 1 else model
-    net = torch.compile(net) if t.compile else net
-    optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
-    scheduler = make_scheduler(
-        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
-    )
-    dtype = amp_dtype(t.amp, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    shuffle = torch.Generator().manual_seed(params.seed)  # CPU generator: same order on any device
-    augment_rng = torch.Generator().manual_seed(params.seed + rank)  # each rank its own draws
-    augmentation = partial(augment, generator=augment_rng, **t.augment.model_dump())
-    model_meta = {  # plain values only, so the file loads with weights_only=True
+    return model, mean, std
+
+
+def describe(t: Train, d: "Data", mean: list, std: list) -> dict:
+    """What model.pt says about itself: plain values only, so it loads with weights_only=True."""
+    return {
         "model": t.model,
-        "in_channels": channels,
-        "image_size": image_size,
+        "in_channels": d.channels,
+        "image_size": d.image_size,
         "dropout": t.dropout,
-        "classes": meta.classes,
-        "mean": norm_mean,
-        "std": norm_std,
-        "background": meta.background,
+        "classes": d.meta.classes,
+        "mean": mean,
+        "std": std,
+        "background": d.meta.background,
         "checkpointing": t.checkpointing,
     }
 
-    def training_state() -> dict:
-        """What stepping changes: saved in each checkpoint, restored on resume and OOM retry."""
+
+@dataclass
+class Trainer:
+    """What an optimizer step changes (the model, the optimizer, the scaler, the generators) and
+    the epoch of steps; `state()` is what a checkpoint saves and `restore()` puts back."""
+
+    model: nn.Module
+    net: nn.Module  # what steps: the model, wrapped in DDP and/or compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    shuffle: torch.Generator  # the batch order (CPU: the same on any device)
+    augment_rng: torch.Generator  # each rank its own draws
+    step: Step
+    t: Train
+    rank: int = 0
+    world: int = 1
+    retried: bool = False  # train.auto_batch retries once per run
+
+    @classmethod
+    def create(cls, model: nn.Module, t: Train, seed: int, rank: int, world: int) -> "Trainer":
+        device = next(model.parameters()).device
+        net = DistributedDataParallel(model) if world > 1 else model
+        net = torch.compile(net) if t.compile else net
+        optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
+        scheduler = make_scheduler(
+            t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
+        )
+        dtype = amp_dtype(t.amp, device)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        step = Step(
+            t.batch_size, t.accumulate, t.grad_clip, t.label_smoothing, t.max_nonfinite_steps, dtype
+        )
+        shuffle = torch.Generator().manual_seed(seed)
+        augment_rng = torch.Generator().manual_seed(seed + rank)
+        return cls(
+            model, net, optimizer, scheduler, scaler, shuffle, augment_rng, step, t, rank, world
+        )
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state(self) -> dict:
         return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scaler": scaler.state_dict(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
-                "shuffle": shuffle.get_state(),
-                "augment": augment_rng.get_state(),
+                "shuffle": self.shuffle.get_state(),
+                "augment": self.augment_rng.get_state(),
             },
         }
 
-    def restore(state: dict) -> None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch"].cpu())
-        shuffle.set_state(state["rng"]["shuffle"].cpu())
-        augment_rng.set_state(state["rng"]["augment"].cpu())
+        self.shuffle.set_state(state["rng"]["shuffle"].cpu())
+        self.augment_rng.set_state(state["rng"]["augment"].cpu())
 
-    # --- resume: the state of this fingerprint only, in its own folder -------------------------
-    run_fingerprint = fingerprint(params, args.data)
-    state_dir = args.checkpoints / run_fingerprint
-    best_path, best_state = state_dir / "best.pt", None  # best_state: the best epoch, in memory
-    state, why = checkpoint.load_latest(state_dir, run_fingerprint, device)
-    if state and not checkpoint.readable(best_path):  # half-deleted or corrupt: no kept model
-        state, why = (
-            None,
-            f"not resuming from {state_dir}: its best.pt is missing or unreadable; starting fresh",
-        )
-    say(f"train: {why}")
-    if rank == 0:
-        if state is None:
-            shutil.rmtree(state_dir, ignore_errors=True)  # a fresh run starts a fresh folder
-        for old in checkpoint.prune(args.checkpoints, keep=state_dir):
-            say(f"train: removed the resumable state of another configuration: {old}")
-    history, best, start, stale = [], {"accuracy": -1.0, "epoch": 0}, 1, 0
-    monitor = health.Monitor(t.health, meta.classes, say)
-    if state:
-        restore(state)
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        history, best, stale = state["history"], state["best"], state["stale"]
-        monitor.load_state_dict(state["health"])
-        start = state["epoch"] + 1
-    parameters, mapped = sum(p.numel() for p in model.parameters()), not torch.is_tensor(x_train)
-    say(
-        f"train: {t.model} on {device} x {world} (amp {dtype or 'off'}), {len(y_train)} train "
-        f"({'memory-mapped' if mapped else 'on the device'}) / {len(y_val)} val images, "
-        f"{parameters} parameters"
-    )
-    for warning in degenerate_batches(len(y_train) // world, t.batch_size, t.accumulate):
-        say(f"train: warning: {warning}")
-
-    def fail(message: str) -> GateError:
-        """The run stops: the health report goes beside the (untouched) previous results."""
-        if rank == 0:
-            report_path = args.out.with_name(args.out.name + ".health.json")
-            data.write_json(report_path, monitor.report())
-            say(monitor.summary(str(report_path)))
-        # nothing left to resume once the outputs are in place; until then the state stays, so a
-        # run refused at the end (a dep changed while it ran) resumes from its last epoch
-        when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
-        return GateError(message)
-
-    sizes = {"batch": t.batch_size, "accumulate": t.accumulate, "retried": False}
-
-    def one_epoch(epoch: int) -> dict:
-        """`train_one_epoch`; on a GPU out-of-memory, report it with the numbers and, with
-        train.auto_batch, retry the epoch once from its start with half the batch and twice the
-        accumulation (the same effective batch)."""
+    def epoch(self, d: Data, mean, std, epoch: int, monitor: health.Monitor) -> dict:
+        """One epoch of `train_one_epoch`. On a GPU out-of-memory the health report gets the
+        numbers; with train.auto_batch the epoch is retried once from its start with half the
+        batch and twice the accumulation (the same effective batch), else OutOfMemory."""
         saved = None
-        if t.auto_batch and not sizes["retried"]:
+        if self.t.auto_batch and not self.retried:
             saved = io.BytesIO()  # a copy off the device: state_dict() holds references
-            torch.save(training_state(), saved)
+            torch.save(self.state(), saved)
         while True:
+            augmentation = partial(
+                augment, generator=self.augment_rng, **self.t.augment.model_dump()
+            )
             try:
-                step = Step(
-                    sizes["batch"],
-                    sizes["accumulate"],
-                    t.grad_clip,
-                    t.label_smoothing,
-                    t.max_nonfinite_steps,
-                    dtype,
-                )
                 return train_one_epoch(
-                    net,
-                    optimizer,
-                    x_train,
-                    y_train,
+                    self.net,
+                    self.optimizer,
+                    d.x_train,
+                    d.y_train,
                     mean,
                     std,
-                    step,
-                    shuffle,
+                    self.step,
+                    self.shuffle,
                     augment=augmentation,
-                    scaler=scaler,
+                    scaler=self.scaler,
                     epoch=epoch,
-                    rank=rank,
-                    world=world,
+                    rank=self.rank,
+                    world=self.world,
                     record_losses=monitor.steps_wanted(),
                 )
             except torch.OutOfMemoryError:
-                retry = saved is not None and sizes["batch"] > 1
+                retry = saved is not None and self.step.batch_size > 1
+                parameters = sum(p.numel() for p in self.model.parameters())
+                device = next(self.model.parameters()).device
                 monitor.add(
                     health.out_of_memory(
                         epoch,
-                        sizes["batch"],
-                        sizes["accumulate"],
+                        self.step.batch_size,
+                        self.step.accumulate,
                         parameters,
                         peak_memory_mb(device),
                         retry,
                     )
                 )
                 if not retry:
-                    raise fail(
-                        f"out of memory at epoch {epoch}; see the health line above"
-                    ) from None
+                    message = f"out of memory at epoch {epoch}; see the health line above"
+                    raise OutOfMemory(message) from None
                 saved.seek(0)
-                restore(torch.load(saved, weights_only=True))
-                sizes.update(
-                    batch=sizes["batch"] // 2, accumulate=sizes["accumulate"] * 2, retried=True
+                self.restore(torch.load(saved, weights_only=True))
+                self.step = replace(
+                    self.step,
+                    batch_size=self.step.batch_size // 2,
+                    accumulate=self.step.accumulate * 2,
                 )
-                saved = None
+                self.retried, saved = True, None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
 
-    # --- the epoch loop ------------------------------------------------------------------------
+
+class OutOfMemory(RuntimeError):
+    """The GPU ran out of memory and no retry was left; the health report has the numbers."""
+
+
+@dataclass
+class Progress:
+    """Where the run is: the epochs done (their records), the best one, epochs since it."""
+
+    history: list[dict] = field(default_factory=list)
+    best: dict = field(default_factory=lambda: {"accuracy": -1.0, "epoch": 0})
+    start: int = 1
+    stale: int = 0
+
+    def update(self, epoch: int, record: dict) -> bool:
+        """Add the epoch's record; True when its val accuracy is the best so far."""
+        self.history.append(record)
+        improved = record["val/accuracy"] > self.best["accuracy"]
+        self.stale = 0 if improved else self.stale + 1
+        if improved:
+            self.best = {"accuracy": record["val/accuracy"], "epoch": epoch}
+        return improved
+
+
+def resume(trainer: Trainer, monitor: health.Monitor, folder: Path, run: str, say) -> Progress:
+    """The state of this fingerprint only, from its own folder; a fresh start otherwise (other
+    configurations' folders beyond the newest few are pruned)."""
+    device = next(trainer.model.parameters()).device
+    state, why = checkpoint.load_latest(folder, run, device)
+    if state and not checkpoint.readable(folder / "best.pt"):  # half-deleted or corrupt
+        state = None
+        why = f"not resuming from {folder}: its best.pt is missing or unreadable; starting fresh"
+    say(f"train: {why}")
+    if trainer.rank == 0:
+        if state is None:
+            shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
+        for old in checkpoint.prune(folder.parent, keep=folder):
+            say(f"train: removed the resumable state of another configuration: {old}")
+    if state is None:
+        return Progress()
+    trainer.restore(state)
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(state["scheduler"])
+    monitor.load_state_dict(state["health"])
+    return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
+
+
+def failed(out: Path, monitor: health.Monitor, rank: int, folder: Path, message: str) -> GateError:
+    """The run stops: the health report goes beside the (untouched) previous results; the
+    resumable state stays until a run succeeds (a refused run resumes from its last epoch)."""
+    if rank == 0:
+        report = out.with_name(out.name + ".health.json")
+        data.write_json(report, monitor.report())
+        print(monitor.summary(str(report)))
+    when_published(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return GateError(message)
+
+
+def main() -> None:
+    args = parse_args()
+    params = load_params()
+    t = params.train
+
+    # --- params, data, model, and what steps it ---------------------------------------------
+    rank, world = start_distributed(t.device)
+    say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
+    seed_everything(params.seed, t.deterministic)
+    device = device_for(t)
+    d = load_data(args.data, t, device)
+    model, norm_mean, norm_std = model_for(t, d, device, say)
+    mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
+    trainer = Trainer.create(model, t, params.seed, rank, world)
+    model_meta = describe(t, d, norm_mean, norm_std)
+
+    # --- resume: the state of this fingerprint only, in its own folder ------------------------
+    run_fingerprint = fingerprint(params, args.data)
+    folder = args.checkpoints / run_fingerprint
+    monitor = health.Monitor(t.health, d.meta.classes, say)
+    progress = resume(trainer, monitor, folder, run_fingerprint, say)
+    parameters = sum(p.numel() for p in model.parameters())
+    say(
+        f"train: {t.model} on {device} x {world} (amp {trainer.step.dtype or 'off'}), "
+        f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
+        f"{len(d.y_val)} val images, {parameters} parameters"
+    )
+    for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
+        say(f"train: warning: {warning}")
+
+    # --- the epoch loop: train, validate, record, keep the best, checkpoint -------------------
     out = staged(args.out) if rank == 0 else None  # moved to args.out when the run succeeds
-    stop = StopRequest()
-    live_dir = str(out / "live") if rank == 0 else ""
-    with (
-        Live(live_dir, dvcyaml=False, save_dvc_exp=False, report=None)
-        if rank == 0
-        else nullcontext() as live
-    ):
-        for epoch, past in enumerate(history if live else [], 1):  # a fresh staging folder: the
-            live.step = epoch  # checkpoint kept the curves so far
-            for name, value in past.items():
-                live.log_metric(name, value)
-            live.next_step()
-        for epoch in range(start, t.epochs + 1):
-            if t.early_stop and stale >= t.early_stop:
-                say(f"train: early stop, no better val accuracy for {stale} epochs")
+    stop, best_state = StopRequest(), None  # best_state: the best epoch, in memory
+    with live_curves(out, progress.history) as live:
+        for epoch in range(progress.start, t.epochs + 1):
+            if t.early_stop and progress.stale >= t.early_stop:
+                say(f"train: early stop, no better val accuracy for {progress.stale} epochs")
                 break
-            start_time = time.perf_counter()
+            started = time.perf_counter()
             try:
-                train_metrics = one_epoch(epoch)
+                train_metrics = trainer.epoch(d, mean, std, epoch, monitor)
+            except OutOfMemory as e:
+                raise failed(args.out, monitor, rank, folder, str(e)) from None
             except NonFiniteLoss as e:
+                hint = f"train.lr is {t.lr:g}: divide it by 10, or set train.grad_clip"
                 monitor.add(
-                    health.Finding(
-                        "diverging",
-                        epoch,
-                        f"diverging: {e}; train.lr is "
-                        f"{t.lr:g}: divide it by 10, or set train.grad_clip",
-                        {"lr": t.lr},
-                    )
+                    health.Finding("diverging", epoch, f"diverging: {e}; {hint}", {"lr": t.lr})
                 )
-                raise fail(f"{e}; the last good checkpoint is kept in {args.checkpoints}") from None
-            seconds = time.perf_counter() - start_time
+                message = f"{e}; the last good checkpoint is kept in {args.checkpoints}"
+                raise failed(args.out, monitor, rank, folder, message) from None
+            seconds = time.perf_counter() - started
             sync_buffers(model, world)  # every rank evaluates rank 0's model: the same answer
-            val_metrics, _ = evaluate(model, x_val, y_val, mean, std, 1024)
-            lr = optimizer.param_groups[0]["lr"]
-            step_scheduler(scheduler, val_metrics["loss"])
+            val_metrics, _ = evaluate(model, d.x_val, d.y_val, mean, std, 1024)
+            lr = trainer.lr
+            step_scheduler(trainer.scheduler, val_metrics["loss"])
             record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(device))
-            history.append(record)
-            monitor.epoch(epoch, train_metrics, history, lr, mapped)
-            improved = val_metrics["accuracy"] > best["accuracy"]
-            stale = 0 if improved else stale + 1
-            if improved:
-                best = {"accuracy": val_metrics["accuracy"], "epoch": epoch}
+            improved = progress.update(epoch, record)
+            monitor.epoch(epoch, train_metrics, progress.history, lr, d.mapped)
             if live:
-                live.step = epoch  # the curves' x is the epoch
-                for name, value in record.items():
-                    live.log_metric(name, value)
-                live.next_step()
-                if improved:
-                    best_meta = {**model_meta, "epoch": epoch, "val_accuracy": best["accuracy"]}
-                    best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": best_meta}
-                    save_atomic(best_state, best_path)
-                checkpoint.save_checkpoint(
-                    state_dir,
-                    {
-                        **training_state(),
-                        "epoch": epoch,
-                        "fingerprint": run_fingerprint,
-                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                        "best": best,
-                        "stale": stale,
-                        "history": history,
-                        "health": monitor.state_dict(),
-                    },
-                )
+                log_epoch(live, epoch, record)
+                if improved:  # kept in memory too: best.pt is for a resumed run
+                    meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
+                    best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
+                    save_atomic(best_state, folder / "best.pt")
+                save_epoch(trainer, progress, monitor, folder, run_fingerprint, epoch)
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             say(
-                f"epoch {epoch:3d}/{t.epochs}  "
-                + epoch_line(record)
+                f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}"
                 + ("  (best)" if improved else "")
             )
             if stop.requested:
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
-                    f"{state_dir}, and `dvc repro` resumes from it"
+                    f"{folder}, and `dvc repro` resumes from it"
                 )
 
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        # the kept model: from memory when its epoch ran in this process, else from best.pt
-        if best_state is not None:
-            save_atomic(best_state, out / "model.pt")
-        elif best_path.exists():
-            shutil.copy2(best_path, out / "model.pt")
-        else:
-            shutil.rmtree(state_dir, ignore_errors=True)
-            raise GateError(f"{best_path} was deleted during the run; run again to start fresh")
-        monitor.finish(optimizer.param_groups[0]["lr"])
-        report = monitor.report()
-        data.write_json(out / "health.json", report)
-        compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
-        compared |= {k: report[k] for k in ("healthy", "findings")}
-        data.write_json(out / "metrics.json", compared)
-        say(monitor.summary(str(args.out / "health.json")))
-        # nothing left to resume once the outputs are in place; until then the state stays, so a
-        # run refused at the end (a dep changed while it ran) resumes from its last epoch
-        when_published(lambda: shutil.rmtree(state_dir, ignore_errors=True))
-        say(
-            f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
-            f"model.pt goes to {args.out} when the stage succeeds"
-        )
+        write_outputs(out, args.out, best_state, folder, progress, monitor)
+
+
+@contextmanager
+def live_curves(out: Path | None, history: list[dict]) -> Iterator[Live | None]:
+    """DVCLive in the staging folder (rank 0; None elsewhere), with the curves of the epochs a
+    resumed run already did (the checkpoint kept them)."""
+    if out is None:
+        yield None
+        return
+    with Live(str(out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
+        for epoch, record in enumerate(history, 1):
+            log_epoch(live, epoch, record)
+        yield live
+
+
+def log_epoch(live: Live, epoch: int, record: dict) -> None:
+    live.step = epoch  # the curves' x is the epoch
+    for name, value in record.items():
+        live.log_metric(name, value)
+    live.next_step()
+
+
+def save_epoch(trainer: Trainer, progress: Progress, monitor, folder: Path, run: str, epoch: int):
+    checkpoint.save_checkpoint(
+        folder,
+        {
+            **trainer.state(),
+            "epoch": epoch,
+            "fingerprint": run,
+            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+            "best": progress.best,
+            "stale": progress.stale,
+            "history": progress.history,
+            "health": monitor.state_dict(),
+        },
+    )
+
+
+def write_outputs(
+    out: Path,
+    final: Path,
+    best_state,
+    folder: Path,
+    progress: Progress,
+    monitor: health.Monitor,
+) -> None:
+    """model.pt (the kept epoch: from memory when it ran in this process, else best.pt),
+    health.json and metrics.json into the staging folder; the state goes once they are in place."""
+    best_path = folder / "best.pt"
+    if best_state is not None:
+        save_atomic(best_state, out / "model.pt")
+    elif best_path.exists():
+        shutil.copy2(best_path, out / "model.pt")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise GateError(f"{best_path} was deleted during the run; run again to start fresh")
+    report = monitor.report()
+    data.write_json(out / "health.json", report)
+    best = progress.best
+    compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
+    compared |= {k: report[k] for k in ("healthy", "findings")}
+    data.write_json(out / "metrics.json", compared)
+    print(monitor.summary(str(final / "health.json")))
+    # nothing left to resume once the outputs are in place; until then the state stays, so a
+    # run refused at the end (a dep changed while it ran) resumes from its last epoch
+    when_published(lambda: shutil.rmtree(folder, ignore_errors=True))
+    print(
+        f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
+        f"model.pt goes to {final} when the stage succeeds"
+    )
 
 
 def degenerate_batches(images: int, batch_size: int, accumulate: int) -> list[str]:

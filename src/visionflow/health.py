@@ -261,13 +261,6 @@ class Monitor:
         self.add(diverging(history, math.log(len(self.classes))))
         self.add(overfitting(history, c.overfit_epochs))
 
-    def finish(self, lr: float) -> None:
-        """At the end of a run shorter than train.health.first_steps: judge the loss over the
-        steps there were, when there were at least 4 (else the summary says it was not judged)."""
-        if self.steps_wanted() and len(self.losses) >= 4:
-            c = self.config
-            self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
-
     def report(self) -> dict:
         """health.json: flat numbers first; `healthy` and `findings` also go to the train metrics."""
         found = {f.check for f in self.findings}
@@ -293,17 +286,16 @@ class Monitor:
             return (
                 f"health: {r['findings']} finding(s): {checks} ({where}; docs/troubleshooting.md)"
             )
-        if seen < 4:
+        if seen < wanted:  # a run shorter than first_steps: that check did not run, and says so
             return (
                 f"health: no finding in {len(CHECKS) - 1} checks; the loss over the first steps was "
                 f"not judged: the run took {seen} steps (train.health.first_steps is {wanted}; "
-                "more images or a smaller train.batch_size give it more)"
+                "more images, more epochs or a smaller train.batch_size give it more)"
             )
-        short = f", all the run had (train.health.first_steps is {wanted})" if seen < wanted else ""
         return (
             f"health: healthy: no finding in {len(CHECKS)} checks (data wait "
             f"{r['data_wait_fraction']:.0%} at most; loss fell {r['loss_drop_first_steps']:.0%} "
-            f"over the first {seen} steps{short})"
+            f"over the first {seen} steps)"
         )
 
     def state_dict(self) -> dict:
