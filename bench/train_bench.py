@@ -34,7 +34,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from visionflow import data
+from visionflow import data, loading
 from visionflow.augment import augment
 from visionflow.engine import Step, evaluate, make_optimizer, train_one_epoch
 from visionflow.models import build_model
@@ -140,7 +140,7 @@ def ceiling(x, mean, std, epochs):
     torch.manual_seed(0)
     model = build_model("simple_cnn", 1, 10, SIZE).to(DEVICE, memory_format=torch.channels_last)
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
-    batch = data.to_model_input(
+    batch = loading.to_model_input(
         torch.from_numpy(x[:BATCH]).to(DEVICE),
         torch.tensor(mean, device=DEVICE),
         torch.tensor(std, device=DEVICE),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow import data, scores, viz
+from visionflow import data, loading, scores, viz
 from visionflow.engine import evaluate
 from visionflow.models import load_model
 from visionflow.params import load_params
@@ -67,7 +67,7 @@ def main() -> None:
     )
     wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
     confidence = torch.softmax(logits, 1).max(1).values
-    shown = data.from_model_input(data.to_model_input(x[wrong], mean, std), mean, std).numpy()
+    shown = loading.from_model_input(loading.to_model_input(x[wrong], mean, std), mean, std).numpy()
     viz.mistakes_grid(
         shown,
         [classes[i] for i in y[wrong].tolist()],

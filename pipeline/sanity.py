@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow import data, viz
+from visionflow import data, loading, viz
 from visionflow.augment import augment
 from visionflow.params import load_params
 
@@ -51,8 +51,8 @@ def check_finite(x: torch.Tensor, y: torch.Tensor, mean: torch.Tensor, std: torc
     """Normalised train images through the trainer's loader, in chunks: finite, and their stats."""
     total = squares = 0.0
     count = 0
-    for xb, _ in data.batches(x, y, 1024):
-        batch = data.to_model_input(xb, mean, std)
+    for xb, _ in loading.batches(x, y, 1024):
+        batch = loading.to_model_input(xb, mean, std)
         if not torch.isfinite(batch).all():
             raise GateError("normalised train images hold NaN or inf (check stats.json's std)")
         total = total + batch.sum(dim=(0, 2, 3)).double()
@@ -76,7 +76,7 @@ def main() -> None:
     meta = data.read_cache_meta(args.data)
     report = scan(args.data, meta.classes)
     # the trainer's loader: the split memory-mapped, read a batch at a time (any size fits)
-    x, y = data.load_for_training(args.data, "train", torch.device("cpu"), max_bytes=0)
+    x, y = loading.load_for_training(args.data, "train", torch.device("cpu"), max_bytes=0)
     mean, std = torch.tensor(meta.mean), torch.tensor(meta.std)
     report.update(check_finite(x, y, mean, std))
     report["stats"] = {"mean": meta.mean, "std": meta.std}
@@ -89,14 +89,14 @@ def main() -> None:
     k = params.sanity.per_class
     pick = np.concatenate(viz.pick_per_class(y.numpy(), len(meta.classes), k))
     chosen = torch.from_numpy(np.asarray(x[pick]))
-    model_input = data.to_model_input(chosen, mean, std)  # exactly what train feeds
-    shown = data.from_model_input(model_input, mean, std)
+    model_input = loading.to_model_input(chosen, mean, std)  # exactly what train feeds
+    shown = loading.from_model_input(model_input, mean, std)
     viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k).savefig(
         out / "labels.png", dpi=100
     )
     generator = torch.Generator().manual_seed(params.seed)
-    augmented = augment(data.to_unit(chosen), generator, **params.train.augment.model_dump())
-    shown = data.from_model_input(data.normalise(augmented, mean, std), mean, std)
+    augmented = augment(loading.to_unit(chosen), generator, **params.train.augment.model_dump())
+    shown = loading.from_model_input(loading.normalise(augmented, mean, std), mean, std)
     fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
     fig.suptitle("train split with the training augmentation (train.augment)")
     fig.savefig(out / "augmented.png", dpi=100)

@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
-from visionflow import checkpoint, data, faults, health
+from visionflow import checkpoint, data, faults, health, loading
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
@@ -193,8 +193,8 @@ class Data:
 def load_data(cache: Path, t: Train, device: torch.device) -> Data:
     data.verify_cache(cache)  # a flipped byte is an error here, not a silently worse model
     max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
-    x_train, y_train = data.load_for_training(cache, "train", device, max_bytes)
-    x_val, y_val = data.load_for_training(cache, "val", device, max_bytes)
+    x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
+    x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
     if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
         subset = t.overfit_batches * t.batch_size
         x_train, y_train = x_train[:subset], y_train[:subset]

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import solid
-from visionflow import archive, data
+from visionflow import archive, data, loading
 
 RGB8 = data.Decode(8, "rgb")
 
@@ -311,19 +311,21 @@ def test_stats_use_the_train_split_only(tmp_path):
 def test_model_input_is_normalised_and_reversible():
     x = torch.randint(0, 256, (4, 6, 6, 3), dtype=torch.uint8)
     mean, std = torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.25, 0.3])
-    model_input = data.to_model_input(x, mean, std)
+    model_input = loading.to_model_input(x, mean, std)
     assert model_input.shape == (4, 3, 6, 6)
     expected = (x[..., 1].float() / 255 - 0.4) / 0.25
     assert torch.allclose(model_input[:, 1], expected)
-    back = data.from_model_input(model_input, mean, std)
+    back = loading.from_model_input(model_input, mean, std)
     assert torch.allclose(back * 255, x.permute(0, 3, 1, 2).float(), atol=1e-3)
 
 
 def test_batches_cover_every_item_once_and_shuffle_with_a_generator():
     x, y = torch.arange(10).view(10, 1, 1, 1), torch.arange(10)
-    plain = torch.cat([yb for _, yb in data.batches(x, y, 3)])
+    plain = torch.cat([yb for _, yb in loading.batches(x, y, 3)])
     assert plain.tolist() == list(range(10))
-    shuffled = torch.cat([yb for _, yb in data.batches(x, y, 3, torch.Generator().manual_seed(0))])
+    shuffled = torch.cat(
+        [yb for _, yb in loading.batches(x, y, 3, torch.Generator().manual_seed(0))]
+    )
     assert sorted(shuffled.tolist()) == list(range(10)) and shuffled.tolist() != list(range(10))
 
 

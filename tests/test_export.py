@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from visionflow import data
+from visionflow import loading
 from visionflow.export import (
     check_formats,
     check_parity,
@@ -47,13 +47,13 @@ def eager_on_pixels(model):
 
     @torch.no_grad()
     def run(p):
-        return model(data.to_model_input(torch.from_numpy(p), mean, std)).numpy()
+        return model(loading.to_model_input(torch.from_numpy(p), mean, std)).numpy()
 
     return run
 
 
 def example(pixels):
-    return data.to_model_input(torch.from_numpy(pixels), torch.tensor(MEAN), torch.tensor(STD))
+    return loading.to_model_input(torch.from_numpy(pixels), torch.tensor(MEAN), torch.tensor(STD))
 
 
 SPEC = preprocess_spec(8, 1, MEAN, STD)

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.conftest import ROOT, write_params
-from visionflow import checkpoint, data
-from visionflow.data import normalise, to_unit
+from visionflow import checkpoint, data, loading
 from visionflow.engine import (
     NonFiniteLoss,
     Step,
@@ -29,6 +28,7 @@ from visionflow.engine import (
     step_scheduler,
     train_one_epoch,
 )
+from visionflow.loading import normalise, to_unit
 from visionflow.models import build_model
 
 
@@ -462,8 +462,8 @@ def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
         source, tmp_path, data.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2, seed=0
     )
     cpu = torch.device("cpu")
-    mapped = data.load_for_training(tmp_path, "train", cpu, max_bytes=0)
-    held = data.load_for_training(tmp_path, "train", cpu, max_bytes=2**30)
+    mapped = loading.load_for_training(tmp_path, "train", cpu, max_bytes=0)
+    held = loading.load_for_training(tmp_path, "train", cpu, max_bytes=2**30)
     assert not torch.is_tensor(mapped[0]) and torch.is_tensor(held[0])
     models = []
     for x, y in (mapped, held):
@@ -486,8 +486,8 @@ def test_a_split_held_in_memory_loads_without_numpys_not_writable_warning(tmp_pa
     np.save(tmp_path / "train_x.npy", np.zeros((16, 8, 8, 1), np.uint8))  # as the cache writes it
     np.save(tmp_path / "train_y.npy", np.zeros(16, np.int64))
     code = (
-        "import sys, torch; from pathlib import Path; from visionflow import data; "
-        "data.load_for_training(Path(sys.argv[1]), 'train', torch.device('cpu'), 2**30)"
+        "import sys, torch; from pathlib import Path; from visionflow import loading; "
+        "loading.load_for_training(Path(sys.argv[1]), 'train', torch.device('cpu'), 2**30)"
     )
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", code, str(tmp_path)], capture_output=True, text=True

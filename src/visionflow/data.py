@@ -3,7 +3,8 @@
 The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, the class
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
 array, a rejects report and a duplicates report. Normalisation happens at load time
-(`to_model_input`), on whatever device trains.
+(`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.loading` is the
+torch half (the splits on the device, batches, normalisation).
 
 Files users did not make themselves are decoded defensively: broken, empty, non-image and
 oversized files are rejected with a reason each (never silently used), image modes are normalised
@@ -16,14 +17,12 @@ import json
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from visionflow.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one place to import from)
@@ -436,94 +435,3 @@ def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray,
     """uint8 NHWC images and int64 labels of one split (images memory-mapped when asked)."""
     x = np.load(cache / f"{split}_x.npy", mmap_mode="r" if mmap else None)
     return x, np.load(cache / f"{split}_y.npy")
-
-
-class MemmapBatches(Dataset):
-    """Batches of a memory-mapped split, read in DataLoader workers (item i = index batch i)."""
-
-    def __init__(self, path: str, index_batches: list[np.ndarray]):
-        self.path, self.index_batches, self.x = path, index_batches, None
-
-    def __len__(self) -> int:
-        return len(self.index_batches)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        if self.x is None:  # opened in each worker process, not pickled to it
-            self.x = np.load(self.path, mmap_mode="r")
-        return torch.from_numpy(self.x[self.index_batches[i]])
-
-
-def load_for_training(
-    cache: Path, split: str, device: torch.device, max_bytes: float
-) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
-    """A split on the device when its images fit in `max_bytes`, else memory-mapped (see batches)."""
-    x, y = read_split(cache, split, mmap=True)
-    if x.nbytes > max_bytes:
-        return x, torch.from_numpy(y)
-    held = np.array(x)  # read into memory: writable, so torch takes it as it is (no warning)
-    return torch.from_numpy(held).to(device), torch.from_numpy(y).to(device)
-
-
-def batches(
-    x: torch.Tensor | np.ndarray,
-    y: torch.Tensor,
-    batch_size: int,
-    generator: torch.Generator | None = None,
-    rank: int = 0,
-    world: int = 1,
-    device: torch.device | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of a split; shuffled when a generator is given (the training split).
-
-    In-memory tensors are sliced where they are. A memory-mapped array (larger than memory) is
-    read batch by batch in DataLoader worker processes, pinned when the device is a GPU, and sent
-    to `device`: the same batches in the same order either way.
-
-    Under DDP each of `world` ranks takes every world-th item of the same permutation (the
-    generators agree across ranks), so one step of all ranks sees `world * batch_size` items; the
-    last `len(x) % world` items of the permutation are dropped so every rank takes as many steps.
-    """
-    order = (
-        torch.randperm(len(x), generator=generator)
-        if generator is not None
-        else torch.arange(len(x))
-    )
-    order = order[: len(order) - len(order) % world][rank::world]  # equal shards: equal steps
-    n = len(order)
-    if isinstance(x, np.ndarray):
-        device = device or torch.device("cpu")
-        index_batches = [order[s : s + batch_size].numpy() for s in range(0, n, batch_size)]
-        loader = DataLoader(
-            MemmapBatches(x.filename, index_batches),
-            batch_size=None,
-            num_workers=min(2, os.cpu_count() or 1),
-            pin_memory=device.type == "cuda",
-        )
-        for index, xb in zip(index_batches, loader, strict=True):
-            yield (
-                xb.to(device, non_blocking=True),
-                y[torch.from_numpy(index)].to(device, non_blocking=True),
-            )
-        return
-    for start in range(0, n, batch_size):
-        index = order[start : start + batch_size].to(x.device)
-        yield x[index], y[index]
-
-
-def to_unit(x: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> float NCHW in 0..1 (a channels_last view, no copy of the layout)."""
-    return x.permute(0, 3, 1, 2).float().div_(255)
-
-
-def normalise(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    return (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-
-
-def to_model_input(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """uint8 NHWC -> normalised float NCHW: what every model in this project is fed."""
-    return normalise(to_unit(x), mean, std)
-
-
-def from_model_input(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """Undo `to_model_input` to 0..1 NCHW, for pictures of what the model sees."""
-    return (x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)).clamp(0, 1)

@@ -17,8 +17,8 @@ from torch import nn
 from tqdm import tqdm
 
 from visionflow import faults
-from visionflow.data import batches, normalise, to_model_input, to_unit
 from visionflow.errors import Unavailable
+from visionflow.loading import batches, normalise, to_model_input, to_unit
 
 
 class NonFiniteLoss(RuntimeError):

@@ -16,7 +16,6 @@ import onnx
 import torch
 from torch import nn
 
-from visionflow.data import to_model_input
 from visionflow.inference import (
     JIT_DEPRECATED,
     Predictor,
@@ -24,6 +23,7 @@ from visionflow.inference import (
     module_predictor,
     normalise,
 )
+from visionflow.loading import to_model_input
 
 FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.torchscript.pt"}
 

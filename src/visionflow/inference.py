@@ -62,7 +62,7 @@ def describe(classes: list[str], spec: dict) -> dict[str, str]:
 
 
 def normalise(pixels: np.ndarray, spec: dict) -> np.ndarray:
-    """uint8 NHWC -> float32 NCHW, as in training (`data.to_model_input`), in NumPy."""
+    """uint8 NHWC -> float32 NCHW, as in training (`loading.to_model_input`), in NumPy."""
     mean = np.asarray(spec["mean"], np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], np.float32).reshape(1, -1, 1, 1)
     x = pixels.transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
