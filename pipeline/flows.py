@@ -65,13 +65,17 @@ class StageFailed(RuntimeError):
 class DvcBusy(RuntimeError):
     """Another `dvc` process holds the repository's lock (a user's own `dvc` command, say)."""
 
+    @classmethod
+    def at(cls, workdir: Path, what: str) -> "DvcBusy":
+        return cls(f"{what}: another dvc process holds {workdir}/.dvc/tmp/lock")
+
 
 def dvc(workdir: Path, *args: str, doing: str) -> str:
     """A short dvc command's output; a failure or a hang raises, naming what it was `doing`;
     DvcBusy when another dvc holds the repository's lock (before, or when the command failed)."""
     command = f"`dvc {' '.join(args)}` ({doing})"
     if dvc_busy(workdir):
-        raise DvcBusy(f"{command}: another dvc process holds {workdir}/.dvc/tmp/lock")
+        raise DvcBusy.at(workdir, command)
     try:
         result = subprocess.run(
             [*dvc_command(), *args],
@@ -85,7 +89,7 @@ def dvc(workdir: Path, *args: str, doing: str) -> str:
         raise StageFailed(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
     if result.returncode != 0:
         if dvc_busy(workdir):
-            raise DvcBusy(f"{command}: another dvc process holds {workdir}/.dvc/tmp/lock")
+            raise DvcBusy.at(workdir, command)
         raise StageFailed(f"{command} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
     return result.stdout
 
@@ -132,7 +136,7 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
     """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was."""
     logger = get_run_logger()
     if dvc_busy(workdir):
-        raise DvcBusy(f"{stage}: another dvc process holds {workdir}/.dvc/tmp/lock")
+        raise DvcBusy.at(workdir, stage)
     before = locked(workdir, stage)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
     try:
@@ -145,7 +149,7 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
     if dvc_busy(workdir):  # DVC could not take its lock back to record the stage's results:
         wait_until_free(workdir)  # put the outputs back as dvc.lock records them, then retry
         restore(workdir, logger.warning, stage)
-        raise DvcBusy(f"{stage}: another dvc process holds {workdir}/.dvc/tmp/lock")
+        raise DvcBusy.at(workdir, stage)
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
 
@@ -377,13 +381,18 @@ def results(root: Path, names) -> dict[str, dict]:
     return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
 
 
-def main_metrics(summary: dict) -> str:
+def metric_values(summary: dict) -> dict:
+    """The main metrics of one experiment (None where it has none)."""
     metrics = summary.get("metrics", {})
-    values = {
+    return {
         name: (metrics.get(path) or {}).get("data", {}).get(name)
         for path, names in MAIN_METRICS.items()
         for name in names
     }
+
+
+def main_metrics(summary: dict) -> str:
+    values = metric_values(summary)
     return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
 
 
@@ -399,12 +408,9 @@ def sweep_table(root: Path, plan: dict[str, list[str]]) -> list[dict]:
     keys = sorted({key for diff in diffs.values() for key in diff})
     rows = []
     for name, summary in summaries.items():
-        metrics = summary.get("metrics", {})
         row = {"experiment": name, "state": summary["state"]}
         row |= {key: diffs[name].get(key) for key in keys}
-        for path, names in MAIN_METRICS.items():
-            row |= {n: (metrics.get(path) or {}).get("data", {}).get(n) for n in names}
-        rows.append(row)
+        rows.append(row | metric_values(summary))
     return rows
 
 

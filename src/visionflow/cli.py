@@ -55,8 +55,8 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        runtime = args.runtime or (file_format(model) if model.is_file() else None)
-        if runtime == "torchscript" and model.is_file() and file_format(model) == "torchscript":
+        found = file_format(model) if model.is_file() else None
+        if found == "torchscript" and args.runtime in (None, "torchscript"):  # it will load it
             print(
                 f"warning: {model} is TorchScript, which is code: load only files you made or "
                 "trust",
