@@ -453,9 +453,12 @@ def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project)
             time.sleep(0.3)
         assert lines.get(timeout=60).startswith("change settled")
 
-        def locked_lr():
-            stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
-            return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+        def locked_lr():  # None while DVC is rewriting dvc.lock
+            try:
+                stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+                return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+            except (KeyError, TypeError, yaml.YAMLError):
+                return None
 
         wait_for(lambda: locked_lr() == 2e-3, what="the run of the settled params")
         extra = project / "data/pretrained/new.txt"  # a train dep outside the code and params
