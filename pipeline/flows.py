@@ -34,6 +34,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.deployments import run_deployment
 from prefect.states import Completed
 
+from visionflow import runner
 from visionflow.params import read_yaml
 from visionflow.project import all_deps, special_files
 from visionflow.runner import (
@@ -480,6 +481,9 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
                     run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
                 else:  # a failed run is in its log; the watcher goes on
                     reproduce(str(root), return_state=True)
+                    if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
+                        print("stopped: the run in progress was ended first", flush=True)
+                        raise SystemExit(128 + runner.FORWARDED[-1])
     finally:
         observer.stop()
 

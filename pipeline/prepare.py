@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pipeline import run, staged
 from visionflow import archive, data
-from visionflow.params import load_params
+from visionflow.errors import DataError
+from visionflow.params import Params, load_params
 
 
 def main() -> None:
@@ -23,7 +24,23 @@ def main() -> None:
     args = parser.parse_args()
     params = load_params()
     p = params.prepare
+    try:
+        manifest = build(params, staged(args.out))
+    except DataError as e:  # the library names its argument; the key is ours to name
+        if e.setting is None:
+            raise
+        raise DataError(f"prepare.{e.setting}: {e}") from None
+    sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
+    print(
+        f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "
+        f"{manifest['rejected']} files rejected (rejects.json), {manifest['duplicates']} "
+        f"duplicates across splits (duplicates.json)"
+    )
 
+
+def build(params: Params, out: Path) -> dict:
+    """Read the source (an archive extracted safely first) and write the cache; its manifest."""
+    p = params.prepare
     decode = data.Decode(p.image_size, p.color, p.background, p.max_pixels, p.formats)
     with tempfile.TemporaryDirectory(prefix="visionflow-extract-") as tmp:
         path = Path(p.path)
@@ -32,9 +49,9 @@ def main() -> None:
             print(f"prepare: extracted {p.path} safely")
         source = data.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
-        manifest = data.build_cache(
+        return data.build_cache(
             source,
-            staged(args.out),
+            out,
             decode,
             val_fraction=p.val_fraction,
             test_fraction=p.test_fraction,
@@ -44,12 +61,6 @@ def main() -> None:
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,
         )
-    sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
-    print(
-        f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "
-        f"{manifest['rejected']} files rejected (rejects.json), {manifest['duplicates']} "
-        f"duplicates across splits (duplicates.json)"
-    )
 
 
 if __name__ == "__main__":

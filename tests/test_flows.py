@@ -430,14 +430,17 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         worker.wait(timeout=60)
 
 
-def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project):
+def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project, tmp_path):
     import yaml
 
+    go = tmp_path / "go"  # train pauses at its start while this file is missing
+    go.touch()
     watcher = start_flows(
         project,
         "--watch",
         "--settle",
         "2",
+        env=flows_env(VISIONFLOW_FAULT=f"stage.start@stage=train:pause={go}"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -477,7 +480,17 @@ def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project)
         extra.unlink()
         assert lines.get(timeout=60).startswith("change settled")
         time.sleep(5)  # long enough for an unwanted third run to start
+        assert lines.empty()  # one run per settled burst
+
+        go.unlink()  # `kill <watcher>` during a run: the run ends, then the watcher
+        write_params(project, {"train": {"lr": 3e-3}})
+        assert lines.get(timeout=60).startswith("change settled")
+        wait_for(lambda: stage_processes(project, "pipeline.train"), what="a paused train stage")
+        watcher.send_signal(signal.SIGTERM)
+        assert watcher.wait(timeout=60) == 128 + signal.SIGTERM
+        assert lines.get(timeout=5).startswith("stopped: the run in progress was ended first")
     finally:
-        os.killpg(watcher.pid, signal.SIGTERM)
-        watcher.wait(timeout=60)
-    assert lines.empty()  # one run per settled burst
+        if watcher.poll() is None:
+            os.killpg(watcher.pid, signal.SIGTERM)
+            watcher.wait(timeout=60)
+    assert not stage_processes(project)

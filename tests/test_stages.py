@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, write_params
 from visionflow import data
 
 
@@ -92,3 +92,26 @@ def test_evaluate_refuses_a_model_with_another_class_count(cache):
         in result.stderr
     )
     assert not (cache / "ev" / "metrics.json").exists()
+
+
+def test_prepare_names_the_params_key_of_a_limit(image_folder, tmp_path):
+    """The library says which of its limits the data went over; the stage names the key."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    write_params(
+        tmp_path,
+        {
+            "prepare": {
+                "source": "imagefolder",
+                "path": str(image_folder),
+                "min_per_class": 50,
+                "max_bad_fraction": 0.5,
+            }
+        },
+    )
+    result = stage(tmp_path, "prepare", "--out", "prepared")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith(
+        "error: prepare.min_per_class: classes below the minimum of 50 images: {'blue': 8,"
+    ), result.stderr
+    assert not (tmp_path / "prepared").exists()

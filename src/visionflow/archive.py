@@ -75,8 +75,9 @@ def _members(archive: Path, max_bytes: int) -> list[tuple[PurePosixPath, object,
                     files.append((name, member, member.size))
     if total > max_bytes:
         raise DataError(
-            f"{archive}: members add up to {total} bytes, over the {max_bytes} byte limit "
-            "(prepare.max_extract_mb); refusing the archive"
+            f"{archive}: members add up to {total} bytes, over the limit of {max_bytes} bytes; "
+            "refusing the archive",
+            setting="max_extract_mb",
         )
     return files
 

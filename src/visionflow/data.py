@@ -123,8 +123,13 @@ def torchvision_source(name: str, root: Path, download: bool) -> Source:
         try:
             parts.append(dataset_class(str(root), train=train, download=download))
         except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
-            hint = "" if download else " (set prepare.download: true to fetch it when online)"
-            raise DataError(f"{name} not usable under {root}: {e}{hint}") from None
+            if download:
+                raise DataError(f"{name} not usable under {root}: {e}") from None
+            raise DataError(
+                f"{name} not usable under {root}: {e}; downloading is off (turn it on to fetch "
+                "it when online)",
+                setting="download",
+            ) from None
     images = np.concatenate([np.asarray(p.data, dtype=np.uint8) for p in parts])
     labels = np.concatenate([np.asarray(p.targets, dtype=np.int64) for p in parts])
     is_test = np.arange(len(labels)) >= len(parts[0].data)
@@ -377,7 +382,8 @@ def build_cache(
             listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
             raise DataError(
                 f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
-                f"over prepare.max_bad_fraction ({max_bad_fraction:.1%}):\n  {listing}"
+                f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
+                setting="max_bad_fraction",
             )
         good = np.flatnonzero(ok)
         good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
@@ -386,7 +392,8 @@ def build_cache(
         }
         if small:
             raise DataError(
-                f"classes below prepare.min_per_class ({min_per_class} images): {small}"
+                f"classes below the minimum of {min_per_class} images: {small}",
+                setting="min_per_class",
             )
         is_test = source.is_test[good] if source.is_test is not None else None
         local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
@@ -398,7 +405,8 @@ def build_cache(
         if empty:
             raise DataError(
                 f"no images left in {empty} after removing {duplicates['removed']} "
-                "duplicates (duplicates.json); add images or set prepare.dedupe: false"
+                "duplicates (duplicates.json); add images or keep duplicates",
+                setting="dedupe",
             )
         write_json(
             out / "decode.json",

@@ -64,7 +64,7 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                 if width * height > decode.max_pixels:
                     raise DataError(
                         f"{width}x{height} = {width * height} px is over "
-                        f"prepare.max_pixels ({decode.max_pixels}); not decoded"
+                        f"max_pixels ({decode.max_pixels}); not decoded"
                     )
                 if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
                     raise DataError(

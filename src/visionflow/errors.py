@@ -2,7 +2,15 @@
 
 
 class DataError(ValueError):
-    """The source data cannot be used; the message names the file, folder or class."""
+    """The source data cannot be used; the message names the file, folder or class.
+
+    `setting` is the argument whose value the data went against (`max_bad_fraction`, say): the
+    library knows values, not params files, so the stage names its key (`prepare.max_bad_fraction`).
+    """
+
+    def __init__(self, message: str, setting: str | None = None):
+        super().__init__(message)
+        self.setting = setting
 
 
 class Unavailable(RuntimeError):

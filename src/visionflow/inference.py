@@ -113,7 +113,7 @@ def pt2_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
 
 def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
-    """The trained checkpoint itself (results/train/model.pt), eager PyTorch."""
+    """A checkpoint as the train stage writes it (model.pt), in eager PyTorch."""
     from visionflow.models import load_model
 
     model, meta = load_model(path)
@@ -148,7 +148,7 @@ NAMES = {
     "onnx": "an ONNX file",
     "torchscript": "a TorchScript file",
     "pt2": "a torch.export .pt2 file",
-    "torch": "a PyTorch checkpoint (results/train/model.pt)",
+    "torch": "a PyTorch training checkpoint",
 }
 
 

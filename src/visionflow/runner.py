@@ -29,6 +29,7 @@ from visionflow.project import all_deps, special_files
 STAGE_FAILED = "ERROR: failed to reproduce"  # DVC's line when a stage's command failed
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
 GRACE_S = 5.0  # after a timeout's SIGTERM, seconds before SIGKILL
+FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked to stop
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
@@ -99,7 +100,7 @@ def run_group(
     cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. SIGINT and SIGTERM sent to
-    this process are passed on to the group; when `cmd` ends, or this call ends early (timeout,
+    this process are passed on to the group (and recorded in `FORWARDED`); when `cmd` ends, or this call ends early (timeout,
     cancellation, an error), whatever is left of the group is killed; if this process dies, the
     reaper kills it. At `timeout_s`, printing or silent, the group gets SIGTERM (training stops
     at a safe point), then SIGKILL `GRACE_S` later, and `Timeout` is raised.
@@ -149,7 +150,12 @@ def run_group(
         if threading.current_thread() is threading.main_thread()
         else ()
     )
-    previous = {s: signal.signal(s, lambda signum, frame: signal_group(signum)) for s in handlers}
+
+    def forward(signum: int, frame) -> None:
+        FORWARDED.append(signum)  # for a caller that loops (the watcher): stop after this run
+        signal_group(signum)
+
+    previous = {s: signal.signal(s, forward) for s in handlers}
     tail = ""
     try:
         for line in process.stdout:
