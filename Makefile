@@ -20,11 +20,12 @@ repro: setup
 	@$(PY) -c "import json; m = json.load(open('results/evaluate/metrics.json')); \
 		print('test', {k: round(v, 4) for k, v in m.items()})"
 
+# One worker per core, at most 4 (each runs DVC, torch and Prefect processes of its own).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n auto --maxprocesses 4 -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .

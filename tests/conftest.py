@@ -28,9 +28,10 @@ PROJECT_FILES = [
 ]
 
 # Small enough for seconds per stage on 2 CPU cores; still the real stages and the real data.
+# Four epochs: enough to kill a run after one checkpoint and resume it from another.
 TINY = {
     "prepare": {"image_size": 8},
-    "train": {"epochs": 2, "batch_size": 128},
+    "train": {"epochs": 4, "batch_size": 128},
     "export": {"batch_size": 8, "latency_repeats": 3},
 }
 

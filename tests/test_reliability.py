@@ -1,9 +1,10 @@
 """Nothing is lost when a run is killed, interrupted, raced or fed a corrupted cache.
 
 Real DVC in a temporary git repo, driven through the project's runner (`visionflow repro`), with
-faults injected through VISIONFLOW_FAULT. The tests share one reproduced project and run in
-order; each ends with the invariants: dvc.lock parses, every checkpoint loads with
-weights_only=True, `dvc status` works, and a clean run afterwards succeeds.
+faults injected through VISIONFLOW_FAULT. Each test works on its own copy of the session's
+reproduced project (4 epochs), whose model is the uninterrupted run, and ends with the
+invariants: dvc.lock parses, every checkpoint loads with weights_only=True, `dvc status` works,
+and a clean run afterwards succeeds.
 """
 
 import hashlib
@@ -21,11 +22,9 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import commit, make_project, sh, write_params
+from tests.conftest import copy_project, sh, write_params
 
 pytestmark = pytest.mark.slow
-EPOCHS = 4
-BASELINE = {}  # the weights of the last uninterrupted run with the current params
 
 
 def env(project: Path, fault: str = "") -> dict:
@@ -125,49 +124,63 @@ def assert_invariants(project: Path) -> None:
     assert sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
 
 
-def assert_resumes_to_the_baseline(project: Path, epoch: int) -> None:
+def assert_resumes_to_the_baseline(project: Path, epoch: int, baseline: dict) -> None:
     """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted run."""
     resumed = repro(project, "-f", "-s", "train")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert re.search(rf"resuming from checkpoints/train/\w+/epoch-{epoch:04d}\.pt", resumed.stdout)
-    assert same_weights(weights(project), BASELINE)
+    assert same_weights(weights(project), baseline)
     assert_invariants(project)
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The tiny project, reproduced once with EPOCHS epochs; its model is the uninterrupted one."""
-    project = make_project(tmp_path_factory.mktemp("reliability") / "project")
-    write_params(project, {"train": {"epochs": EPOCHS}})
-    first = repro(project)
-    assert first.returncode == 0, first.stdout + first.stderr
-    commit(project, "first run")
-    BASELINE.update(weights(project))
-    return project
+@pytest.fixture
+def project(reproduced_base, tmp_path) -> Path:
+    return copy_project(reproduced_base, tmp_path / "project")
 
 
-def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(project):
+@pytest.fixture(scope="session")
+def baseline(reproduced_base) -> dict:
+    """The weights of the uninterrupted run with the shipped tiny params."""
+    return weights(reproduced_base)
+
+
+def live_metrics(project: Path) -> dict:
+    """DVCLive's last values, timings left out (they differ between any two runs)."""
+    metrics = json.loads((project / "results/train/live/metrics.json").read_text())
+    for timing in ("epoch_seconds", "peak_memory_mb", "data_wait_fraction"):
+        metrics.pop(timing)
+    metrics["train"].pop("images_per_s")
+    return metrics
+
+
+def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(
+    project, baseline, reproduced_base
+):
     killed = repro(
         project, "--force", "--single-item", "train", fault="train.epoch_end@epoch=3:kill"
     )
     assert killed.returncode != 0
-    assert same_weights(weights(project), BASELINE)  # the previous model is in place
+    assert same_weights(weights(project), baseline)  # the previous model is in place
     assert (state_folder(project) / "epoch-0003.pt").exists()
-    assert_resumes_to_the_baseline(project, 3)
+    assert_resumes_to_the_baseline(project, 3, baseline)
+    assert live_metrics(project) == live_metrics(reproduced_base)
+    curve = (project / "results/train/live/plots/metrics/val/accuracy.tsv").read_text()
+    assert len(curve.splitlines()) == 1 + 4  # header + every epoch, those before the kill too
+    assert not list(project.glob("checkpoints/train/*/epoch-*.pt"))  # complete: nothing to resume
 
 
-def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project):
+def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project, baseline):
     killed = repro(project, "-f", "-s", "train", fault="checkpoint.write@epoch=3:kill")
     assert killed.returncode != 0
     folder = state_folder(project)
     assert list(folder.glob(".epoch-0003.pt.*.tmp"))  # the half-written file
     assert not (folder / "epoch-0003.pt").exists()
     assert torch.load(folder / "epoch-0002.pt", weights_only=True)["epoch"] == 2
-    assert_resumes_to_the_baseline(project, 2)
+    assert_resumes_to_the_baseline(project, 2, baseline)
     assert not list(folder.glob(".*.tmp"))  # the stray was removed
 
 
-def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
+def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project, baseline):
     failed = repro(project, "-f", "-s", "train", fault="train.loss@epoch=2:nan")
     assert failed.returncode != 0
     assert (
@@ -177,8 +190,8 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project):
     folder = state_folder(project)
     assert sorted(p.name for p in folder.glob("epoch-*.pt")) == ["epoch-0001.pt"]
     assert torch.load(folder / "epoch-0001.pt", weights_only=True)["epoch"] == 1
-    assert same_weights(weights(project), BASELINE)
-    assert_resumes_to_the_baseline(project, 1)
+    assert same_weights(weights(project), baseline)
+    assert_resumes_to_the_baseline(project, 1, baseline)
 
 
 def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
@@ -192,11 +205,10 @@ def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
     assert {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()} == results
     fixed = repro(project)
     assert fixed.returncode == 0 and ran(fixed.stdout) == ["evaluate", "export"]
-    commit(project, "top_k 2")
     assert_invariants(project)
 
 
-def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_path):
+def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_path, baseline):
     go = tmp_path / "go"
     run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=2:pause={go}")
     read_until(run, "fault: pause")
@@ -207,8 +219,8 @@ def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_p
     assert run.returncode != 0
     assert "train stopped after epoch 2" in output, output
     assert torch.load(state_folder(project) / "epoch-0002.pt", weights_only=True)["epoch"] == 2
-    assert same_weights(weights(project), BASELINE)
-    assert_resumes_to_the_baseline(project, 2)
+    assert same_weights(weights(project), baseline)
+    assert_resumes_to_the_baseline(project, 2, baseline)
 
 
 def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
@@ -240,13 +252,12 @@ def test_two_runs_started_together_never_overlap(project):
     assert ran(first) == ["check", "train", "evaluate", "export"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 2e-3
-    commit(project, "lr 2e-3")
-    BASELINE.clear()
-    BASELINE.update(weights(project))
     assert_invariants(project)
 
 
-def test_params_edited_while_training_is_reported_and_the_next_run_retrains(project, tmp_path):
+def test_params_edited_while_training_is_reported_and_the_next_run_retrains(
+    project, tmp_path, baseline
+):
     lock = (project / "dvc.lock").read_bytes()
     go = tmp_path / "go"
     run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=1:pause={go}")
@@ -255,14 +266,13 @@ def test_params_edited_while_training_is_reported_and_the_next_run_retrains(proj
     go.touch()
     output = run.communicate(timeout=300)[0]
     assert run.returncode != 0
-    assert "changed while the stage ran: params.yaml train.lr: 0.002 -> 0.003" in output, output
+    assert "changed while the stage ran: params.yaml train.lr: 0.001 -> 0.003" in output, output
     assert (project / "dvc.lock").read_bytes() == lock
-    assert same_weights(weights(project), BASELINE)  # not replaced by the mixed run
+    assert same_weights(weights(project), baseline)  # not replaced by the mixed run
     rerun = repro(project)
     assert rerun.returncode == 0 and ran(rerun.stdout)[:2] == ["check", "train"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
     assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 3e-3
-    commit(project, "lr 3e-3")
     assert_invariants(project)
 
 
