@@ -12,6 +12,12 @@ import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Under pytest-xdist each worker gets its share of the cores: torch's default (a thread per core
+# in every stage process of every worker) oversubscribes them, and spinning threads burn the time.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
 PROJECT_FILES = [
     "dvc.yaml",
     "params.yaml",

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, copy_project, write_params
 from visionflow import doctor
 
 
-def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None):
+def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None, cwd=ROOT):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
@@ -21,7 +21,7 @@ def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None):
     }
     return subprocess.run(
         [sys.executable, "-m", "visionflow.cli", "doctor", *args],
-        cwd=ROOT,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
@@ -33,9 +33,11 @@ def by_name(report: dict) -> dict:
     return {c["check"]: c for c in report["checks"]}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="reads what a machine without a GPU reports")
-def test_doctor_reports_this_machine_and_passes():
-    result = run_doctor("--json")
+def test_doctor_reports_this_machine_and_the_workspace(reproduced_base, tmp_path):
+    project = copy_project(reproduced_base, tmp_path / "project")
+    result = run_doctor("--json", cwd=project)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
     checks = by_name(report)
@@ -45,9 +47,13 @@ def test_doctor_reports_this_machine_and_passes():
     assert checks["torch"]["found"] == torch.__version__.split("+")[0]
     assert checks["gpu"]["found"].startswith("none visible")
     assert "CPUExecutionProvider" in checks["onnxruntime providers"]["found"]
-    assert checks["dvc repo"]["status"] == "ok" and checks["pipeline"]["status"] in ("ok", "warn")
+    assert checks["dvc repo"]["found"] == str(project)
+    assert (checks["pipeline"]["status"], checks["pipeline"]["found"]) == ("ok", "up to date")
     assert checks["torch/torchvision"]["found"].endswith("(a matching pair)")
     assert "GiB free" in checks["disk"]["found"]
+    write_params(project, {"evaluate": {"top_k": 2}})  # a change `make repro` would run
+    stale = by_name(json.loads(run_doctor("--json", cwd=project).stdout))["pipeline"]
+    assert (stale["status"], stale["found"]) == ("warn", "not up to date: check, evaluate")
 
 
 def test_a_missing_package_fails_with_the_fix(tmp_path):

@@ -152,6 +152,15 @@ def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pi
     assert all(r["passed"] for results in parity.values() for r in results.values())
     parity, _ = check_formats(model, paths, pixels, ["w", "x", "y", "z"], SPEC, *tolerances)
     assert all(parity[runtime]["metadata"]["passed"] is False for runtime in parity)
-    table = latency_table(predictors, example(pixels).numpy(), (1, 4), repeats=2)
+    calls = []  # each predictor is timed on batches of the asked sizes, warm-up calls first
+
+    def counted(name):
+        return lambda batch: calls.append((name, len(batch))) or predictors[name](batch)
+
+    timed = {name: counted(name) for name in predictors}
+    table = latency_table(timed, example(pixels).numpy(), (1, 4), repeats=2)
     assert set(table) == {"batch_1", "batch_4"} and set(table["batch_4"]) == set(predictors)
-    assert all(ms > 0 for row in table.values() for ms in row.values())
+    assert sorted(calls) == sorted(
+        (name, n) for name in predictors for n in (1, 4) for _ in range(5)
+    )
+    assert all(0 < ms < 60_000 for row in table.values() for ms in row.values())

@@ -124,8 +124,8 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
     from pipeline.flows import reproduce
 
     assert reproduce(str(project)) == []  # up to date: no stage runs
-    write_params(project, {"train": {"lr": 3e-3}})
-    assert reproduce(str(project)) == ["check", "train", "evaluate", "export"]
+    write_params(project, {"evaluate": {"top_k": 2}})  # no training: the trained model stays
+    assert reproduce(str(project)) == ["check", "evaluate", "export"]
     assert "accuracy" in artifact("metrics").data
     assert "results/evaluate/metrics.json" in artifact("metrics-diff").data
     assert "onnx" in str(artifact("export-parity").data)
@@ -221,10 +221,10 @@ def test_a_silent_stage_past_its_timeout_is_killed_with_its_group(project, monke
     write_params(project, {"train": {"lr": 5e-3}})
     monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=train:pause={tmp_path / 'never'}")
     started = time.monotonic()
-    state = reproduce(str(project), stage_timeout_s=20, return_state=True)
+    state = reproduce(str(project), stage_timeout_s=10, return_state=True)
     took = time.monotonic() - started
-    assert state.is_failed() and took < 60, (state, took)  # 20 s, SIGTERM, SIGKILL 5 s later
-    with pytest.raises(Exception, match=r"stage train: .*ran past 20 s and was killed"):
+    assert state.is_failed() and took < 50, (state, took)  # 10 s, SIGTERM, SIGKILL 5 s later
+    with pytest.raises(Exception, match=r"stage train: .*ran past 10 s and was killed"):
         state.result()
     assert stage_processes(project) == []  # dvc, the stage, everything in its group
     assert (project / "results/train/model.pt").read_bytes() == model  # restored from the cache
@@ -257,7 +257,8 @@ def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
     wait_for(lambda: stage_processes(project, "pipeline.train"), what="training")
     release = hold(project / ".dvc/tmp/lock")  # taken while train runs, held past its end
     go.touch()
-    threading.Timer(10, release).start()
+    wait_for(lambda: not stage_processes(project, " repro "), what="DVC to give up recording it")
+    release()
     flow.join(timeout=600)
     assert ran and ran[0].is_completed(), ran
     assert ran[0].result() == ["check", "train", "evaluate", "export"] and up_to_date(project)
@@ -279,9 +280,12 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     from pipeline.flows import experiments
 
     params = (project / "params.yaml").read_text()
-    rows = experiments(str(project), [["train.lr=0.003"], ["train.epochs=3"]])
+    rows = experiments(str(project), [["evaluate.top_k=2"], ["sanity.per_class=3"]])  # no training
     assert [row["state"] for row in rows] == ["success", "success"]
-    assert [(row["train.lr"], row["train.epochs"]) for row in rows] == [(0.003, None), (None, 3)]
+    assert [(row["evaluate.top_k"], row["sanity.per_class"]) for row in rows] == [
+        (2, None),
+        (None, 3),
+    ]
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
     assert artifact("experiments").data.count("sweep-") == 2
     assert (project / "params.yaml").read_text() == params and up_to_date(project)
@@ -295,7 +299,7 @@ def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
 
     monkeypatch.setattr(pipeline.flows, "DVC_TIMEOUT_S", 10.0)  # what used to cut sweeps at 120 s
     state = experiments(
-        str(project), [["train.epochs=0"], ["train.lr=0.004"]], workers=2, return_state=True
+        str(project), [["train.epochs=0"], ["evaluate.top_k=4"]], workers=2, return_state=True
     )
     with pytest.raises(Exception, match=r"experiments sweep-\w+-1 did not succeed"):
         state.result()  # the first one is refused by check; the second one still ran
@@ -303,13 +307,13 @@ def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
     assert (failed["state"], failed["accuracy"]) == ("failed", None)  # not its baseline's
     assert done["state"] == "success" and 0 <= done["accuracy"] <= 1
     go = tmp_path / "go"  # the next sweep lasts longer than any helper call may
-    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=train:pause={go}")
+    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=evaluate:pause={go}")
     threading.Timer(15, go.touch).start()
     started = time.monotonic()
-    rows = experiments(str(project), [["train.lr=0.005"]], workers=1)
+    rows = experiments(str(project), [["evaluate.top_k=5"]], workers=1)
     assert time.monotonic() - started > 15
-    assert [(row["state"], row["train.lr"]) for row in rows] == [("success", 0.005)]
-    assert "0.004" not in artifact("experiments").data  # this sweep only, not the queue's past
+    assert [(row["state"], row["evaluate.top_k"]) for row in rows] == [("success", 5)]
+    assert len(json.loads(artifact("experiments").data)) == 1  # this sweep, not the queue's past
     status = sh(project, "dvc", "queue", "status").stdout
     assert "Running" not in status and "Queued" not in status
 
@@ -397,7 +401,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         stderr=subprocess.DEVNULL,
     )
     try:
-        write_params(project, {"train": {"lr": 8e-3}})
+        write_params(project, {"evaluate": {"top_k": 2}})
         run = prefect(
             "deployment",
             "run",
@@ -411,8 +415,8 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "COMPLETED" in (run.stdout + run.stderr).upper()
         assert up_to_date(project)
-        commit(project, "lr 8e-3")
-        params = json.dumps({"overrides": [["train.epochs=3"]]})
+        commit(project, "top_k 2")
+        params = json.dumps({"overrides": [["evaluate.top_k=4"]]})
         sweep = prefect(
             "deployment",
             "run",
@@ -424,7 +428,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
             timeout=600,
         )
         assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
-        assert "train.epochs" in artifact("experiments").data
+        assert "evaluate.top_k" in artifact("experiments").data
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(timeout=60)
@@ -451,9 +455,8 @@ def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project,
     ).start()
     try:
         assert lines.get(timeout=120).startswith("watching")
-        for epochs in (5, 6, 5):  # a burst: three saves within a second
+        for epochs in (5, 6, 5):  # a burst: three saves in a row
             write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
-            time.sleep(0.3)
         assert lines.get(timeout=60).startswith("change settled")
 
         def locked_lr():  # None while DVC is rewriting dvc.lock

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, write_params
 from visionflow import data, health
+from visionflow.models import build_model
 from visionflow.params import Health
 
 CLASSES = [str(i) for i in range(10)]
@@ -213,7 +214,8 @@ def test_out_of_memory_is_reported_and_auto_batch_retries_once(caches, tmp_path)
     code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, small_gpu)
     assert code == 1 and only(report) == ["out_of_memory"], log
     message = report["messages"][0]
-    assert "batch_size 32 (accumulate 1), 22,602 parameters, peak" in message
+    size = sum(p.numel() for p in build_model("simple_cnn", 1, 10, 8).parameters())  # 8x8 digits
+    assert f"batch_size 32 (accumulate 1), {size:,} parameters, peak" in message
     assert "train.batch_size 16 with train.accumulate 2" in message and "train.amp" in message
     code, log, report = train(
         caches, tmp_path, "digits", {"epochs": 1, "auto_batch": True}, small_gpu

@@ -65,9 +65,11 @@ def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
 
 
 def test_sanity_fails_on_image_label_count_mismatch(cache):
+    images = len(np.load(cache / "prepared/test_x.npy", mmap_mode="r"))
     np.save(cache / "prepared/test_y.npy", np.load(cache / "prepared/test_y.npy")[:-2])
     result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
-    assert result.returncode == 1 and "test: 360 images but 358 labels" in result.stderr
+    assert result.returncode == 1
+    assert f"test: {images} images but {images - 2} labels" in result.stderr
 
 
 def test_evaluate_refuses_a_model_with_another_class_count(cache):

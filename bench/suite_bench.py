@@ -1,0 +1,60 @@
+"""Benchmark: the whole test suite against one full `dvc repro` of the default pipeline, in one run
+on the same machine (the ratio is what holds across machines; the seconds are this one's).
+
+Clones the committed project into a temporary folder, sets it up (`make setup`, not timed), then
+times in turn:
+  - `dvc repro --force`     the default pipeline, every stage, in the clone
+  - `make test`             the suite as CI runs it, with pytest's 15 slowest tests
+and prints both, their ratio, and the slowest tests (the table in docs/tests.md).
+
+    .venv/bin/python bench/suite_bench.py [--keep]
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
+    start = time.monotonic()
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    took = time.monotonic() - start
+    if result.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return took, result.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="visionflow-suite-"))
+    clone = folder / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    subprocess.run(["make", "setup"], cwd=clone, check=True, capture_output=True)
+    venv = clone / ".venv/bin"
+    env = {**os.environ, "PATH": f"{venv}{os.pathsep}{os.environ['PATH']}"}
+    repro_s, _ = timed([str(venv / "dvc"), "repro", "--force"], clone, env)
+    print(f"dvc repro --force (default params): {repro_s:.0f} s", flush=True)
+    suite_s, out = timed(["make", "test"], clone, {**env, "PYTEST_ADDOPTS": "--durations=15"})
+    print(f"make test:                          {suite_s:.0f} s")
+    print(f"ratio:                              {suite_s / repro_s:.1f}x one full dvc repro")
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "slowest 15 durations" in line)
+    print("\n".join(lines[start : start + 16]))
+    print(lines[-1])
+    if args.keep:
+        print(f"clone kept: {clone}")
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
