@@ -27,7 +27,9 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     took = time.monotonic() - start
     if result.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        log = Path(tempfile.mkstemp(prefix="visionflow-suite-", suffix=".log")[1])
+        log.write_text(result.stdout + result.stderr)
+        sys.exit(f"{' '.join(cmd)} failed; its whole output is in {log}:\n{result.stdout[-3000:]}")
     return took, result.stdout
 
 
