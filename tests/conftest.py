@@ -1,5 +1,6 @@
 """Shared fixtures: tiny generated data and a temporary git + DVC copy of the project."""
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -172,9 +173,19 @@ def copy_project(src: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def reproduced_base(tmp_path_factory) -> Path:
-    """One full `dvc repro` of the tiny project, committed, shared by the whole session.
-    Read it as it is; a test or module that changes anything works on `copy_project` of it."""
-    project = make_project(tmp_path_factory.mktemp("base") / "project")
-    sh(project, "dvc", "repro")
-    commit(project, "first run")
+    """One full `dvc repro` of the tiny project, committed, shared by the whole session (all
+    pytest-xdist workers: the first to ask builds it, the others wait for it). Read its files as
+    they are; a test that runs anything in it, DVC included, works on `copy_project` of it."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this run's folder, above each worker's own
+    project, done = shared / "reproduced" / "project", shared / "reproduced" / "done"
+    with open(shared / "reproduced.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(project.parent, ignore_errors=True)  # a build that failed halfway
+            make_project(project)
+            sh(project, "dvc", "repro")
+            commit(project, "first run")
+            done.touch()
     return project

@@ -85,10 +85,10 @@ def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(projec
     sh(project, "git", "checkout", "-q", "main")
     sh(project, "dvc", "checkout")
     assert clean(project)
-    sh(project, "dvc", "exp", "run", "-n", "lr3", "-S", "train.lr=3e-3")
+    sh(project, "dvc", "exp", "run", "-n", "top2", "-S", "evaluate.top_k=2")
     sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
-    sh(project, "dvc", "exp", "apply", "lr3")
+    sh(project, "dvc", "exp", "apply", "top2")
     assert clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
 
 

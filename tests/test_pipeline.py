@@ -83,23 +83,39 @@ def test_pngs(reproduced, tmp_path_factory):
     return paths
 
 
-def predict_json(project, *args):
-    cli = [sys.executable, "-m", "visionflow.cli", "predict", "--json", *map(str, args)]
-    result = sh(project, *cli, check=False)
-    return result, json.loads(result.stdout)
+@pytest.fixture
+def predict(reproduced, monkeypatch, capsys):
+    """`visionflow predict ARGS` in the project, in this process (the CLI's own code; its
+    import-free ONNX path has a subprocess test of its own): (exit code, stdout, stderr)."""
+    from visionflow.cli import main
+
+    monkeypatch.chdir(reproduced)
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(["predict", *map(str, args)])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def rows_of(out: str) -> list[dict]:
+    return json.loads(out)
 
 
 @pytest.mark.parametrize("runtime", ["onnx", "pt2", "torchscript", "torch"])
-def test_predict_agrees_with_evaluate(reproduced, test_pngs, runtime):
+def test_predict_agrees_with_evaluate(reproduced, predict, test_pngs, runtime):
     evaluated = json.loads((reproduced / "results/evaluate/predictions.json").read_text())
-    result, rows = predict_json(reproduced, "--runtime", runtime, *test_pngs)
-    assert result.returncode == 0, result.stderr
+    code, out, err = predict("--json", "--runtime", runtime, *test_pngs)
+    assert code == 0, err
+    rows = rows_of(out)
     predicted = [row["predictions"][0]["class"] for row in rows]
     assert predicted == [row["predicted"] for row in evaluated[:40]]
     assert all(len(row["predictions"]) == 3 for row in rows)
 
 
-def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_path):
+def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pngs, tmp_path):
     # torch and visionflow cannot be imported by the client: shadow both with failing packages
     for name in ("torch", "visionflow", "torchvision"):
         (tmp_path / name).mkdir()
@@ -124,56 +140,40 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, test_pngs, tmp_p
         check=True,
     )
     lines = [json.loads(line) for line in client.stdout.splitlines()]
-    _, rows = predict_json(reproduced, *images)
+    rows = rows_of(predict("--json", *images)[1])
     assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
     probabilities = [row["predictions"][0]["probability"] for row in rows]
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
 
 
 def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(
-    reproduced, test_pngs, tmp_path
+    reproduced, predict, test_pngs, tmp_path
 ):
     export = reproduced / "results/export"
-    result, rows = predict_json(reproduced, "--model", export / "model.pt2", test_pngs[0])
-    assert result.returncode == 0 and rows[0]["predictions"], result.stderr
+    code, out, err = predict("--json", "--model", export / "model.pt2", test_pngs[0])
+    assert code == 0 and rows_of(out)[0]["predictions"], err
     for model, runtime, real in (
         ("model.onnx", "torchscript", "an ONNX file"),
         ("model.pt2", "torch", "a torch.export .pt2 file"),
         ("model.torchscript.pt", "pt2", "a TorchScript file"),
     ):
-        cli = [
-            sys.executable,
-            "-m",
-            "visionflow.cli",
-            "predict",
-            "--model",
-            str(export / model),
-            "--runtime",
-            runtime,
-            str(test_pngs[0]),
-        ]
-        result = sh(reproduced, *cli, check=False)
-        assert result.returncode == 2 and "Traceback" not in result.stderr
-        assert f"is {real}, not for --runtime {runtime}" in result.stderr
-    result, _ = predict_json(reproduced, "--model", export / "model.torchscript.pt", test_pngs[0])
-    assert "TorchScript, which is code: load only files you made or trust" in result.stderr
-    cli = [sys.executable, "-m", "visionflow.cli", "predict", str(test_pngs[0]), "--model"]
-    mismatch = sh(
-        reproduced, *cli, str(export / "model.torchscript.pt"), "--runtime", "onnx", check=False
+        code, _, err = predict("--model", export / model, "--runtime", runtime, test_pngs[0])
+        assert code == 2 and f"is {real}, not for --runtime {runtime}" in err
+    _, _, err = predict("--model", export / "model.torchscript.pt", test_pngs[0])
+    assert "TorchScript, which is code: load only files you made or trust" in err
+    _, _, err = predict(
+        "--model", export / "model.torchscript.pt", "--runtime", "onnx", test_pngs[0]
     )
-    assert mismatch.stderr.count("\n") == 1  # one line: the file is not loaded, so no warning
+    assert err.count("\n") == 1  # one line: the file is not loaded, so no warning
     truncated = tmp_path / "truncated.onnx"
     truncated.write_bytes((export / "model.onnx").read_bytes()[:1000])
-    corrupt = sh(reproduced, *cli, str(truncated), check=False)
-    assert corrupt.returncode == 2 and f"error: {truncated} could not be loaded" in corrupt.stderr
-    assert "Traceback" not in corrupt.stderr
+    code, _, err = predict("--model", truncated, test_pngs[0])
+    assert code == 2 and f"error: {truncated} could not be loaded" in err
 
 
-def test_nothing_to_predict_is_an_error(reproduced, tmp_path):
-    result = sh(
-        reproduced, sys.executable, "-m", "visionflow.cli", "predict", str(tmp_path), check=False
-    )
-    assert result.returncode == 2 and f"no image files in {tmp_path}" in result.stderr
+def test_nothing_to_predict_is_an_error(predict, tmp_path):
+    code, _, err = predict(tmp_path)
+    assert code == 2 and f"no image files in {tmp_path}" in err
 
 
 def test_the_onnx_path_of_predict_never_imports_torch(reproduced, test_pngs):
@@ -183,14 +183,16 @@ def test_the_onnx_path_of_predict_never_imports_torch(reproduced, test_pngs):
     )
     result = sh(reproduced, sys.executable, "-c", probe, "predict", str(test_pngs[0]))
     assert result.stdout.splitlines()[-1] == "False False 0"
+    assert "Traceback" not in result.stderr
 
 
-def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(reproduced, test_pngs, tmp_path):
+def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(predict, test_pngs, tmp_path):
     bad = tmp_path / "truncated.png"
     bad.write_bytes(test_pngs[0].read_bytes()[:40])
-    result, rows = predict_json(reproduced, test_pngs[0], bad, test_pngs[1])
-    assert result.returncode == 1
-    assert f"cannot decode {bad}" in result.stderr
+    code, out, err = predict("--json", test_pngs[0], bad, test_pngs[1])
+    assert code == 1
+    assert f"cannot decode {bad}" in err
+    rows = rows_of(out)
     assert [("predictions" in row) for row in rows] == [True, False, True]
     assert str(bad) in rows[1]["error"]
 
