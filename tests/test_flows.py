@@ -168,11 +168,11 @@ def test_the_cli_exits_75_when_skipped_and_never_imports_torch(project, hold):
 
 
 def test_a_second_run_waits_for_the_first_then_finds_nothing_to_do(project, tmp_path):
-    write_params(project, {"train": {"lr": 4e-3}})
+    write_params(project, {"evaluate": {"top_k": 4}})
     go = tmp_path / "go"
-    env = flows_env(VISIONFLOW_FAULT=f"stage.start@stage=train:pause={go}")
+    env = flows_env(VISIONFLOW_FAULT=f"stage.start@stage=evaluate:pause={go}")
     first = start_flows(project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: stage_processes(project, "pipeline.train"), what="the first run's training")
+    wait_for(lambda: stage_processes(project, "pipeline.evaluate"), what="the first run's stage")
     second = start_flows(project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     waited = []
     for line in second.stderr:  # it says so, then blocks on the workspace lock
@@ -182,7 +182,7 @@ def test_a_second_run_waits_for_the_first_then_finds_nothing_to_do(project, tmp_
     go.touch()
     first_out, first_err = first.communicate(timeout=300)
     assert first.returncode == 0, first_err[-2000:]
-    assert json.loads(first_out)["ran"] == ["check", "train", "evaluate", "export"]
+    assert json.loads(first_out)["ran"] == ["check", "evaluate", "export"]
     second_out, second_err = second.communicate(timeout=300)
     assert second.returncode == 0, second_err[-2000:]
     assert json.loads(second_out)["ran"] == []  # it waited: then nothing was left to do
@@ -249,19 +249,19 @@ def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
     from pipeline.flows import reproduce
 
     go = tmp_path / "go"
-    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=train:pause={go}")
-    write_params(project, {"train": {"lr": 9e-3}})
+    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=evaluate:pause={go}")
+    write_params(project, {"evaluate": {"top_k": 4}})
     flow = threading.Thread(target=lambda: ran.append(reproduce(str(project), return_state=True)))
     ran = []
     flow.start()
-    wait_for(lambda: stage_processes(project, "pipeline.train"), what="training")
-    release = hold(project / ".dvc/tmp/lock")  # taken while train runs, held past its end
+    wait_for(lambda: stage_processes(project, "pipeline.evaluate"), what="the stage")
+    release = hold(project / ".dvc/tmp/lock")  # taken while the stage runs, held past its end
     go.touch()
     wait_for(lambda: not stage_processes(project, " repro "), what="DVC to give up recording it")
     release()
     flow.join(timeout=600)
     assert ran and ran[0].is_completed(), ran
-    assert ran[0].result() == ["check", "train", "evaluate", "export"] and up_to_date(project)
+    assert ran[0].result() == ["check", "evaluate", "export"] and up_to_date(project)
 
 
 def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
@@ -462,18 +462,18 @@ def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project,
     ).start()
     try:
         assert lines.get(timeout=120).startswith("watching")
-        for epochs in (5, 6, 5):  # a burst: three saves in a row
-            write_params(project, {"train": {"epochs": epochs, "lr": 2e-3}})
+        for top_k in (2, 5, 4):  # a burst: three saves in a row
+            write_params(project, {"evaluate": {"top_k": top_k}})
         assert lines.get(timeout=60).startswith("change settled")
 
-        def locked_lr():  # None while DVC is rewriting dvc.lock
+        def locked_top_k():  # None while DVC is rewriting dvc.lock
             try:
                 stages = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
-                return float(stages["train"]["params"]["params.yaml"]["train.lr"])
+                return stages["evaluate"]["params"]["params.yaml"]["evaluate.top_k"]
             except (KeyError, TypeError, yaml.YAMLError):
                 return None
 
-        wait_for(lambda: locked_lr() == 2e-3, what="the run of the settled params")
+        wait_for(lambda: locked_top_k() == 4, what="the run of the settled params")
         extra = project / "data/pretrained/new.txt"  # a train dep outside the code and params
         extra.write_text("x")
         time.sleep(0.3)
