@@ -22,7 +22,7 @@ repro: setup
 
 # One worker per core, at most 4 (each runs DVC, torch and Prefect processes of its own).
 test: setup
-	$(PY) -m pytest -n auto --maxprocesses 4
+	$(PY) -m pytest -n auto --maxprocesses 4 --durations=15
 
 test-fast: setup
 	$(PY) -m pytest -n auto --maxprocesses 4 -m "not slow"
