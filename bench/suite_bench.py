@@ -14,7 +14,6 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +28,9 @@ def timed(cmd: list[str], cwd: Path, env: dict) -> tuple[float, str]:
     if result.returncode != 0:
         log = Path(tempfile.mkstemp(prefix="visionflow-suite-", suffix=".log")[1])
         log.write_text(result.stdout + result.stderr)
-        sys.exit(f"{' '.join(cmd)} failed; its whole output is in {log}:\n{result.stdout[-3000:]}")
+        raise SystemExit(
+            f"{' '.join(cmd)} failed; its whole output is in {log}:\n{result.stdout[-3000:]}"
+        )
     return took, result.stdout
 
 
@@ -38,7 +39,16 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="visionflow-suite-"))
-    clone = folder / "clone"
+    try:
+        measure(folder / "clone")
+    finally:
+        if args.keep:
+            print(f"clone kept: {folder / 'clone'}")
+        else:  # a clone with its venv is 6 GB
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def measure(clone: Path) -> None:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     subprocess.run(["make", "setup"], cwd=clone, check=True, capture_output=True)
     venv = clone / ".venv/bin"
@@ -52,10 +62,6 @@ def main() -> None:
     start = next(i for i, line in enumerate(lines) if "slowest 15 durations" in line)
     print("\n".join(lines[start : start + 16]))
     print(lines[-1])
-    if args.keep:
-        print(f"clone kept: {clone}")
-    else:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
