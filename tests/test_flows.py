@@ -24,7 +24,15 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
-    os.environ.update({"PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    os.environ.update(
+        {
+            "PREFECT_HOME": str(home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # No runs from schedules: prefect.yaml's hourly deployment would start one at once,
+            # and a worker told to stop then waits for it. Tests start every run they check.
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        }
+    )
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
@@ -436,7 +444,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         os.killpg(worker.pid, signal.SIGTERM)
         try:
             worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # Prefect's worker, under load, can hang on its way out
+        except subprocess.TimeoutExpired:  # not seen since the scheduler is off; never hang here
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(timeout=30)
 
