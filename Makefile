@@ -21,11 +21,13 @@ repro: setup
 		print('test', {k: round(v, 4) for k, v in m.items()})"
 
 # One worker per core, at most 4 (each runs DVC, torch and Prefect processes of its own).
+WORKERS := -n auto --maxprocesses 4
+
 test: setup
-	$(PY) -m pytest -n auto --maxprocesses 4 --durations=15
+	$(PY) -m pytest $(WORKERS) --durations=15
 
 test-fast: setup
-	$(PY) -m pytest -n auto --maxprocesses 4 -m "not slow"
+	$(PY) -m pytest $(WORKERS) -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check .

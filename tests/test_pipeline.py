@@ -121,16 +121,12 @@ def predict(reproduced, monkeypatch, capsys):
     return run
 
 
-def rows_of(out: str) -> list[dict]:
-    return json.loads(out)
-
-
 @pytest.mark.parametrize("runtime", ["onnx", "pt2", "torchscript", "torch"])
 def test_predict_agrees_with_evaluate(reproduced, predict, test_pngs, runtime):
     evaluated = json.loads((reproduced / "results/evaluate/predictions.json").read_text())
     code, out, err = predict("--json", "--runtime", runtime, *test_pngs)
     assert code == 0, err
-    rows = rows_of(out)
+    rows = json.loads(out)
     predicted = [row["predictions"][0]["class"] for row in rows]
     assert predicted == [row["predicted"] for row in evaluated[:40]]
     assert all(len(row["predictions"]) == 3 for row in rows)
@@ -161,7 +157,7 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
         check=True,
     )
     lines = [json.loads(line) for line in client.stdout.splitlines()]
-    rows = rows_of(predict("--json", *images)[1])
+    rows = json.loads(predict("--json", *images)[1])
     assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
     probabilities = [row["predictions"][0]["probability"] for row in rows]
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
@@ -172,7 +168,7 @@ def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(
 ):
     export = reproduced / "results/export"
     code, out, err = predict("--json", "--model", export / "model.pt2", test_pngs[0])
-    assert code == 0 and rows_of(out)[0]["predictions"], err
+    assert code == 0 and json.loads(out)[0]["predictions"], err
     for model, runtime, real in (
         ("model.onnx", "torchscript", "an ONNX file"),
         ("model.pt2", "torch", "a torch.export .pt2 file"),
@@ -213,7 +209,7 @@ def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(predict, test
     code, out, err = predict("--json", test_pngs[0], bad, test_pngs[1])
     assert code == 1
     assert f"cannot decode {bad}" in err
-    rows = rows_of(out)
+    rows = json.loads(out)
     assert [("predictions" in row) for row in rows] == [True, False, True]
     assert str(bad) in rows[1]["error"]
 

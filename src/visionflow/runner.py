@@ -100,9 +100,9 @@ def run_group(
     cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. SIGINT and SIGTERM sent to
-    this process are passed on to the group (and recorded in `FORWARDED`); when `cmd` ends, or this call ends early (timeout,
-    cancellation, an error), whatever is left of the group is killed; if this process dies, the
-    reaper kills it. At `timeout_s`, printing or silent, the group gets SIGTERM (training stops
+    this process are passed on to the group (and recorded in `FORWARDED`); when `cmd` ends, or
+    this call ends early (timeout, cancellation, an error), whatever is left of the group is
+    killed; if this process dies, the reaper kills it. At `timeout_s`, printing or silent, the group gets SIGTERM (training stops
     at a safe point), then SIGKILL `GRACE_S` later, and `Timeout` is raised.
 
     Returns the exit code and the output's last 4,000 characters.
