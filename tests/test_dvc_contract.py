@@ -392,11 +392,11 @@ def test_a_teammate_pulls_results_and_experiments_without_training(reproduced_ba
     predicted = sh(second, sys.executable, "-m", "visionflow.cli", "predict", "--json", str(image))
     assert json.loads(predicted.stdout)[0]["predictions"][0]["class"] in map(str, range(10))
 
-    sh(first, "dvc", "exp", "run", "-n", "faster", "-S", "evaluate.top_k=2")
-    sh(first, "dvc", "exp", "push", "origin", "faster")
-    sh(second, "dvc", "exp", "pull", "origin", "faster")
+    sh(first, "dvc", "exp", "run", "-n", "bigger-grid", "-S", "sanity.per_class=12")
+    sh(first, "dvc", "exp", "push", "origin", "bigger-grid")
+    sh(second, "dvc", "exp", "pull", "origin", "bigger-grid")
     listed = sh(second, "dvc", "exp", "show", "--json").stdout
-    assert '"faster"' in listed
-    sh(second, "dvc", "exp", "apply", "faster")
+    assert '"bigger-grid"' in listed
+    sh(second, "dvc", "exp", "apply", "bigger-grid")
     assert "up to date" in sh(second, "dvc", "status").stdout  # the results came with it
-    assert yaml.safe_load((second / "params.yaml").read_text())["evaluate"]["top_k"] == 2
+    assert yaml.safe_load((second / "params.yaml").read_text())["sanity"]["per_class"] == 12

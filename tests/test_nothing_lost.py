@@ -85,10 +85,10 @@ def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(projec
     sh(project, "git", "checkout", "-q", "main")
     sh(project, "dvc", "checkout")
     assert clean(project)
-    sh(project, "dvc", "exp", "run", "-n", "top2", "-S", "evaluate.top_k=2")
+    sh(project, "dvc", "exp", "run", "-n", "grid2", "-S", "sanity.per_class=2")
     sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
-    sh(project, "dvc", "exp", "apply", "top2")
+    sh(project, "dvc", "exp", "apply", "grid2")
     assert clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
 
 
@@ -188,20 +188,19 @@ def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
     assert run.returncode == 0, output  # the best model was kept in memory too
     assert clean(project)
 
-    fresh_config(project)
-    killed = repro(project, "-s", "train", fault="train.epoch_end@epoch=3:kill")
+    killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=3:kill")
     assert killed.returncode != 0
     best = states(project)[0] / "best.pt"
     best.write_bytes(best.read_bytes()[:1000])  # truncated: never published as the model
-    rerun = repro(project, "-s", "train")
+    rerun = repro(project, "-f", "-s", "train")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert "its best.pt is missing or unreadable; starting fresh" in rerun.stdout
     assert_invariants(project)
 
 
 def test_sigkill_of_the_runner_leaves_no_stage_and_no_overlap(project, tmp_path):
-    fresh_config(project)
-    run = start(project, "-s", "train", fault=f"train.epoch_end@epoch=2:pause={tmp_path / 'never'}")
+    never = tmp_path / "never"
+    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=2:pause={never}")
     read_until(run, "fault: pause")
     assert trainers(project)
     os.kill(run.pid, signal.SIGKILL)  # the runner only: `kill -9 PID`
@@ -217,7 +216,7 @@ def test_sigkill_of_the_runner_leaves_no_stage_and_no_overlap(project, tmp_path)
     ):
         time.sleep(0.1)
     assert subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0
-    rerun = repro(project, "-s", "train")
+    rerun = repro(project, "-f", "-s", "train")
     assert rerun.returncode == 0 and "resuming from" in rerun.stdout
     assert_invariants(project)
 
@@ -246,8 +245,6 @@ def test_the_runner_finds_the_project_root_and_creates_nothing_elsewhere(project
 
 
 def test_an_experiment_started_during_a_run_loses_no_epoch(project, tmp_path):
-    fresh_config(project)
-    commit(project, "a fresh config")
     go = tmp_path / "go"
     run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=3:pause={go}")
     read_until(run, "fault: pause")
@@ -255,9 +252,9 @@ def test_an_experiment_started_during_a_run_loses_no_epoch(project, tmp_path):
     assert experiment.returncode != 0  # DVC's own lock: but it wrote params.yaml first
     go.touch()
     output = run.communicate(timeout=300)[0]
-    assert run.returncode != 0 and "params.yaml train.lr: 0.002 -> 0.003" in output, output
-    write_params(project, {"train": {"lr": 2e-3}})  # the user puts the value back
-    resumed = repro(project)
+    assert run.returncode != 0 and "params.yaml train.lr: 0.001 -> 0.003" in output, output
+    write_params(project, {"train": {"lr": 1e-3}})  # the user puts the value back
+    resumed = repro(project, "-f", "-s", "train")
     assert "(epoch 4 done)" in resumed.stdout and resumed.returncode == 0, resumed.stdout
     assert_invariants(project)
 

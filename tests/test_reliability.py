@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,6 +145,10 @@ def baseline(reproduced_base) -> dict:
     return weights(reproduced_base)
 
 
+def contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def live_metrics(project: Path) -> dict:
     """DVCLive's last values, timings left out (they differ between any two runs)."""
     metrics = json.loads((project / "results/train/live/metrics.json").read_text())
@@ -196,16 +201,16 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project, b
 
 
 def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
-    entry = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["evaluate"]
-    results = {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()}
-    write_params(project, {"evaluate": {"top_k": 2}})
-    failed = repro(project, fault="stage.start@stage=evaluate:raise")
-    assert failed.returncode != 0 and ran(failed.stdout) == ["check", "evaluate"]
+    entry = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sanity"]
+    results = contents(project / "results/sanity")
+    write_params(project, {"sanity": {"per_class": 2}})
+    failed = repro(project, fault="stage.start@stage=sanity:raise")
+    assert failed.returncode != 0 and ran(failed.stdout) == ["check", "sanity"]
     assert "injected fault at stage.start" in failed.stdout
-    assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["evaluate"] == entry
-    assert {p.name: p.read_bytes() for p in (project / "results/evaluate").iterdir()} == results
+    assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sanity"] == entry
+    assert contents(project / "results/sanity") == results
     fixed = repro(project)
-    assert fixed.returncode == 0 and ran(fixed.stdout) == ["evaluate", "export"]
+    assert fixed.returncode == 0 and ran(fixed.stdout) == ["sanity"]  # check passed the first time
     assert_invariants(project)
 
 
@@ -241,18 +246,34 @@ def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
     assert_invariants(project)
 
 
-def test_two_runs_started_together_never_overlap(project):
-    write_params(project, {"train": {"lr": 2e-3}})
-    runs = [start(project), start(project)]
-    outputs = [r.communicate(timeout=600)[0] for r in runs]
+def test_two_runs_started_together_never_overlap(project, tmp_path):
+    write_params(project, {"sanity": {"per_class": 2}})
+    go = tmp_path / "go"  # the run that gets the workspace holds it at its first real stage
+    runs = [start(project, fault=f"stage.start@stage=sanity:pause={go}") for _ in range(2)]
+    outputs = [[], []]
+    readers = [
+        threading.Thread(target=lambda r=r, out=out: out.extend(r.stdout), daemon=True)
+        for r, out in zip(runs, outputs, strict=True)
+    ]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 120
+    while not ("fault: pause" in str(outputs) and "waiting for it" in str(outputs)):
+        assert time.monotonic() < deadline, outputs
+        time.sleep(0.1)  # one run paused in its stage, the other waiting for the workspace
+    go.touch()
+    for run, reader in zip(runs, readers, strict=True):
+        run.wait(timeout=300)
+        reader.join(timeout=60)
+    outputs = ["".join(lines) for lines in outputs]
     assert [r.returncode for r in runs] == [0, 0], outputs
     waited = [o for o in outputs if "another run holds this workspace: waiting" in o]
     assert len(waited) == 1  # the other went first
     assert ran(waited[0]) == [] and "Data and pipelines are up to date" in waited[0]
     first = next(o for o in outputs if o is not waited[0])
-    assert ran(first) == ["check", "train", "evaluate", "export"]
+    assert ran(first) == ["check", "sanity"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 2e-3
+    assert lock["stages"]["sanity"]["params"]["params.yaml"]["sanity.per_class"] == 2
     assert_invariants(project)
 
 
