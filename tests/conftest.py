@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -171,14 +172,8 @@ def copy_project(src: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="session")
-def reproduced_base(tmp_path_factory) -> Path:
-    """One full `dvc repro` of the tiny project, committed, shared by the whole session (all
-    pytest-xdist workers: the first to ask builds it, the others wait for it). Read its files as
-    they are; a test that runs anything in it, DVC included, works on `copy_project` of it."""
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # this run's folder, above each worker's own
+def build_base(shared: Path) -> Path:
+    """The reproduced project in `shared`, built by the first process to ask (the others wait)."""
     project, done = shared / "reproduced" / "project", shared / "reproduced" / "done"
     with open(shared / "reproduced.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -189,3 +184,31 @@ def reproduced_base(tmp_path_factory) -> Path:
             commit(project, "first run")
             done.touch()
     return project
+
+
+def shared_folder(tmp_path_factory) -> Path:
+    """This run's temporary folder, shared by all pytest-xdist workers (above each one's own)."""
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+
+
+@pytest.fixture(scope="session", autouse=True)
+def base_in_background(request, tmp_path_factory):
+    """When any test of this run needs the reproduced project, start building it at once, so
+    that the tests that do not need it run meanwhile."""
+    if not any("reproduced_base" in item.fixturenames for item in request.session.items):
+        yield
+        return
+    shared = shared_folder(tmp_path_factory)
+    builder = threading.Thread(target=build_base, args=(shared,), daemon=True)
+    builder.start()  # a failure here is raised again by the fixture below, in a test
+    yield
+    builder.join()
+
+
+@pytest.fixture(scope="session")
+def reproduced_base(tmp_path_factory) -> Path:
+    """One full `dvc repro` of the tiny project, committed, shared by the whole session (all
+    pytest-xdist workers: the first to ask builds it, the others wait for it). Read its files as
+    they are; a test that runs anything in it, DVC included, works on `copy_project` of it."""
+    return build_base(shared_folder(tmp_path_factory))

@@ -7,6 +7,7 @@ Each test works on its own copy of the session's reproduced project (so each pas
 """
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import commit, copy_project, sh, write_params
+from tests.conftest import TINY, commit, copy_project, sh, write_params
 from tests.test_reliability import assert_invariants, env, ran, read_until, repro, start, trainers
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,9 @@ def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(
     before = results(project)
     write_params(project, {"train": {"lr": 3e-3}})
     assert ran(sh(project, "dvc", "repro").stdout) == ["check", "train", "evaluate", "export"]
+    diff = json.loads(sh(project, "dvc", "metrics", "diff", "--json").stdout)
+    accuracy = diff["results/evaluate/metrics.json"]["accuracy"]
+    assert accuracy["old"] != accuracy["new"]  # a new model, measured
     write_params(project, {"train": {"lr": 1e-3}})
     back = sh(project, "dvc", "repro").stdout
     assert ran(back) == ["check"]  # no training
@@ -93,17 +97,25 @@ def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(projec
 
 
 def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(project):
+    """A parity miss fails export and promotes nothing: its dvc.lock entry stays as it was, the
+    unproven files never reach results/export, `dvc checkout` brings the last good export back
+    from the cache, and the failed report is kept beside it."""
     before = results(project)
     lock = (project / "dvc.lock").read_text()
     write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})  # a parity miss
     failed = sh(project, "dvc", "repro", check=False)
     assert failed.returncode != 0 and "parity missed" in failed.stderr
+    assert ran(failed.stdout) == ["check", "export"]
     lock_after = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     assert lock_after["export"] == yaml.safe_load(lock)["stages"]["export"]  # not recorded
     assert not (project / "results/export").exists()  # DVC deleted it; the cache keeps it
     sh(project, "dvc", "checkout")  # the README's one command
     after = results(project)
     assert after.pop("results/export.miss.json") and after == before
+    assert json.loads((project / "results/export/parity.json").read_text())["passed"] is True
+    miss = json.loads((project / "results/export.miss.json").read_text())
+    batch = f"batch_{TINY['export']['batch_size']}"
+    assert miss["passed"] is False and miss["onnx"][batch]["max_abs_diff"] > 0
 
 
 def test_an_mtime_only_touch_mid_run_keeps_the_run(project, tmp_path):
