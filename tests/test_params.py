@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,21 @@ def test_an_opset_the_exporter_cannot_write_is_refused_naming_the_key():
     parse_params(params_with(export={"opset": newest}))
     with pytest.raises(ParamsError, match=rf"export.opset: .*writes opsets 17 to {newest}, not 99"):
         parse_params(params_with(export={"opset": 99}))
+
+
+def test_the_shipped_params_load_without_importing_onnx_or_torch():
+    """Every stage, and the check stage that runs on every params edit, loads params first: the
+    onnx import alone took half a second there."""
+    probe = (
+        "import sys\nfrom visionflow.params import load_params\nload_params()\n"
+        "print(sorted({'onnx', 'torch'} & set(sys.modules)))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
+    assert '"onnx>=1.16"' in (ROOT / "pyproject.toml").read_text()  # writes up to opset 21
 
 
 def test_float_written_1e_minus_3_is_a_float(tmp_path):
