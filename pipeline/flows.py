@@ -1,8 +1,8 @@
 """Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
 
 `reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
-runs one task per stage of dvc.yaml, in order, each `dvc repro --single-item <stage>` in its own
-process group: its output streams to the Prefect log, its timeout fires whether or not it prints,
+runs one task per stage of dvc.yaml that needs it, in order (listed by `dvc status`, or fed by a
+stage that made new outputs), each `dvc repro --single-item <stage>` in its own process group: its output streams to the Prefect log, its timeout fires whether or not it prints,
 and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
 since a kill of `dvc` alone would leave the stage's command running. A task is retried only when
 another `dvc` holds the repository's lock; a stage that fails on its own fails the flow with its
@@ -98,6 +98,31 @@ def dvc(workdir: Path, *args: str, doing: str) -> str:
 def stages_in_order(workdir: Path) -> list[str]:
     """The stages of dvc.yaml as written (they are listed in dependency order)."""
     return list(read_yaml(workdir / "dvc.yaml")["stages"])
+
+
+def upstream(workdir: Path) -> dict[str, set[str]]:
+    """Each stage of dvc.yaml -> the stages whose outputs are among its deps."""
+    stages = read_yaml(workdir / "dvc.yaml")["stages"]
+
+    def paths(entries) -> list[str]:  # `- path` or `- path: {options}`
+        return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
+
+    def overlap(a: str, b: str) -> bool:  # the same path, or one inside the other
+        a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+        return a.startswith(b) or b.startswith(a)
+
+    made = {
+        name: [p for key in ("outs", "metrics", "plots") for p in paths(spec.get(key))]
+        for name, spec in stages.items()
+    }
+    return {
+        name: {
+            other
+            for other, outs in made.items()
+            if other != name and any(overlap(d, o) for d in paths(spec.get("deps")) for o in outs)
+        }
+        for name, spec in stages.items()
+    }
 
 
 def locked(workdir: Path, stage: str) -> dict | None:
@@ -217,8 +242,16 @@ def reproduce(
             logger.info("pipeline is up to date: nothing to run")
             return []
         logger.info(f"changed: {', '.join(what)}")
-        ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
-        logger.info(f"ran: {', '.join(ran)}")
+        ran, new_outputs, feeds = [], set(), upstream(root)
+        for stage in stages_in_order(root):
+            if stage not in what and not feeds[stage] & new_outputs:
+                continue  # nothing it reads changed: no `dvc repro` process to find that out
+            outs = (locked(root, stage) or {}).get("outs")
+            if run_stage(root, stage, stage_timeout_s):
+                ran.append(stage)
+                if (locked(root, stage) or {}).get("outs") != outs:
+                    new_outputs.add(stage)
+        logger.info(f"ran: {', '.join(ran) or 'nothing (the changes made no new outputs)'}")
         publish(root)
         return ran
 
