@@ -44,19 +44,6 @@ TINY = {
 }
 
 
-def pytest_collection_modifyitems(items):
-    """Longest first, for pytest-xdist to spread (its workers take the tests in this order): the
-    slow tests that can run while the reproduced base is built, then the slow tests that need it,
-    then the rest, which fill in at the end. pytest-randomly's shuffle stays within each group."""
-
-    def group(item) -> int:
-        if item.get_closest_marker("slow") is None:
-            return 2
-        return 1 if "reproduced_base" in item.fixturenames else 0
-
-    items.sort(key=group)
-
-
 def solid(color, size=(12, 10), mode="RGB") -> Image.Image:
     return Image.new(mode, size, color)
 
