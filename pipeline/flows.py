@@ -2,8 +2,8 @@
 
 `reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
 runs one task per stage of dvc.yaml that needs it, in order (listed by `dvc status`, or fed by a
-stage that made new outputs), each `dvc repro --single-item <stage>` in its own process group: its output streams to the Prefect log, its timeout fires whether or not it prints,
-and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
+stage that made new outputs), each `dvc repro --single-item <stage>` in its own process group: its
+output streams to the Prefect log, its timeout fires whether or not it prints, and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
 since a kill of `dvc` alone would leave the stage's command running. A task is retried only when
 another `dvc` holds the repository's lock; a stage that fails on its own fails the flow with its
 output, and its previous results come back from DVC's cache.
@@ -158,12 +158,13 @@ def changed(workdir: Path) -> dict:
     retry_delay_seconds=LOCK_WAIT_S,
     retry_condition_fn=only_when_busy,
 )
-def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
-    """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was."""
+def run_stage(workdir: Path, stage: str, timeout_s: float) -> tuple[bool, bool]:
+    """`dvc repro --single-item <stage>`; (ran, new outputs): whether DVC brought it up to date
+    (False: it was), and whether that changed the outputs dvc.lock records for it."""
     logger = get_run_logger()
     if dvc_busy(workdir):
         raise DvcBusy.at(workdir, stage)
-    before = locked(workdir, stage)
+    before = locked(workdir, stage) or {}
     cmd = [*dvc_command(), "repro", "--single-item", stage]
     try:
         code, tail = run_group(cmd, workdir, timeout_s, logger.info)
@@ -171,7 +172,8 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
     if code == 0:
-        return locked(workdir, stage) != before
+        after = locked(workdir, stage) or {}
+        return after != before, after.get("outs") != before.get("outs")
     if dvc_busy(workdir):  # DVC could not take its lock back to record the stage's results:
         wait_until_free(workdir)  # put the outputs back as dvc.lock records them, then retry
         restore(workdir, logger.warning, stage)
@@ -246,11 +248,11 @@ def reproduce(
         for stage in stages_in_order(root):
             if stage not in what and not feeds[stage] & new_outputs:
                 continue  # nothing it reads changed: no `dvc repro` process to find that out
-            outs = (locked(root, stage) or {}).get("outs")
-            if run_stage(root, stage, stage_timeout_s):
+            stage_ran, made_new_outputs = run_stage(root, stage, stage_timeout_s)
+            if stage_ran:
                 ran.append(stage)
-                if (locked(root, stage) or {}).get("outs") != outs:
-                    new_outputs.add(stage)
+            if made_new_outputs:
+                new_outputs.add(stage)
         logger.info(f"ran: {', '.join(ran) or 'nothing (the changes made no new outputs)'}")
         publish(root)
         return ran

@@ -298,9 +298,12 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     from pipeline.flows import experiments
 
     params = (project / "params.yaml").read_text()
-    rows = experiments(str(project), [["sanity.per_class=2"], ["sanity.per_class=3"]])
+    rows = experiments(str(project), [["evaluate.top_k=2"], ["sanity.per_class=3"]])  # no training
     assert [row["state"] for row in rows] == ["success", "success"]
-    assert [row["sanity.per_class"] for row in rows] == [2, 3]
+    assert [(row["evaluate.top_k"], row["sanity.per_class"]) for row in rows] == [
+        (2, None),
+        (None, 3),
+    ]
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
     assert artifact("experiments").data.count("sweep-") == 2
     assert (project / "params.yaml").read_text() == params and up_to_date(project)

@@ -144,10 +144,6 @@ def baseline(reproduced_base) -> dict:
     return weights(reproduced_base)
 
 
-def contents(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-
-
 def live_metrics(project: Path) -> dict:
     """DVCLive's last values, timings left out (they differ between any two runs)."""
     metrics = json.loads((project / "results/train/live/metrics.json").read_text())
@@ -201,13 +197,13 @@ def test_a_run_of_nan_losses_stops_and_keeps_the_last_good_checkpoint(project, b
 
 def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
     entry = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sanity"]
-    results = contents(project / "results/sanity")
+    results = file_hashes(project / "results/sanity")
     write_params(project, {"sanity": {"per_class": 2}})
     failed = repro(project, fault="stage.start@stage=sanity:raise")
     assert failed.returncode != 0 and ran(failed.stdout) == ["check", "sanity"]
     assert "injected fault at stage.start" in failed.stdout
     assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["sanity"] == entry
-    assert contents(project / "results/sanity") == results
+    assert file_hashes(project / "results/sanity") == results
     fixed = repro(project)
     assert fixed.returncode == 0 and ran(fixed.stdout) == ["sanity"]  # check passed the first time
     assert_invariants(project)
