@@ -1,9 +1,9 @@
 """Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
 
 `reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
-runs one task per stage of dvc.yaml that needs it, in order (listed by `dvc status`, or fed by a
-stage that made new outputs), each `dvc repro --single-item <stage>` in its own process group: its
-output streams to the Prefect log, its timeout fires whether or not it prints, and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
+runs one task per stage of dvc.yaml, in order, each `dvc repro --single-item <stage>` in its own
+process group: its output streams to the Prefect log, its timeout fires whether or not it prints,
+and when the task ends early (timeout, cancellation, an error) the whole process tree is killed,
 since a kill of `dvc` alone would leave the stage's command running. A task is retried only when
 another `dvc` holds the repository's lock; a stage that fails on its own fails the flow with its
 output, and its previous results come back from DVC's cache.
@@ -100,31 +100,6 @@ def stages_in_order(workdir: Path) -> list[str]:
     return list(read_yaml(workdir / "dvc.yaml")["stages"])
 
 
-def upstream(workdir: Path) -> dict[str, set[str]]:
-    """Each stage of dvc.yaml -> the stages whose outputs are among its deps."""
-    stages = read_yaml(workdir / "dvc.yaml")["stages"]
-
-    def paths(entries) -> list[str]:  # `- path` or `- path: {options}`
-        return [next(iter(e)) if isinstance(e, dict) else e for e in entries or []]
-
-    def overlap(a: str, b: str) -> bool:  # the same path, or one inside the other
-        a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
-        return a.startswith(b) or b.startswith(a)
-
-    made = {
-        name: [p for key in ("outs", "metrics", "plots") for p in paths(spec.get(key))]
-        for name, spec in stages.items()
-    }
-    return {
-        name: {
-            other
-            for other, outs in made.items()
-            if other != name and any(overlap(d, o) for d in paths(spec.get("deps")) for o in outs)
-        }
-        for name, spec in stages.items()
-    }
-
-
 def locked(workdir: Path, stage: str) -> dict | None:
     """The stage's entry in dvc.lock: it changes exactly when DVC brings the stage up to date."""
     lock = workdir / "dvc.lock"
@@ -158,13 +133,12 @@ def changed(workdir: Path) -> dict:
     retry_delay_seconds=LOCK_WAIT_S,
     retry_condition_fn=only_when_busy,
 )
-def run_stage(workdir: Path, stage: str, timeout_s: float) -> tuple[bool, bool]:
-    """`dvc repro --single-item <stage>`; (ran, new outputs): whether DVC brought it up to date
-    (False: it was), and whether that changed the outputs dvc.lock records for it."""
+def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
+    """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was."""
     logger = get_run_logger()
     if dvc_busy(workdir):
         raise DvcBusy.at(workdir, stage)
-    before = locked(workdir, stage) or {}
+    before = locked(workdir, stage)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
     try:
         code, tail = run_group(cmd, workdir, timeout_s, logger.info)
@@ -172,8 +146,7 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> tuple[bool, bool]:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
     if code == 0:
-        after = locked(workdir, stage) or {}
-        return after != before, after.get("outs") != before.get("outs")
+        return locked(workdir, stage) != before
     if dvc_busy(workdir):  # DVC could not take its lock back to record the stage's results:
         wait_until_free(workdir)  # put the outputs back as dvc.lock records them, then retry
         restore(workdir, logger.warning, stage)
@@ -244,16 +217,8 @@ def reproduce(
             logger.info("pipeline is up to date: nothing to run")
             return []
         logger.info(f"changed: {', '.join(what)}")
-        ran, new_outputs, feeds = [], set(), upstream(root)
-        for stage in stages_in_order(root):
-            if stage not in what and not feeds[stage] & new_outputs:
-                continue  # nothing it reads changed: no `dvc repro` process to find that out
-            stage_ran, made_new_outputs = run_stage(root, stage, stage_timeout_s)
-            if stage_ran:
-                ran.append(stage)
-            if made_new_outputs:
-                new_outputs.add(stage)
-        logger.info(f"ran: {', '.join(ran) or 'nothing (the changes made no new outputs)'}")
+        ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
+        logger.info(f"ran: {', '.join(ran)}")
         publish(root)
         return ran
 
