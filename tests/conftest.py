@@ -1,6 +1,7 @@
 """Shared fixtures: tiny generated data and a temporary git + DVC copy of the project."""
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -105,6 +106,26 @@ def write_params(project: Path, change: dict) -> None:
     path.write_text(
         yaml.safe_dump(merge(yaml.safe_load(path.read_text()), change), sort_keys=False)
     )
+
+
+def note_in_params(project: Path, note: str) -> None:
+    """The cheapest valid edit: a comment appended to params.yaml reruns `check` alone (its
+    output is the same bytes, and no stage's params changed)."""
+    with open(project / "params.yaml", "a") as params:
+        params.write(f"# {note}\n")
+
+
+def locked_params_md5(project: Path) -> str | None:
+    """The md5 of params.yaml that dvc.lock's check records (None while DVC rewrites it)."""
+    try:
+        deps = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["check"]["deps"]
+    except (KeyError, TypeError, yaml.YAMLError):
+        return None
+    return next(d["md5"] for d in deps if d["path"] == "params.yaml")
+
+
+def params_md5(project: Path) -> str:
+    return hashlib.md5((project / "params.yaml").read_bytes()).hexdigest()
 
 
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
