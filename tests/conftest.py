@@ -128,6 +128,15 @@ def params_md5(project: Path) -> str:
     return hashlib.md5((project / "params.yaml").read_bytes()).hexdigest()
 
 
+def dvc_clean(project: Path) -> bool:
+    """`dvc status` finds nothing to do: asked of DVC in this process, the same code and locks
+    as the command (0.15 s; a `dvc` process spends 0.45 s of CPU)."""
+    from dvc.repo import Repo
+
+    with Repo(str(project)) as repo:
+        return repo.status() == {}
+
+
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run a command in the project copy with the test's Python first on PATH."""
     env = {

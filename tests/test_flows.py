@@ -20,6 +20,7 @@ from tests.conftest import (
     ROOT,
     commit,
     copy_project,
+    dvc_clean,
     locked_params_md5,
     note_in_params,
     params_md5,
@@ -94,10 +95,6 @@ def artifact(key):
     return sorted(found, key=lambda a: a.created)[-1]
 
 
-def up_to_date(project) -> bool:
-    return sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
-
-
 def stage_processes(project, module="pipeline.") -> list[int]:
     """Live stage processes working in `project` or in a DVC temporary copy of it."""
     found = []
@@ -146,7 +143,7 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
     assert "accuracy" in artifact("metrics").data
     assert "results/evaluate/metrics.json" in artifact("metrics-diff").data
     assert "onnx" in str(artifact("export-parity").data)
-    assert up_to_date(project)
+    assert dvc_clean(project)
 
 
 def test_the_cli_exits_75_when_skipped_and_never_imports_torch(project, hold):
@@ -254,7 +251,7 @@ def test_another_dvc_holding_the_repository_is_waited_out_with_prefect_retries(p
     release = hold(project / ".dvc/tmp/lock")  # DVC's own lock, as a user's `dvc` holds it
     threading.Timer(7, release).start()  # longer than one retry delay, shorter than all three
     assert reproduce(str(project)) == ["check"]
-    assert up_to_date(project)
+    assert dvc_clean(project)
 
 
 def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
@@ -278,7 +275,7 @@ def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
     release()
     flow.join(timeout=600)
     assert ran and ran[0].is_completed(), ran
-    assert ran[0].result() == ["check", "sanity"] and up_to_date(project)
+    assert ran[0].result() == ["check", "sanity"] and dvc_clean(project)
 
 
 def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
@@ -305,7 +302,7 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     ]
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
     assert artifact("experiments").data.count("sweep-") == 2
-    assert (project / "params.yaml").read_text() == params and up_to_date(project)
+    assert (project / "params.yaml").read_text() == params and dvc_clean(project)
 
 
 def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
@@ -434,7 +431,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "COMPLETED" in (run.stdout + run.stderr).upper()
-        assert up_to_date(project)
+        assert dvc_clean(project)
         commit(project, "a comment")
         params = json.dumps({"overrides": [["sanity.per_class=4"]]})
         sweep = prefect(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import TINY, commit, copy_project, sh, write_params
+from tests.conftest import TINY, commit, copy_project, dvc_clean, sh, write_params
 from tests.test_reliability import assert_invariants, env, ran, read_until, repro, start, trainers
 
 pytestmark = pytest.mark.slow
@@ -57,10 +57,6 @@ def results(project: Path) -> dict[str, str]:
     return {str(f.relative_to(project)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
-def clean(project: Path) -> bool:
-    return sh(project, "dvc", "status", "--json").stdout.strip() in ("{}", "")
-
-
 def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(project):
     before = results(project)
     write_params(project, {"train": {"lr": 3e-3}})
@@ -73,7 +69,7 @@ def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(
     assert ran(back) == ["check"]  # no training
     for stage in ("train", "evaluate", "export"):
         assert f"Stage '{stage}' is cached - skipping run, checking out outputs" in back
-    assert results(project) == before and clean(project)
+    assert results(project) == before and dvc_clean(project)
     write_params(project, {"train": {"lr": 3e-3}})
     experiment = sh(project, "dvc", "exp", "run", "-S", "train.lr=0.003").stdout
     assert "Stage 'train' is cached" in experiment and "Running stage 'train'" not in experiment
@@ -85,15 +81,15 @@ def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(projec
     commit(project, "3 per class")
     sh(project, "git", "checkout", "-q", "HEAD~1")
     sh(project, "dvc", "checkout")
-    assert clean(project)  # no uncached output (resumable state) to miss
+    assert dvc_clean(project)  # no uncached output (resumable state) to miss
     sh(project, "git", "checkout", "-q", "main")
     sh(project, "dvc", "checkout")
-    assert clean(project)
+    assert dvc_clean(project)
     sh(project, "dvc", "exp", "run", "-n", "grid2", "-S", "sanity.per_class=2")
     sh(project, "git", "checkout", "HEAD", "--", "params.yaml", "dvc.lock")
     sh(project, "dvc", "checkout")
     sh(project, "dvc", "exp", "apply", "grid2")
-    assert clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
+    assert dvc_clean(project) and ran(sh(project, "dvc", "repro").stdout) == []
 
 
 def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(project):
@@ -198,7 +194,7 @@ def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
     go.touch()
     output = run.communicate(timeout=300)[0]
     assert run.returncode == 0, output  # the best model was kept in memory too
-    assert clean(project)
+    assert dvc_clean(project)
 
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=3:kill")
     assert killed.returncode != 0
@@ -325,4 +321,4 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(project, f
     left = [p.relative_to(full_disk) for p in full_disk.rglob("*") if p.is_file()]
     assert [p.name for p in left] in ([], ["best.pt"])  # no partial array, temp file or staging
     assert not list(full_disk.glob("*.partial"))  # (a complete best.pt is resumable state)
-    assert clean(project)  # the project's own results untouched
+    assert dvc_clean(project)  # the project's own results untouched
