@@ -162,15 +162,18 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
 def unchanged(workdir: Path, stage: str) -> bool:
     """Whether `dvc repro --single-item <stage>` would skip the stage, asked of DVC in this
     process (`Stage.changed()`, the test `dvc repro` makes): a `dvc` process spends 0.4 s of CPU
-    to say so. False when unsure (DVC's lock taken, the stage not found): `dvc repro` decides."""
+    to say so. False when unsure (DVC's lock taken, no such single stage, a FIFO among the deps
+    that an earlier stage made, which would block hashing here with no timeout): the stage's
+    own `dvc repro` then decides, under the stage timeout."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
     try:
         with Repo(str(workdir)) as repo, repo.lock:
-            (found,) = repo.stage.collect(f"{workdir / 'dvc.yaml'}:{stage}")  # not cwd's
-            return not found.changed()
-    except (DvcException, ValueError):
+            found = repo.stage.load_one(path=str(workdir / "dvc.yaml"), name=stage)
+            local = [Path(d.fs_path) for d in found.deps if d.fs.protocol == "local"]
+            return not special_files(local) and not found.changed()
+    except DvcException:
         return False
 
 

@@ -288,6 +288,30 @@ def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
         state.result()
     visionflow = sh(project, sys.executable, "-m", "visionflow.cli", "repro", check=False)
     assert visionflow.returncode == 1 and f"{fifo} is a FIFO" in visionflow.stderr
+    fifo.unlink()
+
+
+def test_a_fifo_made_during_a_run_meets_the_stage_timeout(project, tmp_path, monkeypatch):
+    """A FIFO that appears after the first check (made by a stage, say) is left to the stage's
+    own `dvc repro`, which the stage timeout ends: never a hang in the flow's process."""
+    from pipeline.flows import reproduce
+
+    go = tmp_path / "go"
+    monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=check:pause={go}")
+    note_in_params(project, "a comment: check reruns, then prepare is asked")
+    flow = threading.Thread(
+        target=lambda: ran.append(reproduce(str(project), stage_timeout_s=5, return_state=True)),
+        daemon=True,  # a hang fails the test, not the whole run
+    )
+    ran = []
+    flow.start()
+    wait_for(lambda: stage_processes(project, "pipeline.check"), what="the check stage")
+    os.mkfifo(project / "data/raw/pipe.png")  # a dep of prepare, made while check runs
+    go.touch()
+    flow.join(timeout=120)
+    assert ran and ran[0].is_failed(), ran
+    with pytest.raises(Exception, match=r"stage prepare: .*ran past 5 s and was killed"):
+        ran[0].result()
 
 
 def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspace(project):
