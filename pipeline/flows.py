@@ -151,12 +151,20 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
     if code == 0:
         return locked(workdir, stage) != before
-    if dvc_busy(workdir):  # DVC could not take its lock back to record the stage's results:
-        wait_until_free(workdir)  # put the outputs back as dvc.lock records them, then retry
+    if dvc_busy(workdir) or lock_refused(tail):  # DVC could not take its lock back to record
+        wait_until_free(workdir)  # the results: put them back as dvc.lock records them, retry
         restore(workdir, logger.warning, stage)
         raise DvcBusy.at(workdir, stage)
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
+
+
+def lock_refused(output: str) -> bool:
+    """DVC's own words for a lock it could not take: the other `dvc` may have let go of it by
+    the time this process looks at the lock itself."""
+    from dvc.lock import FAILED_TO_LOCK_MESSAGE
+
+    return FAILED_TO_LOCK_MESSAGE.split(".")[0] in output  # "Unable to acquire lock"
 
 
 def unchanged(workdir: Path, stage: str) -> bool:
