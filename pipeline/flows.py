@@ -1,6 +1,6 @@
 """Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
 
-`reproduce` asks DVC's status first and ends at once when nothing changed; otherwise it
+`reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
 runs one task per stage of dvc.yaml, in order: a stage DVC finds unchanged (asked in this process)
 is skipped; the others run `dvc repro --single-item <stage>`, each in its own process group: its
 output streams to the Prefect log, its timeout fires whether or not it prints, and when the task
@@ -120,26 +120,12 @@ def only_when_busy(task, task_run, state) -> bool:
 
 @task(retries=LOCK_RETRIES, retry_delay_seconds=LOCK_WAIT_S, retry_condition_fn=only_when_busy)
 def changed(workdir: Path) -> dict:
-    """What `dvc status --json` prints, asked of DVC in this process (a `dvc` process spends
-    0.4 s of CPU starting): empty when the pipeline is up to date. Special files among the deps
+    """`dvc status --json`: empty when the pipeline is up to date. Special files among the deps
     are refused first, by name: DVC would wait on a FIFO forever while hashing."""
-    from dvc.exceptions import DvcException
-    from dvc.lock import LockError
-    from dvc.repo import Repo
-
     special = special_files(all_deps(workdir))
     if special:
         raise StageFailed(f"{'; '.join(special)}: DVC would hang reading it; remove it")
-    what = "`dvc status` (what changed)"
-    if dvc_busy(workdir):
-        raise DvcBusy.at(workdir, what)
-    try:
-        with Repo(str(workdir)) as repo:
-            return repo.status()
-    except LockError:
-        raise DvcBusy.at(workdir, what) from None
-    except DvcException as e:
-        raise StageFailed(f"{what} failed: {e}") from None
+    return json.loads(dvc(workdir, "status", "--json", doing="what changed") or "{}")
 
 
 @task(
@@ -165,35 +151,37 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
     if code == 0:
         return locked(workdir, stage) != before
-    if dvc_busy(workdir) or lock_refused(tail):  # DVC could not take its lock back to record
-        wait_until_free(workdir)  # the results: put them back as dvc.lock records them, retry
+    if dvc_busy(workdir) or lock_refused(tail, stage):  # DVC could not take its lock back to
+        wait_until_free(workdir)  # record the results: put them back as dvc.lock has them, retry
         restore(workdir, logger.warning, stage)
         raise DvcBusy.at(workdir, stage)
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
 
 
-def lock_refused(output: str) -> bool:
-    """DVC's own words for a lock it could not take: the other `dvc` may have let go of it by
-    the time this process looks at the lock itself."""
+def lock_refused(output: str, stage: str) -> bool:
+    """DVC's own line for a lock it could not take (the other `dvc` may have let go of it by
+    the time this process looks at the lock itself); not the stage command's own words."""
     from dvc.lock import FAILED_TO_LOCK_MESSAGE
 
-    return FAILED_TO_LOCK_MESSAGE.split(".")[0] in output  # "Unable to acquire lock"
+    dvc_says = f"ERROR: failed to reproduce '{stage}': {FAILED_TO_LOCK_MESSAGE.split('.')[0]}"
+    return any(line.startswith(dvc_says) for line in output.splitlines())
 
 
 def unchanged(workdir: Path, stage: str) -> bool:
     """Whether `dvc repro --single-item <stage>` would skip the stage, asked of DVC in this
     process (`Stage.changed()`, the test `dvc repro` makes): a `dvc` process spends 0.4 s of CPU
-    to say so. False when unsure (DVC's lock taken, no such single stage, a FIFO among the deps
-    that an earlier stage made, which would block hashing here with no timeout): the stage's
-    own `dvc repro` then decides, under the stage timeout."""
+    to say so. False when unsure (DVC's lock taken, an output in use, no such single stage, a
+    FIFO among the deps or outputs, made during the run, which would block hashing here with no
+    timeout): the stage's own `dvc repro` then decides, under the stage timeout."""
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
     try:
         with Repo(str(workdir)) as repo, repo.lock:
             found = repo.stage.load_one(path=str(workdir / "dvc.yaml"), name=stage)
-            local = [Path(d.fs_path) for d in found.deps if d.fs.protocol == "local"]
+            files = [*found.deps, *found.outs]  # DVC hashes both
+            local = [Path(f.fs_path) for f in files if f.fs.protocol == "local"]
             return not special_files(local) and not found.changed()
     except DvcException:
         return False

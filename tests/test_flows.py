@@ -291,6 +291,21 @@ def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
     fifo.unlink()
 
 
+def test_only_dvcs_own_lock_error_makes_a_failed_stage_a_busy_one():
+    """A stage whose own output says "Unable to acquire lock" failed on its own: it is not
+    retried as if another dvc held the repository (a review found it run four times)."""
+    from dvc.lock import FAILED_TO_LOCK_MESSAGE
+
+    from pipeline.flows import lock_refused
+
+    dvc_line = f"ERROR: failed to reproduce 'train': {FAILED_TO_LOCK_MESSAGE}"
+    assert lock_refused(f"Running stage 'train':\nepoch 1\n{dvc_line}\n", "train")
+    own = "torch.distributed: Unable to acquire lock on /dev/shm/store, giving up\n"
+    failed = "ERROR: failed to reproduce 'train': failed to run: python -m pipeline.train, exited 1"
+    assert not lock_refused(f"Running stage 'train':\n{own}{failed}\n", "train")
+    assert not lock_refused(dvc_line, "evaluate")  # another stage's line is not this one's
+
+
 def test_a_fifo_made_during_a_run_meets_the_stage_timeout(project, tmp_path, monkeypatch):
     """A FIFO that appears after the first check (made by a stage, say) is left to the stage's
     own `dvc repro`, which the stage timeout ends: never a hang in the flow's process."""
