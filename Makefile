@@ -13,8 +13,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
-	@# pip compiles the bytecode one file at a time; compileall uses every core (12 s less of a
-	@# 75 s setup, docs/tests.md). A few packages ship templates that are not Python: `|| true`.
+	@# pip compiles the bytecode one file at a time; compileall uses every core (68 s of setup
+	@# against 70-75 s, docs/tests.md). A few packages ship templates that are not Python: `|| true`.
 	$(PY) -m compileall -qq -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || true
 	touch $(STAMP)
 

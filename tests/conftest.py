@@ -115,17 +115,14 @@ def note_in_params(project: Path, note: str) -> None:
         params.write(f"# {note}\n")
 
 
-def locked_params_md5(project: Path) -> str | None:
-    """The md5 of params.yaml that dvc.lock's check records (None while DVC rewrites it)."""
+def params_recorded(project: Path) -> bool:
+    """dvc.lock's check records the params.yaml on disk (False while DVC rewrites dvc.lock)."""
     try:
         deps = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["check"]["deps"]
     except (KeyError, TypeError, yaml.YAMLError):
-        return None
-    return next(d["md5"] for d in deps if d["path"] == "params.yaml")
-
-
-def params_md5(project: Path) -> str:
-    return hashlib.md5((project / "params.yaml").read_bytes()).hexdigest()
+        return False
+    md5 = hashlib.md5((project / "params.yaml").read_bytes()).hexdigest()
+    return any(d["path"] == "params.yaml" and d["md5"] == md5 for d in deps)
 
 
 def dvc_clean(project: Path) -> bool:
