@@ -64,6 +64,10 @@ class StageFailed(RuntimeError):
     """A stage or a dvc command failed; the message carries the end of its output."""
 
 
+class DvcHung(StageFailed):
+    """A helper dvc command ran past DVC_TIMEOUT_S."""
+
+
 class DvcBusy(RuntimeError):
     """Another `dvc` process holds the repository's lock (a user's own `dvc` command, say)."""
 
@@ -88,7 +92,7 @@ def dvc(workdir: Path, *args: str, doing: str) -> str:
             timeout=DVC_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        raise StageFailed(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
+        raise DvcHung(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
     if result.returncode != 0:
         if dvc_busy(workdir):
             raise DvcBusy.at(workdir, command)
@@ -393,10 +397,26 @@ def alive(group: int) -> bool:
         return False
 
 
+def exp_show(root: Path, attempts: int = 3) -> str:
+    """`dvc exp show --json`, asked again (a second apart) when it fails: DVC can read an
+    experiment's executor file just as that experiment ends and removes it ("No such file or
+    directory: .dvc/tmp/exps/run/..."), and a sweep must not be stopped for that. A hang is not
+    asked again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return dvc(root, "exp", "show", "--json", doing="following experiments")
+        except DvcHung:
+            raise
+        except StageFailed:
+            if attempt == attempts:
+                raise
+            time.sleep(1)
+
+
 def results(root: Path, names) -> dict[str, dict]:
     """For each experiment name: its state (queued, running, success, failed), params and
     metrics, and the baseline's params, from `dvc exp show --json`."""
-    shown = json.loads(dvc(root, "exp", "show", "--json", doing="following experiments") or "[]")
+    shown = json.loads(exp_show(root) or "[]")
     found = {}
     for baseline in shown:
         for exp in baseline.get("experiments") or []:
