@@ -4,9 +4,12 @@ import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -239,3 +242,88 @@ def reproduced_base(tmp_path_factory) -> Path:
     pytest-xdist workers: the first to ask builds it, the others wait for it). Read its files as
     they are; a test that runs anything in it, DVC included, works on `copy_project` of it."""
     return build_base(shared_folder(tmp_path_factory))
+
+
+# Starts `prefect server start ARGS...` and stops it once the pytest process PID has ended.
+WATCHED_SERVER = """\
+import os, subprocess, sys, time
+server = subprocess.Popen(sys.argv[2:])
+while server.poll() is None:
+    try:
+        os.kill(int(sys.argv[1]), 0)
+    except ProcessLookupError:
+        server.terminate()
+        server.wait(60)
+    time.sleep(1)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def prefect_api(shared: Path) -> str:
+    """The API URL of this run's Prefect server: `prefect server start` on 127.0.0.1 with an
+    empty database of its own, started by the first process to ask (the others wait) and
+    stopped within a second of the run's end. One server for all pytest-xdist workers: each
+    start costs 10 s of CPU, and an idle server about 1.6 s a minute."""
+    folder = shared / "prefect-server"
+    url = folder / "api-url"
+    with open(shared / "prefect-server.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if url.exists():
+            return url.read_text()
+        folder.mkdir(exist_ok=True)
+        port = free_port()
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+            "PREFECT_HOME": str(folder / "home"),
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder}/prefect.db",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            # No runs from schedules: prefect.yaml's hourly deployment would start one at once,
+            # and a worker told to stop then waits for it. Tests start every run they check.
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        }
+        run = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
+        server = [sys.executable, "-m", "prefect", "server", "start", "--no-ui"]
+        with open(folder / "server.log", "w") as log:
+            subprocess.Popen(
+                [sys.executable, "-c", WATCHED_SERVER, str(run), *server, "--port", str(port)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        api = f"http://127.0.0.1:{port}/api"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{api}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log = (folder / "server.log").read_text()[-3000:]
+                raise RuntimeError(f"the test Prefect server did not start in 120 s:\n{log}")
+            time.sleep(0.5)
+        url.write_text(api)
+        return api
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory) -> str:
+    """This run's Prefect server for the tests' own Prefect client and the processes they start
+    (`flows_env`); each worker keeps its own PREFECT_HOME."""
+    api = prefect_api(shared_folder(tmp_path_factory))
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api}):
+        # as prefect_test_harness does, so that the flows a test runs in a thread see it too
+        settings = prefect.context.get_settings_context()
+        with prefect.context._temporary_global_settings_context(settings):
+            yield api

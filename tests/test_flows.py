@@ -1,5 +1,6 @@
-"""Prefect flows against a real Prefect server with nothing created on it beforehand, real DVC,
-a real process worker. Each test works on its own copy of the session's reproduced project."""
+"""Prefect flows against a real Prefect server (`prefect server start`, started empty for the
+run and shared by its workers), real DVC, a real process worker. Each test works on its own copy
+of the session's reproduced project, and reads what its own flow runs published."""
 
 import fcntl
 import json
@@ -28,24 +29,6 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory):
-    home = tmp_path_factory.mktemp("prefect-home")
-    os.environ.update(
-        {
-            "PREFECT_HOME": str(home),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            # No runs from schedules: prefect.yaml's hourly deployment would start one at once,
-            # and a worker told to stop then waits for it. Tests start every run they check.
-            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-        }
-    )
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 @pytest.fixture
@@ -83,15 +66,30 @@ def prefect(*args, timeout=300, **run) -> subprocess.CompletedProcess:
     )
 
 
-def artifact(key):
+def artifact(key, flow_run):
+    """The artifact `key` that one flow run (its state, or its id) published."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
 
+    run_id = getattr(getattr(flow_run, "state_details", None), "flow_run_id", flow_run)
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
+            )
         )
+    assert found, f"flow run {run_id} published no {key!r} artifact"
     return sorted(found, key=lambda a: a.created)[-1]
+
+
+def flow_run_id(cli_output: str) -> str:
+    """The flow run that `prefect deployment run` created, from its own words."""
+    return re.search(r"UUID: ([0-9a-f-]{36})", cli_output).group(1)
 
 
 def stage_processes(project, module="pipeline.") -> list[int]:
@@ -138,10 +136,11 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
 
     assert reproduce(str(project)) == []  # up to date: no stage runs
     write_params(project, {"evaluate": {"top_k": 2}})  # no training: the trained model stays
-    assert reproduce(str(project)) == ["check", "evaluate", "export"]
-    assert "accuracy" in artifact("metrics").data
-    assert "results/evaluate/metrics.json" in artifact("metrics-diff").data
-    assert "onnx" in str(artifact("export-parity").data)
+    state = reproduce(str(project), return_state=True)
+    assert state.result() == ["check", "evaluate", "export"]
+    assert "accuracy" in artifact("metrics", state).data
+    assert "results/evaluate/metrics.json" in artifact("metrics-diff", state).data
+    assert "onnx" in str(artifact("export-parity", state).data)
     assert dvc_clean(project)
 
 
@@ -332,14 +331,16 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     from pipeline.flows import experiments
 
     params = (project / "params.yaml").read_text()
-    rows = experiments(str(project), [["evaluate.top_k=2"], ["sanity.per_class=3"]])  # no training
+    overrides = [["evaluate.top_k=2"], ["sanity.per_class=3"]]  # no training
+    state = experiments(str(project), overrides, return_state=True)
+    rows = state.result()
     assert [row["state"] for row in rows] == ["success", "success"]
     assert [(row["evaluate.top_k"], row["sanity.per_class"]) for row in rows] == [
         (2, None),
         (None, 3),
     ]
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
-    assert artifact("experiments").data.count("sweep-") == 2
+    assert artifact("experiments", state).data.count("sweep-") == 2
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
 
 
@@ -359,13 +360,14 @@ def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
     assert time.monotonic() - started > 15
     with pytest.raises(Exception, match=r"experiments sweep-\w+-1 did not succeed"):
         state.result()  # the first one is refused by check; the second one still ran
-    failed, done = json.loads(artifact("experiments").data)
+    failed, done = json.loads(artifact("experiments", state).data)
     assert (failed["state"], failed["accuracy"]) == ("failed", None)  # not its baseline's
     assert done["state"] == "success" and 0 <= done["accuracy"] <= 1
     # The next sweep may find the last one's queue worker still up (DVC keeps it 10-20 s).
-    rows = experiments(str(project), [["sanity.per_class=5"]], workers=1)
+    state = experiments(str(project), [["sanity.per_class=5"]], workers=1, return_state=True)
+    rows = state.result()
     assert [(row["state"], row["sanity.per_class"]) for row in rows] == [("success", 5)]
-    assert len(json.loads(artifact("experiments").data)) == 1  # this sweep, not the queue's past
+    assert len(json.loads(artifact("experiments", state).data)) == 1  # not the queue's past
     status = sh(project, "dvc", "queue", "status").stdout
     assert "Running" not in status and "Queued" not in status
 
@@ -483,7 +485,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
             timeout=600,
         )
         assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
-        assert "sanity.per_class" in artifact("experiments").data
+        assert "sanity.per_class" in artifact("experiments", flow_run_id(sweep.stdout)).data
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         try:
