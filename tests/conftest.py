@@ -253,7 +253,10 @@ while server.poll() is None:
         os.kill(int(sys.argv[1]), 0)
     except ProcessLookupError:
         server.terminate()
-        server.wait(60)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
     time.sleep(1)
 """
 
@@ -267,7 +270,7 @@ def free_port() -> int:
 def prefect_api(shared: Path) -> str:
     """The API URL of this run's Prefect server: `prefect server start` on 127.0.0.1 with an
     empty database of its own, started by the first process to ask (the others wait) and
-    stopped within a second of the run's end. One server for all pytest-xdist workers: each
+    told to stop within a second of the run's end (it takes a few seconds). One server for all pytest-xdist workers: each
     start costs 10 s of CPU, and an idle server about 1.6 s a minute."""
     folder = shared / "prefect-server"
     url = folder / "api-url"

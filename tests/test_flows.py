@@ -66,8 +66,8 @@ def prefect(*args, timeout=300, **run) -> subprocess.CompletedProcess:
     )
 
 
-def artifact(key, flow_run):
-    """The artifact `key` that one flow run (its state, or its id) published."""
+def artifact(key, run_id):
+    """The artifact `key` that one flow run published (the server is shared by the workers)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -75,7 +75,6 @@ def artifact(key, flow_run):
         ArtifactFilterKey,
     )
 
-    run_id = getattr(getattr(flow_run, "state_details", None), "flow_run_id", flow_run)
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(
@@ -138,9 +137,10 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
     write_params(project, {"evaluate": {"top_k": 2}})  # no training: the trained model stays
     state = reproduce(str(project), return_state=True)
     assert state.result() == ["check", "evaluate", "export"]
-    assert "accuracy" in artifact("metrics", state).data
-    assert "results/evaluate/metrics.json" in artifact("metrics-diff", state).data
-    assert "onnx" in str(artifact("export-parity", state).data)
+    run = state.state_details.flow_run_id
+    assert "accuracy" in artifact("metrics", run).data
+    assert "results/evaluate/metrics.json" in artifact("metrics-diff", run).data
+    assert "onnx" in str(artifact("export-parity", run).data)
     assert dvc_clean(project)
 
 
@@ -340,7 +340,7 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
         (None, 3),
     ]
     assert all(0 <= row["accuracy"] <= 1 for row in rows)
-    assert artifact("experiments", state).data.count("sweep-") == 2
+    assert artifact("experiments", state.state_details.flow_run_id).data.count("sweep-") == 2
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
 
 
@@ -360,14 +360,15 @@ def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
     assert time.monotonic() - started > 15
     with pytest.raises(Exception, match=r"experiments sweep-\w+-1 did not succeed"):
         state.result()  # the first one is refused by check; the second one still ran
-    failed, done = json.loads(artifact("experiments", state).data)
+    failed, done = json.loads(artifact("experiments", state.state_details.flow_run_id).data)
     assert (failed["state"], failed["accuracy"]) == ("failed", None)  # not its baseline's
     assert done["state"] == "success" and 0 <= done["accuracy"] <= 1
     # The next sweep may find the last one's queue worker still up (DVC keeps it 10-20 s).
     state = experiments(str(project), [["sanity.per_class=5"]], workers=1, return_state=True)
     rows = state.result()
     assert [(row["state"], row["sanity.per_class"]) for row in rows] == [("success", 5)]
-    assert len(json.loads(artifact("experiments", state).data)) == 1  # not the queue's past
+    table = artifact("experiments", state.state_details.flow_run_id).data
+    assert len(json.loads(table)) == 1  # this sweep, not the queue's past
     status = sh(project, "dvc", "queue", "status").stdout
     assert "Running" not in status and "Queued" not in status
 
