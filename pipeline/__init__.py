@@ -15,12 +15,13 @@ Every stage runs through `run(main)`, which closes two gaps DVC leaves:
 import errno
 import hashlib
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from visionflow import faults
+from visionflow import faults, project
 from visionflow.errors import DataError, DiskFull
 from visionflow.files import file_hash, file_stats
 from visionflow.params import ParamsError, read_yaml
@@ -162,9 +163,41 @@ def disk_full_message(e: OSError) -> str | None:
     return None
 
 
+def stop_at_once(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the same clean stop (train finishes its epoch)
+
+
+CACHE_MARGIN = 2**20  # bytes beyond the outputs' size that DVC's cache must have free (a run-cache entry)
+
+
+def check_cache_room() -> None:
+    """DVC copies a stage's outputs into its cache after the command ends; a cache that fills
+    then leaves dvc.lock naming objects the cache lacks (DVC 3.67). So the room is checked
+    before anything is published: a stage whose outputs would not fit fails now, with nothing
+    recorded, the previous results restorable and the resumable state kept."""
+    root = project.dvc_root(Path.cwd())
+    if root is None or not STAGED:  # a stage run by hand, outside a DVC project
+        return
+    cache, types = project.cache_config(root)
+    if types and "copy" not in types:  # links only: the cache takes no second copy
+        return
+    files = [f for tmp, _ in STAGED for f in tmp.rglob("*") if f.is_file()]
+    needed = sum(f.stat().st_size for f in files) + CACHE_MARGIN
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        outs = ", ".join(str(out) for _, out in STAGED)
+        raise DiskFull(
+            f"disk full: DVC's cache {cache} has {free / 2**20:.1f} MB free and {outs} need "
+            f"{needed / 2**20:.1f} MB there; nothing was recorded. Free space (`dvc gc` removes "
+            "what no commit uses) and run `dvc repro` again: the resumable state is kept"
+        )
+
+
 def run(main: Callable[[], None]) -> None:
     """Run a stage's main; a known failure prints one clear line and exits 1 (no traceback),
-    an interrupt exits 130. Either way the staging folder is removed."""
+    an interrupt (Ctrl-C or SIGTERM) exits 130. Either way the staging folder is removed."""
+    signal.signal(signal.SIGTERM, stop_at_once)
     stage = Path(sys.argv[0]).stem
     found = stage_spec(stage)
     before = Snapshot(*found) if found else None
@@ -180,7 +213,10 @@ def run(main: Callable[[], None]) -> None:
                 "it; or keep the change and `dvc repro` runs the stage with it (for a code, params "
                 "or data change, training starts again)"
             )
+        check_cache_room()
         publish()
+        if faults.ACTIVE:
+            faults.fault("stage.published", stage=stage)
     except (ParamsError, DataError, GateError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -27,8 +27,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
+from uuid import UUID
 
 from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -40,7 +43,6 @@ from visionflow.params import read_yaml
 from visionflow.project import all_deps, special_files
 from visionflow.runner import (
     BUSY_EXIT,
-    GRACE_S,
     NotAProject,
     Timeout,
     dvc_busy,
@@ -49,6 +51,7 @@ from visionflow.runner import (
     find_root,
     restore,
     run_group,
+    stop_grace_s,
     workspace_lock,
 )
 
@@ -101,14 +104,33 @@ def dvc(workdir: Path, *args: str, doing: str) -> str:
 
 
 def stages_in_order(workdir: Path) -> list[str]:
-    """The stages of dvc.yaml as written (they are listed in dependency order)."""
-    return list(read_yaml(workdir / "dvc.yaml")["stages"])
+    """Every stage with a command, in the order of DVC's own graph (what `dvc repro` walks:
+    any order in dvc.yaml, foreach groups, templated stages, other dvc.yaml files), as DVC
+    addresses them (`train`, `sub/dvc.yaml:fit`, `many@x`); ties in a stable order."""
+    import networkx as nx
+    from dvc.repo import Repo
+
+    def address(stage) -> str:  # as `dvc repro` in the project's root takes it
+        path = stage.path_in_repo
+        return stage.name if path == "dvc.yaml" else f"{path}:{stage.name}"
+
+    with Repo(str(workdir)) as repo:
+        graph = repo.index.graph.reverse()  # DVC's edges go from a stage to what it depends on
+        order = nx.lexicographical_topological_sort(graph, key=address)
+        return [address(stage) for stage in order if stage.cmd]  # not `dvc add`ed data
+
+
+def dvcfile_and_name(workdir: Path, stage: str) -> tuple[Path, str]:
+    """`sub/dvc.yaml:fit` -> (workdir/sub/dvc.yaml, fit); `train` -> (workdir/dvc.yaml, train)."""
+    path, sep, name = stage.rpartition(":")
+    return workdir / (path if sep else "dvc.yaml"), name
 
 
 def locked(workdir: Path, stage: str) -> dict | None:
-    """The stage's entry in dvc.lock: it changes exactly when DVC brings the stage up to date."""
-    lock = workdir / "dvc.lock"
-    return (read_yaml(lock).get("stages") or {}).get(stage) if lock.exists() else None
+    """The stage's entry in its dvc.lock: it changes exactly when DVC brings the stage up to date."""
+    dvcfile, name = dvcfile_and_name(workdir, stage)
+    lock = dvcfile.with_suffix(".lock")
+    return (read_yaml(lock).get("stages") or {}).get(name) if lock.exists() else None
 
 
 def only_when_busy(task, task_run, state) -> bool:
@@ -146,13 +168,19 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
     if unchanged(workdir, stage):
         logger.info(f"Stage '{stage}' didn't change, skipping")
         return False
-    before = locked(workdir, stage)
+    before, stops = locked(workdir, stage), len(runner.FORWARDED)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
     try:
         code, tail = run_group(cmd, workdir, timeout_s, logger.info)
     except Timeout as e:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
+    if len(runner.FORWARDED) > stops:  # this process was asked to stop (a cancellation, say)
+        if code != 0:
+            restore(workdir, logger.warning, stage)
+        runner.pass_on_stop()  # Prefect's handler: the flow run ends as cancelled
+        name = signal.Signals(runner.FORWARDED[-1]).name
+        raise StageFailed(f"stage {stage}: stopped by {name} (exit {code}):\n{tail}")
     if code == 0:
         return locked(workdir, stage) != before
     if dvc_busy(workdir) or lock_refused(tail, stage):  # DVC could not take its lock back to
@@ -181,9 +209,10 @@ def unchanged(workdir: Path, stage: str) -> bool:
     from dvc.exceptions import DvcException
     from dvc.repo import Repo
 
+    dvcfile, name = dvcfile_and_name(workdir, stage)
     try:
         with Repo(str(workdir)) as repo, repo.lock:
-            found = repo.stage.load_one(path=str(workdir / "dvc.yaml"), name=stage)
+            found = repo.stage.load_one(path=str(dvcfile), name=name)
             files = [*found.deps, *found.outs]  # DVC hashes both
             local = [Path(f.fs_path) for f in files if f.fs.protocol == "local"]
             return not special_files(local) and not found.changed()
@@ -248,6 +277,13 @@ def reproduce(
         if not held:
             logger.warning("another run holds this workspace: skipped (if_busy=skip)")
             return Completed(name="Skipped", message="another run holds the workspace", data=[])
+        return bring_up_to_date(root, stage_timeout_s)
+
+
+def bring_up_to_date(root: Path, stage_timeout_s: float) -> list[str]:
+    """The body of `reproduce`, under the workspace lock."""
+    logger = get_run_logger()
+    with claimed(root):
         what = changed(root)
         if not what:
             logger.info("pipeline is up to date: nothing to run")
@@ -257,6 +293,43 @@ def reproduce(
         logger.info(f"ran: {', '.join(ran)}")
         publish(root)
         return ran
+
+
+@contextmanager
+def claimed(root: Path) -> Iterator[None]:
+    """Record this flow run as the one holding the workspace (the lock is held already). A
+    record another run left means its process died holding it (kill -9, a lost machine): that
+    run is marked Crashed, so it does not show as Running for good."""
+    record = root / ".dvc" / "tmp" / "visionflow-flow-run.json"
+    mine = str(runtime.flow_run.id or "")
+    try:
+        left = json.loads(record.read_text()).get("flow_run_id")
+    except (OSError, ValueError, AttributeError):
+        left = None
+    if left and left != mine:
+        crash_orphan(root, left, mine)
+    record.write_text(json.dumps({"flow_run_id": mine, "pid": os.getpid()}))
+    try:
+        yield
+    finally:
+        record.unlink(missing_ok=True)
+
+
+def crash_orphan(root: Path, orphan: str, mine: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    logger = get_run_logger()
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(UUID(orphan))
+            if run.state is None or run.state.is_final():
+                return
+            message = f"its process died while it held {root} (found by flow run {mine})"
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        logger.warning(f"flow run {run.name} ({orphan}) {message}: marked Crashed")
+    except Exception as e:  # another server's run, say: report it, never fail this run for it
+        logger.warning(f"flow run {orphan} held {root} when its process died ({e})")
 
 
 @flow(name="experiments")
@@ -280,9 +353,10 @@ def experiments(
     root = find_root(Path(workdir))
     prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
     plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
-    with workspace_lock(root, wait=True, say=logger.warning):
+    with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
         if workers:
-            run_queued(root, plan, workers, timeout_s)
+            with guarded(root, plan):
+                run_queued(root, plan, workers, timeout_s)
         else:
             run_in_turn(root, plan, timeout_s)
         rows = sweep_table(root, plan)
@@ -358,11 +432,44 @@ def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: 
 
 ENDED = ("success", "failed")
 
+# A sweep's guard waits for EOF on stdin. Without "done" first, the flow process died (kill -9):
+# the guard becomes `python -m pipeline.flows ROOT --stop-sweep NAME...`, which stops this
+# sweep's experiments, holding the workspace lock it inherited until they are gone.
+SWEEP_GUARD = """
+import os, sys
+if b"done" not in sys.stdin.buffer.read():
+    os.execv(sys.executable, [sys.executable, "-m", "pipeline.flows", sys.argv[1], "--stop-sweep",
+                              *sys.argv[2:]])
+"""
 
-def stop_queue(root: Path, plan: dict[str, list[str]]) -> None:
+
+@contextmanager
+def guarded(root: Path, names) -> Iterator[None]:
+    """While a queued sweep runs, a guard process that stops it if this process dies (DVC's
+    queue worker is a daemon: nothing else would)."""
+    log = open(root / ".dvc" / "tmp" / "visionflow-sweep-guard.log", "a")  # not our stdout:
+    guard = subprocess.Popen(  # it may be a pipe that dies with this process
+        [sys.executable, "-c", SWEEP_GUARD, str(root), *names],
+        cwd=root,
+        env=environment(),
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        pass_fds=tuple(runner.HELD),  # the workspace stays held until the sweep is stopped
+        start_new_session=True,
+    )
+    log.close()
+    try:
+        yield
+    finally:
+        guard.communicate(b"done")  # ended here, stopped here if need be: the guard goes
+
+
+def stop_queue(root: Path, plan, say: Callable[[str], None] | None = None) -> None:
     """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
-    the worker's process group, so training stops at a safe point), then, `GRACE_S` later, SIGKILL
-    to what is left of that group (DVC's forced kill would orphan the stage's own process)."""
+    the worker's process group, so training stops at a safe point), then, the grace period
+    (`stop_grace_s()`) later, SIGKILL to what is left of that group (DVC's forced kill would
+    orphan the stage's own process)."""
     now = results(root, plan)
     queued = [name for name, summary in now.items() if summary["state"] == "queued"]
     running = {
@@ -374,14 +481,14 @@ def stop_queue(root: Path, plan: dict[str, list[str]]) -> None:
         if running:
             dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
     except (StageFailed, DvcBusy) as e:
-        get_run_logger().warning(str(e))
+        (say or get_run_logger().warning)(str(e))
     groups = set()
     for pid in filter(None, running.values()):
         try:
             groups.add(os.getpgid(pid))
         except ProcessLookupError:  # ended meanwhile
             pass
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + stop_grace_s()
     while groups and time.monotonic() < deadline:
         groups = {group for group in groups if alive(group)}
         time.sleep(0.2)
@@ -567,12 +674,16 @@ def main() -> None:
     parser.add_argument("--watch", action="store_true", help="run whenever the inputs change")
     parser.add_argument("--settle", type=float, default=2.0, help="with --watch: quiet seconds")
     parser.add_argument("--deployment", help="with --watch: start this deployment instead")
+    parser.add_argument("--stop-sweep", nargs="+", help=argparse.SUPPRESS)  # the sweep guard's
     args = parser.parse_args()
     try:
         root = find_root(Path(args.workdir))
     except NotAProject as e:
         sys.exit(f"error: {e}")
-    if args.watch:
+    if args.stop_sweep:
+        print(f"the flow running {', '.join(args.stop_sweep)} died: stopping them", flush=True)
+        stop_queue(root, args.stop_sweep, say=print)
+    elif args.watch:
         watch(root, args.settle, deployment=args.deployment)
     elif args.serve:
         serve_deployments(root, args.interval, args.cron)

@@ -9,7 +9,7 @@ Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepa
 """
 
 import argparse
-import tempfile
+import shutil
 from pathlib import Path
 
 from pipeline import run, staged
@@ -42,11 +42,15 @@ def build(params: Params, out: Path) -> dict:
     """Read the source (an archive extracted safely first) and write the cache; its manifest."""
     p = params.prepare
     decode = data.Decode(p.image_size, p.color, p.background, p.max_pixels, p.formats)
-    with tempfile.TemporaryDirectory(prefix="visionflow-extract-") as tmp:
+    # beside the output, not in the system's temp folder (often a small tmpfs); left by a kill,
+    # it goes at the next start (and with the runner's restore)
+    tmp = out.with_name(out.name.removesuffix(".partial") + ".extract")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         path = Path(p.path)
         if p.source == "imagefolder" and archive.is_archive(path):
-            path = archive.extract(path, Path(tmp), p.max_extract_mb * 2**20)
-            print(f"prepare: extracted {p.path} safely")
+            path = archive.extract(path, tmp, p.max_extract_mb * 2**20)
+            print(f"prepare: extracted {p.path} safely into {tmp}")
         source = data.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         return data.build_cache(
@@ -61,6 +65,8 @@ def build(params: Params, out: Path) -> dict:
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,
         )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=T
         <out>/metrics.json (what `dvc metrics` compares: the kept epoch and its val accuracy,
         healthy and the count of findings), <out>/health.json (every check),
         <out>/live/ (DVCLive: per-epoch curves, x = epoch), <checkpoints>/<fingerprint>/ (resumable
-        state: a checkpoint per epoch and best.pt, for this run's params, data and code only;
-        not a DVC output, so DVC neither deletes nor tracks it; removed once the stage succeeds)
+        state: a checkpoint per epoch and best-<epoch>.pt, for this run's params, data and code
+        only; not a DVC output, so DVC neither deletes nor tracks it; kept until DVC has recorded
+        the outputs it gave, then the next run of the same configuration starts fresh)
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
 
 A killed run resumes from its last checkpoint on the next `dvc repro` and ends with the same
@@ -15,6 +16,7 @@ weights and metrics as an uninterrupted one (CPU, train.deterministic: true).
 
 import argparse
 import io
+import json
 import math
 import os
 import random
@@ -37,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
-from visionflow import checkpoint, data, faults, health, loading
+from visionflow import checkpoint, data, faults, health, loading, project
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
@@ -135,24 +137,30 @@ def epoch_line(r: dict) -> str:
 
 
 class StopRequest:
-    """The first Ctrl-C or SIGTERM asks the run to finish its epoch, checkpoint it and stop; a
-    second Ctrl-C stops at once (the previous epoch's checkpoint is kept)."""
+    """The first Ctrl-C or SIGTERM (a scheduler's stop, a cancelled flow run, a timeout, each
+    reaching the stage as SIGINT through the runner) asks the run to finish its epoch,
+    checkpoint it and stop; a second Ctrl-C after a first one stops at once (the previous
+    epoch's checkpoint is kept). Further SIGTERMs change nothing: a stop is under way."""
 
     def __init__(self):
-        self.requested = False
+        self.requested: int | None = None  # the signal that asked
         signal.signal(signal.SIGINT, self.handle)
         signal.signal(signal.SIGTERM, self.handle)
 
     def handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+        if self.requested is not None:
+            if signum == signal.SIGINT == self.requested:
+                raise KeyboardInterrupt
+            return
+        self.requested = signum
         print(
             f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
             "(Ctrl-C again stops at once)",
             file=sys.stderr,
             flush=True,
         )
+        if faults.ACTIVE:
+            faults.fault("train.stop")
 
 
 def parse_args() -> argparse.Namespace:
@@ -300,6 +308,8 @@ class Trainer:
                 "torch": torch.get_rng_state(),
                 "shuffle": self.shuffle.get_state(),
                 "augment": self.augment_rng.get_state(),
+                # dropout on a GPU draws from each device's generator
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             },
         }
 
@@ -310,6 +320,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"].cpu())
         self.shuffle.set_state(state["rng"]["shuffle"].cpu())
         self.augment_rng.set_state(state["rng"]["augment"].cpu())
+        cuda = state["rng"].get("cuda") or []
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
     def epoch(self, d: Data, mean, std, epoch: int, monitor: health.Monitor) -> dict:
         """One epoch of `train_one_epoch`. On a GPU out-of-memory the health report gets the
@@ -392,18 +405,42 @@ class Progress:
         return improved
 
 
-def resume(trainer: Trainer, monitor: health.Monitor, folder: Path, run: str, say) -> Progress:
+PUBLISHED = "published.json"  # in a state folder: the md5 of the model.pt its run published
+
+
+def resume(
+    trainer: Trainer, monitor: health.Monitor, folder: Path, run: str, out: Path, say
+) -> Progress:
     """The state of this fingerprint only, from its own folder; a fresh start otherwise (other
-    configurations' folders beyond the newest few are pruned)."""
+    configurations' folders beyond the newest few are pruned). A run that finished is kept
+    until DVC has recorded its outputs: then it is done with, and a new run starts fresh; if DVC
+    did not (a full cache, a stop while DVC hashed them), its outputs are written again from it,
+    without training."""
     device = next(trainer.model.parameters()).device
     state, why = checkpoint.load_latest(folder, run, device)
-    if state and not checkpoint.readable(folder / "best.pt"):  # half-deleted or corrupt
+    if state and recorded(folder, out):
         state = None
-        why = f"not resuming from {folder}: its best.pt is missing or unreadable; starting fresh"
+        why = "the last run of these params, data and code is recorded by DVC; starting fresh"
+    elif state and (folder / PUBLISHED).exists():
+        why = (
+            f"the last run of these params finished but DVC did not record its outputs (a full "
+            f"cache, a stop while DVC hashed them): {why}; writing them again, without training"
+        )
+    best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
+    if state and not checkpoint.readable(best):  # half-deleted or corrupt
+        state = None
+        why = (
+            f"not resuming from {folder}: its {best.name} is missing or unreadable; starting fresh"
+        )
     say(f"train: {why}")
+    if trainer.world > 1:
+        dist.barrier()  # every rank has read the folder before rank 0 changes it
     if trainer.rank == 0:
         if state is None:
             shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
+        for stray in folder.glob("best-*.pt"):  # written just before a checkpoint that did not
+            if stray != best:
+                stray.unlink()
         for old in checkpoint.prune(folder.parent, keep=folder):
             say(f"train: removed the resumable state of another configuration: {old}")
     if state is None:
@@ -415,14 +452,27 @@ def resume(trainer: Trainer, monitor: health.Monitor, folder: Path, run: str, sa
     return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
 
 
-def failed(out: Path, monitor: health.Monitor, rank: int, folder: Path, message: str) -> GateError:
+def recorded(folder: Path, out: Path) -> bool:
+    """Whether DVC recorded the model.pt this state folder's run published: dvc.lock names it
+    and DVC's cache holds it."""
+    try:
+        md5 = json.loads((folder / PUBLISHED).read_text())["model.pt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return project.recorded(out / "model.pt", md5)
+
+
+def mark_published(folder: Path, out: Path) -> None:
+    data.write_json(folder / PUBLISHED, {"model.pt": data.file_hash(out / "model.pt", "md5")})
+
+
+def failed(out: Path, monitor: health.Monitor, rank: int, message: str) -> GateError:
     """The run stops: the health report goes beside the (untouched) previous results; the
-    resumable state stays until a run succeeds (a refused run resumes from its last epoch)."""
+    resumable state stays (the next run resumes from its last good epoch)."""
     if rank == 0:
         report = out.with_name(out.name + ".health.json")
         data.write_json(report, monitor.report())
         print(monitor.summary(str(report)))
-    when_published(lambda: shutil.rmtree(folder, ignore_errors=True))
     return GateError(message)
 
 
@@ -446,7 +496,7 @@ def main() -> None:
     run_fingerprint = fingerprint(params, args.data)
     folder = args.checkpoints / run_fingerprint
     monitor = health.Monitor(t.health, d.meta.classes, say)
-    progress = resume(trainer, monitor, folder, run_fingerprint, say)
+    progress = resume(trainer, monitor, folder, run_fingerprint, args.out, say)
     parameters = sum(p.numel() for p in model.parameters())
     say(
         f"train: {t.model} on {device} x {world} (amp {trainer.step.dtype or 'off'}), "
@@ -468,14 +518,14 @@ def main() -> None:
             try:
                 train_metrics = trainer.epoch(d, mean, std, epoch, monitor)
             except OutOfMemory as e:
-                raise failed(args.out, monitor, rank, folder, str(e)) from None
+                raise failed(args.out, monitor, rank, str(e)) from None
             except NonFiniteLoss as e:
                 hint = f"train.lr is {t.lr:g}: divide it by 10, or set train.grad_clip"
                 monitor.add(
                     health.Finding("diverging", epoch, f"diverging: {e}; {hint}", {"lr": t.lr})
                 )
                 message = f"{e}; the last good checkpoint is kept in {args.checkpoints}"
-                raise failed(args.out, monitor, rank, folder, message) from None
+                raise failed(args.out, monitor, rank, message) from None
             seconds = time.perf_counter() - started
             sync_buffers(model, world)  # every rank evaluates rank 0's model: the same answer
             val_metrics, _ = evaluate(model, d.x_val, d.y_val, mean, std, 1024)
@@ -486,10 +536,10 @@ def main() -> None:
             monitor.epoch(epoch, train_metrics, progress.history, lr, d.mapped)
             if live:
                 log_epoch(live, epoch, record)
-                if improved:  # kept in memory too: best.pt is for a resumed run
+                if improved:  # kept in memory too: the best file is for a resumed run
                     meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
-                    save_atomic(best_state, folder / "best.pt")
+                    save_atomic(best_state, checkpoint.best_file(folder, epoch))
                 save_epoch(trainer, progress, monitor, folder, run_fingerprint, epoch)
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
@@ -554,9 +604,11 @@ def write_outputs(
     progress: Progress,
     monitor: health.Monitor,
 ) -> None:
-    """model.pt (the kept epoch: from memory when it ran in this process, else best.pt),
-    health.json and metrics.json into the staging folder; the state goes once they are in place."""
-    best_path = folder / "best.pt"
+    """model.pt (the kept epoch: from memory when it ran in this process, else its best file),
+    health.json and metrics.json into the staging folder. The state stays until DVC has recorded
+    them (the next run's start checks): a failure after this stage (a full DVC cache, a kill
+    while DVC hashes) then costs no training."""
+    best_path = checkpoint.best_file(folder, progress.best["epoch"])
     if best_state is not None:
         save_atomic(best_state, out / "model.pt")
     elif best_path.exists():
@@ -571,9 +623,8 @@ def write_outputs(
     compared |= {k: report[k] for k in ("healthy", "findings")}
     data.write_json(out / "metrics.json", compared)
     print(monitor.summary(str(final / "health.json")))
-    # nothing left to resume once the outputs are in place; until then the state stays, so a
-    # run refused at the end (a dep changed while it ran) resumes from its last epoch
-    when_published(lambda: shutil.rmtree(folder, ignore_errors=True))
+    # once the outputs are in place: a refused run (a dep changed while it ran) is not marked
+    when_published(lambda: mark_published(folder, final))
     print(
         f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
         f"model.pt goes to {final} when the stage succeeds"

@@ -24,6 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // WORKERS)))
+# A stopped stage gets this long to reach its safe point before SIGKILL (120 s for users). Tests
+# whose stage pauses for good wait it out; those about the safe point give their stage longer.
+os.environ.setdefault("VISIONFLOW_STOP_GRACE_S", "5")
 PROJECT_FILES = [
     "dvc.yaml",
     "params.yaml",

@@ -10,14 +10,17 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from PIL import Image
 
 from tests.conftest import TINY, commit, copy_project, dvc_clean, sh, write_params
 from tests.test_reliability import assert_invariants, env, ran, read_until, repro, start, trainers
@@ -198,34 +201,36 @@ def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
 
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=3:kill")
     assert killed.returncode != 0
-    best = states(project)[0] / "best.pt"
+    best = states(project)[0] / "best-0003.pt"  # epoch 3's checkpoint names it
     best.write_bytes(best.read_bytes()[:1000])  # truncated: never published as the model
     rerun = repro(project, "-f", "-s", "train")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "its best.pt is missing or unreadable; starting fresh" in rerun.stdout
+    assert "its best-0003.pt is missing or unreadable; starting fresh" in rerun.stdout
     assert_invariants(project)
 
 
-def test_sigkill_of_the_runner_leaves_no_stage_and_no_overlap(project, tmp_path):
-    never = tmp_path / "never"
-    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=2:pause={never}")
+def workspace_free(project: Path) -> bool:
+    lock = project / ".dvc/tmp/visionflow-run.lock"
+    return subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0
+
+
+def test_sigkill_of_the_runner_checkpoints_the_epoch_and_leaves_no_stage_or_overlap(
+    project, tmp_path
+):
+    go = tmp_path / "go"  # the reaper's stop request lets the paused step go on
+    fault = f"train.loss@epoch=2,step=2:pause={go};train.stop:touch={go}"
+    run = start(project, "-f", "-s", "train", fault=fault, VISIONFLOW_STOP_GRACE_S="300")
     read_until(run, "fault: pause")
     assert trainers(project)
     os.kill(run.pid, signal.SIGKILL)  # the runner only: `kill -9 PID`
     run.wait()
-    deadline = time.monotonic() + 10
-    while trainers(project) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 300
+    while not workspace_free(project):  # ... until nothing of the group is left
+        assert time.monotonic() < deadline, "the workspace lock was never released"
         time.sleep(0.1)
     assert not trainers(project)
-    lock = project / ".dvc/tmp/visionflow-run.lock"  # held by the reaper until the group is gone
-    while (
-        subprocess.run(["flock", "-n", str(lock), "true"]).returncode
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.1)
-    assert subprocess.run(["flock", "-n", str(lock), "true"]).returncode == 0
     rerun = repro(project, "-f", "-s", "train")
-    assert rerun.returncode == 0 and "resuming from" in rerun.stdout
+    assert rerun.returncode == 0 and "epoch-0002.pt (epoch 2 done)" in rerun.stdout, rerun.stdout
     assert_invariants(project)
 
 
@@ -322,3 +327,73 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(project, f
     assert [p.name for p in left] in ([], ["best.pt"])  # no partial array, temp file or staging
     assert not list(full_disk.glob("*.partial"))  # (a complete best.pt is resumable state)
     assert dvc_clean(project)  # the project's own results untouched
+
+
+def test_a_full_dvc_cache_records_nothing_and_the_next_run_publishes_without_training(
+    project, tmp_path
+):
+    """DVC caches a stage's outputs after its command ends; a cache that fills then would leave
+    dvc.lock naming objects it lacks. The stage checks the room first, and keeps its state."""
+    cache = project / ".dvc/cache"
+    pages = sum(-(-f.stat().st_size // 4096) for f in cache.rglob("*") if f.is_file())
+    # room for what is cached now and a little more (tmpfs counts whole pages), not for the
+    # new results/train and the stage's margin
+    disk = tmpfs(tmp_path / "cache", str((pages + 64) * 4096))
+    try:
+        shutil.copytree(cache, disk, dirs_exist_ok=True, symlinks=True)
+        sh(project, "dvc", "config", "--local", "cache.dir", str(disk))
+        lock = (project / "dvc.lock").read_bytes()
+        full = start_dvc(project, "repro", "-f", "-s", "train")
+        output = full.communicate(timeout=300)[0]
+        assert full.returncode != 0 and "Traceback" not in output, output
+        assert re.search(
+            rf"error: disk full: DVC's cache {disk} has [\d.]+ MB free and results/train need "
+            r"[\d.]+ MB there; nothing was recorded",
+            output,
+        ), output
+        assert (project / "dvc.lock").read_bytes() == lock
+        sh(project, "dvc", "checkout")  # plain DVC: its cache still has the previous results
+        assert dvc_clean(project)
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # room again
+        rerun = start_dvc(project, "repro", "-f", "-s", "train")
+        output = rerun.communicate(timeout=300)[0]
+        assert rerun.returncode == 0, output
+        assert "(epoch 4 done)" in output and "epoch   1/4" not in output  # nothing retrained
+        assert dvc_clean(project)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_an_archive_is_extracted_beside_the_project_after_a_free_space_check(
+    project, image_folder, tmp_path, full_disk
+):
+    noise = np.random.default_rng(0).integers(0, 256, (320, 320, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(image_folder / "red" / "big.png")  # 300 kB: over the small disk
+    archive = shutil.make_archive(str(tmp_path / "images"), "zip", image_folder.parent, "images")
+    prepare = {"source": "imagefolder", "path": archive, "max_bad_fraction": 0.5}  # the notes
+    write_params(project, {"prepare": prepare})
+    prepare = [sys.executable, "-m", "pipeline.prepare", "--out"]
+    small_tmp = env(project) | {"TMPDIR": str(full_disk)}  # the system's temp folder is full
+    made = subprocess.run(
+        [*prepare, str(tmp_path / "prepared")],
+        cwd=project,
+        env=small_tmp,
+        text=True,
+        capture_output=True,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert (tmp_path / "prepared/manifest.json").exists()
+    assert not (tmp_path / "prepared.extract").exists()  # extracted beside it, then removed
+    no_room = subprocess.run(
+        [*prepare, str(full_disk / "prepared")],
+        cwd=project,
+        env=env(project),
+        text=True,
+        capture_output=True,
+    )
+    assert no_room.returncode == 1 and "Traceback" not in no_room.stderr
+    assert re.search(
+        rf"error: disk full: no room to write in {full_disk}/prepared.extract \([\d.]+ MB needed",
+        no_room.stderr,
+    ), no_room.stderr
+    assert not list(full_disk.iterdir())  # nothing half-extracted left

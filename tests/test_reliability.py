@@ -36,13 +36,17 @@ from tests.conftest import (
 pytestmark = pytest.mark.slow
 
 
-def env(project: Path, fault: str = "") -> dict:
+SAFE_POINT_GRACE = {"VISIONFLOW_STOP_GRACE_S": "300"}  # for a stage that must reach its safe point
+
+
+def env(project: Path, fault: str = "", **extra: str) -> dict:
     return {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(project / "src"),
         "DVC_NO_ANALYTICS": "1",
         "VISIONFLOW_FAULT": fault,
+        **extra,
     }
 
 
@@ -54,19 +58,19 @@ def repro(project: Path, *dvc_args: str, fault: str = "") -> subprocess.Complete
     return subprocess.run(
         repro_cmd(*dvc_args),
         cwd=project,
-        env=env(project, fault),
+        env=env(project, fault, **SAFE_POINT_GRACE),
         capture_output=True,
         text=True,
         timeout=600,
     )
 
 
-def start(project: Path, *dvc_args: str, fault: str = "") -> subprocess.Popen:
+def start(project: Path, *dvc_args: str, fault: str = "", **extra: str) -> subprocess.Popen:
     """The runner in its own session, as a terminal's foreground job would be."""
     return subprocess.Popen(
         repro_cmd(*dvc_args),
         cwd=project,
-        env=env(project, fault),
+        env=env(project, fault, **extra),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -175,7 +179,8 @@ def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(
     curve = (project / "results/train/live/plots/metrics/val/accuracy.tsv").read_text()
     epochs = TINY["train"]["epochs"]
     assert len(curve.splitlines()) == 1 + epochs  # header + every epoch, those before the kill too
-    assert not list(project.glob("checkpoints/train/*/epoch-*.pt"))  # complete: nothing to resume
+    # kept until DVC has recorded what it gave; then the next run of these params starts fresh
+    assert (state_folder(project) / "published.json").exists()
 
 
 def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project, baseline):
@@ -185,6 +190,8 @@ def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project, b
     assert list(folder.glob(".epoch-0003.pt.*.tmp"))  # the half-written file
     assert not (folder / "epoch-0003.pt").exists()
     assert torch.load(folder / "epoch-0002.pt", weights_only=True)["epoch"] == 2
+    # epoch 3's best model was written just before; epoch 2's checkpoint keeps the one it names
+    assert {p.name for p in folder.glob("best-*.pt")} == {"best-0002.pt", "best-0003.pt"}
     assert_resumes_to_the_baseline(project, 2, baseline)
     assert not list(folder.glob(".*.tmp"))  # the stray was removed
 
@@ -217,16 +224,31 @@ def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
     assert_invariants(project)
 
 
-def test_ctrl_c_checkpoints_at_a_safe_point_and_the_rerun_resumes(project, tmp_path, baseline):
-    go = tmp_path / "go"
-    run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=2:pause={go}")
+# Each stop lets the paused step go on by itself: the stage's stop request touches the file.
+AT_EPOCH_2 = "train.loss@epoch=2,step=2:pause={go};train.stop:touch={go}"
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_checkpoint_the_epoch_in_progress_and_the_rerun_resumes(
+    project, tmp_path, baseline, stop
+):
+    run = start(
+        project,
+        "-f",
+        "-s",
+        "train",
+        fault=AT_EPOCH_2.format(go=tmp_path / "go"),
+        **SAFE_POINT_GRACE,
+    )
     read_until(run, "fault: pause")
-    os.killpg(run.pid, signal.SIGINT)  # Ctrl-C in a terminal: the foreground process group
-    time.sleep(1)
-    go.touch()
+    if stop == "ctrl-c":
+        os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+    else:
+        os.kill(run.pid, signal.SIGTERM)  # `kill PID`, systemd, a cancelled flow run's process
     output = run.communicate(timeout=300)[0]
     assert run.returncode != 0
     assert "train stopped after epoch 2" in output, output
+    assert "restored the previous results" in output  # DVC lived on, and recorded nothing
     assert torch.load(state_folder(project) / "epoch-0002.pt", weights_only=True)["epoch"] == 2
     assert same_weights(weights(project), baseline)
     assert_resumes_to_the_baseline(project, 2, baseline)
@@ -240,12 +262,36 @@ def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
     assert trainers(project)
     dvc = next(c for c in psutil.Process(run.pid).children() if "dvc" in " ".join(c.cmdline()))
     dvc.send_signal(signal.SIGKILL)
-    run.communicate(timeout=60)
+    run.communicate(timeout=300)  # the stage got its grace period (it stayed paused), then SIGKILL
     assert run.returncode != 0
-    deadline = time.monotonic() + 10
-    while trainers(project) and time.monotonic() < deadline:
-        time.sleep(0.1)
     assert not trainers(project)
+    assert_invariants(project)
+
+
+def test_a_killed_prepare_is_restored_whatever_it_printed_or_left(project, tmp_path):
+    left = project / "data/prepared.partial"
+    left.mkdir()
+    (left / "train_x.npy").write_bytes(b"half an array")  # what a killed prepare leaves
+    run = start(
+        project, "-f", "-s", "prepare", fault=f"stage.start@stage=prepare:pause={tmp_path}/n"
+    )
+    read_until(run, "fault: pause")
+    assert not (project / "data/prepared").exists()  # DVC deleted it before the stage ran
+    dvc = next(c for c in psutil.Process(run.pid).children() if "dvc" in " ".join(c.cmdline()))
+    dvc.send_signal(signal.SIGKILL)  # no DVC error line at all: the exit code says it failed
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0 and "restored the previous results" in output, output
+    assert (project / "data/prepared/manifest.json").exists() and not left.exists()
+    assert_invariants(project)
+
+
+def test_a_kill_just_after_export_promoted_its_files_restores_the_recorded_export(project):
+    lock = (project / "dvc.lock").read_bytes()
+    killed = repro(project, "-f", "-s", "export", fault="stage.published@stage=export:kill")
+    assert killed.returncode != 0
+    assert "restored the previous results" in killed.stderr, killed.stdout + killed.stderr
+    assert (project / "dvc.lock").read_bytes() == lock
+    assert dvc_clean(project)  # the unrecorded export is gone, the recorded one is back
     assert_invariants(project)
 
 
@@ -339,3 +385,28 @@ def test_a_run_with_nothing_changed_changes_no_file(project):
     again = repro(project)
     assert again.returncode == 0 and ran(again.stdout) == []
     assert file_hashes(project) == before
+
+
+def test_ctrl_c_during_prepares_decoding_stops_its_pool_at_once(project, image_folder, tmp_path):
+    """Under plain `dvc repro`, Ctrl-C reaches the whole foreground group: DVC ignores it, the
+    decoding workers ignore it too, and the stage stops them (no traceback per worker, no hang)."""
+    folder = {"source": "imagefolder", "path": str(image_folder), "max_bad_fraction": 0.5}
+    write_params(project, {"prepare": {**folder, "workers": 2}})
+    run = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dvc"), "repro", "-s", "prepare"],
+        cwd=project,
+        env=env(project, f"prepare.decode@index=3:pause={tmp_path / 'never'}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job
+    )
+    read_until(run, "fault: pause")  # a worker is at work on an image
+    os.killpg(run.pid, signal.SIGINT)
+    output = run.communicate(timeout=120)[0]  # today's hang was for good
+    assert run.returncode != 0
+    assert "interrupted" in output and "Traceback" not in output, output
+    left = [p for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(project)]
+    assert not [p for p in left if "pipeline.prepare" in " ".join(p.info["cmdline"] or [])]
+    sh(project, "dvc", "checkout")  # plain DVC: the previous cache comes back
+    assert (project / "data/prepared/manifest.json").exists()

@@ -6,12 +6,13 @@ regular files are copied out byte by byte with a cap, so a lying header cannot f
 bad member refuses the whole archive, naming the member, before anything is written.
 """
 
+import shutil
 import stat
 import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from visionflow.errors import DataError
+from visionflow.errors import DataError, DiskFull
 
 ARCHIVE_SUFFIXES = (".zip", ".tar", ".tar.gz", ".tgz")
 MAX_RATIO = 200  # uncompressed / compressed size of one zip member above which it is a bomb
@@ -103,6 +104,9 @@ def extract(archive: Path, dest: Path, max_bytes: int) -> Path:
         raise DataError(f"{archive}: not a readable archive: {e}") from None
     dest = dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
+    needed = sum(size for _, _, size in files)
+    if needed > shutil.disk_usage(dest).free:
+        raise DiskFull.at(dest, needed)
     is_zip = archive.name.lower().endswith(".zip")
     opener = zipfile.ZipFile(archive) if is_zip else tarfile.open(archive)
     with opener as handle:

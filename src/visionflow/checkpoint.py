@@ -6,6 +6,11 @@ fingerprint of the params, data and code it was trained with. Each fingerprint h
 so a run never resumes, rotates or deletes another configuration's files; the newest KEEP_RUNS
 folders are kept. An unreadable checkpoint (a killed write, a truncated file) falls back to the
 one before.
+
+The best model so far is `best-<epoch>.pt`, written before the epoch's checkpoint, which names
+the best epoch; older best files go only after that checkpoint is written. So a kill between the
+two writes leaves the previous checkpoint with the best file it names, and a resumed run never
+pairs a checkpoint with another epoch's model.
 """
 
 import hashlib
@@ -28,11 +33,22 @@ def fingerprint(params: dict, data_manifest: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def best_file(folder: Path, epoch: int) -> Path:
+    return folder / f"best-{epoch:04d}.pt"
+
+
 def save_checkpoint(folder: Path, state: dict) -> Path:
+    """Write the epoch's checkpoint, then drop the checkpoints beyond the newest KEEP and every
+    best file but the one it names (a fallback to the older checkpoint then starts fresh if its
+    best file is gone: it says so)."""
     path = folder / f"epoch-{state['epoch']:04d}.pt"
     save_atomic(state, path, epoch=state["epoch"])  # makes the folder again if it was deleted
     for old in sorted(folder.glob("epoch-*.pt"))[:-KEEP]:
         old.unlink()
+    best = best_file(folder, state["best"]["epoch"])
+    for old in folder.glob("best-*.pt"):
+        if old != best:
+            old.unlink(missing_ok=True)
     return path
 
 
@@ -74,7 +90,7 @@ def prune(root: Path, keep: Path) -> list[Path]:
 
 
 def readable(path: Path) -> bool:
-    """Whether a saved model file (best.pt) loads: a truncated one must never be published."""
+    """Whether a saved model file (best-NNNN.pt) loads: a truncated one must never be published."""
     try:
         torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
         return True

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +26,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from visionflow import faults
 from visionflow.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one place to import from)
     IMAGE_SUFFIXES,
     LINK_SKIPPED,
@@ -149,6 +151,10 @@ _worker: dict = {}  # per decoding process: the output memmap and the Decode opt
 
 
 def _start_worker(path: Path, decode: Decode) -> None:
+    # Ctrl-C reaches the whole foreground group: the parent stops the pool (no traceback per
+    # worker); SIGTERM from the parent's terminate() ends a worker at once
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker["out"] = np.load(path, mmap_mode="r+")
     _worker["decode"] = decode
 
@@ -157,6 +163,8 @@ def _decode_one(job: tuple[int, object]) -> tuple[int, str | None, str]:
     """Decode one image straight into the shared output array; only a digest travels back."""
     index, item = job
     decode = _worker["decode"]
+    if faults.ACTIVE:
+        faults.fault("prepare.decode", index=index)
     try:
         image = Image.fromarray(item) if isinstance(item, np.ndarray) else open_image(item, decode)
     except DataError as e:
@@ -182,7 +190,7 @@ def decode_into(
     context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
     pool = context.Pool(workers, _start_worker, (path, decode)) if parallel else None
     if pool is None:
-        _start_worker(path, decode)
+        _worker["out"], _worker["decode"] = np.load(path, mmap_mode="r+"), decode
     try:
         results = (
             pool.imap_unordered(_decode_one, jobs, chunksize=64) if pool else map(_decode_one, jobs)
@@ -194,6 +202,10 @@ def decode_into(
                 ok[index], digests[index] = True, digest
             else:
                 rejected[index] = reason
+    except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
+        if pool:
+            pool.terminate()
+        raise
     finally:
         if pool:
             pool.close()

@@ -10,9 +10,12 @@
     train.batch:sleep=0.05                every batch arrives 50 ms late (a slow loader)
     train.loss:oom=64                     torch.OutOfMemoryError for batches over 64 images, as
                                           on a GPU too small for more (no number: every batch)
+    train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
 
-The points: stage.start (stage), train.batch (epoch, step), train.loss (epoch, step, batch),
-train.epoch_end (epoch), checkpoint.write (epoch). Unset, the normal case, a point costs one test of `ACTIVE`.
+The points: stage.start (stage), stage.published (stage: its outputs are in place), train.batch
+(epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
+asked), checkpoint.write (epoch), prepare.decode (index, in the decoding workers), runner.timer
+(before a timeout starts counting). Unset, the normal case, a point costs one test of `ACTIVE`.
 """
 
 import math
@@ -22,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ACTIONS = ("kill", "raise", "nan", "pause", "sleep", "oom")
+ACTIONS = ("kill", "raise", "nan", "pause", "sleep", "oom", "touch")
 
 
 class FaultInjected(RuntimeError):
@@ -67,6 +70,8 @@ def fault(point: str, value=None, **where):
         elif action == "pause":
             while not Path(argument).exists():
                 time.sleep(0.05)
+        elif action == "touch":
+            Path(argument).touch()
         elif action == "sleep":
             time.sleep(float(argument))
         elif action == "oom":

@@ -1,6 +1,7 @@
 """What dvc.yaml says a run depends on, read without DVC: the watcher, the special-file check and
 the stages' own mid-run guard use it. Torch-free."""
 
+import json
 import os
 import re
 import stat
@@ -27,13 +28,72 @@ def all_deps(root: Path) -> list[Path]:
     stages = (read_yaml(root / "dvc.yaml") or {}).get("stages") or {}
     params = read_yaml(root / "params.yaml") or {}
     deps = {d for spec in stages.values() for d in fill(spec.get("deps", []), params)}
-    outs = [
-        Path(out if isinstance(out, str) else next(iter(out)))  # a path, or {path: options}
+    outs = [out.relative_to(root) for out in all_outs(root)]
+    outside = {d for d in deps if not any(Path(d).is_relative_to(out) for out in outs)}
+    return [root / d for d in sorted(outside | {"dvc.yaml", "params.yaml"})]
+
+
+def all_outs(root: Path) -> list[Path]:
+    """Every stage's outputs as dvc.yaml lists them (a path, or {path: options})."""
+    stages = (read_yaml(root / "dvc.yaml") or {}).get("stages") or {}
+    params = read_yaml(root / "params.yaml") or {}
+    paths = [
+        out if isinstance(out, str) else next(iter(out))
         for spec in stages.values()
         for out in spec.get("outs", [])
     ]
-    outside = {d for d in deps if not any(Path(d).is_relative_to(out) for out in outs)}
-    return [root / d for d in sorted(outside | {"dvc.yaml", "params.yaml"})]
+    return [root / out for out in fill(paths, params)]
+
+
+def dvc_root(start: Path) -> Path | None:
+    """The DVC project `start` is in (the nearest folder above with a `.dvc` folder), or None."""
+    start = start.resolve()
+    return next((f for f in (start, *start.parents) if (f / ".dvc").is_dir()), None)
+
+
+def cache_config(root: Path) -> tuple[Path, list[str]]:
+    """DVC's cache folder and `cache.type` list, from the project's `.dvc/config` and
+    `.dvc/config.local` (a global or system DVC config is not read)."""
+    from configobj import ConfigObj  # DVC's own config reader
+
+    folder, types = root / ".dvc" / "cache", []
+    for name in ("config", "config.local"):
+        section = ConfigObj(str(root / ".dvc" / name)).get("cache", {})
+        if "dir" in section:
+            folder = (root / ".dvc" / section["dir"]).resolve()  # relative to .dvc/
+        if "type" in section:
+            value = section["type"]
+            types = value if isinstance(value, list) else [t.strip() for t in value.split(",")]
+    return folder, types
+
+
+def cache_object(root: Path, md5: str) -> Path:
+    return cache_config(root)[0] / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def recorded(path: Path, md5: str) -> bool:
+    """Whether dvc.lock records the file `path` (or the folder output holding it) with this
+    md5, and DVC's cache holds that object: DVC has recorded it, and `dvc checkout` restores it."""
+    root = dvc_root(path.parent if path.parent.exists() else Path.cwd())
+    lock = root / "dvc.lock" if root else None
+    if lock is None or not lock.exists():
+        return False
+    relative = path.resolve().relative_to(root)
+    outs = [
+        o for stage in (read_yaml(lock).get("stages") or {}).values() for o in stage.get("outs", [])
+    ]
+    for out in outs:
+        if relative == Path(out["path"]):
+            return out.get("md5") == md5 and cache_object(root, md5).exists()
+        if relative.is_relative_to(out["path"]) and str(out.get("md5", "")).endswith(".dir"):
+            listing = cache_object(root, out["md5"])
+            if not listing.exists():
+                return False
+            inside = str(relative.relative_to(out["path"]))
+            entries = json.loads(listing.read_text())
+            found = any(e.get("relpath") == inside and e.get("md5") == md5 for e in entries)
+            return found and cache_object(root, md5).exists()
+    return False
 
 
 KINDS = {

@@ -8,43 +8,67 @@ running, and a failed stage leaves its outputs deleted (they stay in DVC's cache
 - start `dvc` in its own process group, killed whole when `dvc` ends, and beside it a reaper: a
   small process that kills the group when the runner dies, even by SIGKILL, and holds the lock
   until the group is gone, so no second run starts while a stage of the first still lives;
-- pass Ctrl-C and SIGTERM on to the group, so training stops at a safe point;
-- after a failed `dvc repro`, run `dvc checkout`: the previous results come back from the cache.
+- stop the group one way, whatever asked (Ctrl-C, SIGTERM, a timeout, a cancellation, the
+  runner's death): SIGINT, which DVC ignores while a stage runs and on which training finishes
+  its epoch and checkpoints it; SIGKILL only after a grace period (VISIONFLOW_STOP_GRACE_S);
+- after a failed `dvc repro` (its exit code, not its words), run `dvc checkout --force`: the
+  previous results come back from the cache.
 
     visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS...]
 """
 
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from visionflow.project import all_deps, special_files
+from visionflow import faults
+from visionflow.project import all_deps, all_outs, special_files
 
-STAGE_FAILED = "ERROR: failed to reproduce"  # DVC's line when a stage's command failed
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
-GRACE_S = 5.0  # after a timeout's SIGTERM, seconds before SIGKILL
+STOP_GRACE_S = 120.0  # default seconds a stopped stage gets to reach its safe point before SIGKILL
 FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked to stop
+DISPLACED: list[tuple[int, object]] = []  # (signal, the handler run_group displaced) to pass on
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
-# however it ends), then kills the process group until none of it is left, zombies included (DVC
-# takes a dead run's lock entry for a live one until its process is reaped), for at most 30 s.
+# however it ends). A line "stop" means the runner has asked the group to stop (the grace period
+# runs from then); "done" means the group has ended. Without "done", the runner died: the reaper
+# keeps the group's output pipe open (drained, so a stage can still print), asks the group to
+# stop with SIGINT if the runner had not, waits out the grace period, then kills the group until
+# none of it is left, zombies included (DVC takes a dead run's lock entry for a live one until its
+# process is reaped), for at most 30 s.
 REAPER = """
-import os, signal, sys, time
-group, deadline = int(sys.argv[1]), time.monotonic() + 30
-sys.stdin.buffer.read()
-while time.monotonic() < deadline:
-    try:
+import os, signal, sys, threading, time
+group, grace, output = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+deadline, done = None, False
+for line in sys.stdin.buffer:
+    if line.strip() == b"stop":
+        deadline = deadline or time.monotonic() + grace
+    done = done or line.strip() == b"done"
+threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(output, 65536), b"")],
+                 daemon=True).start()
+try:
+    if not done:
+        if deadline is None:
+            os.killpg(group, signal.SIGINT)
+            deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            os.killpg(group, 0)
+            time.sleep(0.1)
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
         os.killpg(group, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        break
-    time.sleep(0.05)
+        time.sleep(0.05)
+except (ProcessLookupError, PermissionError):
+    pass
 """
 
 
@@ -53,7 +77,7 @@ class NotAProject(RuntimeError):
 
 
 class Timeout(TimeoutError):
-    """A command ran past its time and was killed with its whole process group."""
+    """A command ran past its time and was stopped with its whole process group (SIGINT, then SIGKILL after the grace period)."""
 
 
 def environment() -> dict[str, str]:
@@ -96,14 +120,66 @@ def workspace_lock(workdir: Path, wait: bool, say: Callable[[str], None] = print
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def stop_grace_s() -> float:
+    """Seconds a stage asked to stop gets to finish its epoch and checkpoint it before it is
+    killed: VISIONFLOW_STOP_GRACE_S, else STOP_GRACE_S. Give it more than one epoch takes."""
+    value = os.environ.get("VISIONFLOW_STOP_GRACE_S", "")
+    try:
+        return float(value) if value else STOP_GRACE_S
+    except ValueError:
+        raise ValueError(f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds") from None
+
+
+class Group:
+    """A process group `run_group` started, and the one way it is stopped: SIGINT first (DVC
+    ignores it while a stage runs, the stage stops at its safe point and DVC records the failure),
+    SIGKILL once the grace period is over. The reaper is told, so it keeps the same deadline."""
+
+    def __init__(self, pid: int, grace_s: float, reaper: subprocess.Popen):
+        self.pid, self.grace_s, self.reaper = pid, grace_s, reaper
+        self.deadline: float | None = None  # set by the first stop
+
+    def signal(self, signum: int) -> bool:
+        """Send `signum` to the group; False when nothing of it is left."""
+        try:
+            os.killpg(self.pid, signum)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def tell_reaper(self, word: bytes) -> None:
+        try:
+            self.reaper.stdin.write(word + b"\n")
+            self.reaper.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the reaper is gone, or told already
+            pass
+
+    def stop(self) -> None:
+        """Ask the group to stop at its safe point (once; the grace period runs from now)."""
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.grace_s
+            self.tell_reaper(b"stop")
+            self.signal(signal.SIGINT)
+
+    def end(self) -> None:
+        """Stop the group, wait for it until the grace period is over, then kill what is left."""
+        self.stop()
+        while self.signal(0) and time.monotonic() < self.deadline:
+            time.sleep(0.1)
+        self.signal(signal.SIGKILL)
+
+
 def run_group(
     cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
 ) -> tuple[int, str]:
-    """Run `cmd` in its own process group, streaming lines to `log`. SIGINT and SIGTERM sent to
-    this process are passed on to the group (and recorded in `FORWARDED`); when `cmd` ends, or
-    this call ends early (timeout, cancellation, an error), whatever is left of the group is
-    killed; if this process dies, the reaper kills it. At `timeout_s`, printing or silent, the group gets SIGTERM (training stops
-    at a safe point), then SIGKILL `GRACE_S` later, and `Timeout` is raised.
+    """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
+    goes through `Group.end`: SIGINT, a grace period for the stage's safe point
+    (`stop_grace_s()`), then SIGKILL. SIGINT or SIGTERM sent to this process ask the group to
+    stop (recorded in `FORWARDED`; a second SIGINT is passed on: Ctrl-C twice stops at once); so
+    does `timeout_s`, printing or silent (then `Timeout` is raised), and an early end of this call
+    (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
+    its own, whatever is left of its group is killed at once; when it was stopped or killed, the
+    rest of the group gets the grace period.
 
     Returns the exit code and the output's last 4,000 characters.
     """
@@ -116,31 +192,30 @@ def run_group(
         text=True,
         start_new_session=True,
     )
+    grace_s, output = stop_grace_s(), process.stdout.fileno()
     reaper = subprocess.Popen(
-        [sys.executable, "-c", REAPER, str(process.pid)],
+        [sys.executable, "-c", REAPER, str(process.pid), str(grace_s), str(output)],
         stdin=subprocess.PIPE,
-        pass_fds=tuple(HELD),  # the workspace lock stays held until the group is gone
+        pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone
         start_new_session=True,  # not killed with this process's group
     )
-
-    def signal_group(signum: int) -> None:
-        try:
-            os.killpg(process.pid, signum)
-        except ProcessLookupError:  # nothing left
-            pass
+    group = Group(process.pid, grace_s, reaper)
 
     def reap() -> None:  # the moment `dvc` ends, its orphans go too (they hold our pipe open)
         process.wait()
-        signal_group(signal.SIGKILL)
+        if group.deadline is not None or process.returncode < 0:
+            group.end()  # stopped, or DVC itself killed: the stage may be checkpointing
+        else:
+            group.signal(signal.SIGKILL)
 
     ended, timed_out = threading.Event(), threading.Event()
 
     def expire() -> None:  # the deadline, whether or not the command prints
+        if faults.ACTIVE:
+            faults.fault("runner.timer")  # tests: start counting once a stage is at work
         if not ended.wait(timeout_s):
             timed_out.set()
-            signal_group(signal.SIGTERM)
-            if not ended.wait(GRACE_S):
-                signal_group(signal.SIGKILL)
+            group.end()
 
     watcher = threading.Thread(target=reap, daemon=True)
     watcher.start()
@@ -153,7 +228,11 @@ def run_group(
 
     def forward(signum: int, frame) -> None:
         FORWARDED.append(signum)  # for a caller that loops (the watcher): stop after this run
-        signal_group(signum)
+        DISPLACED.append((signum, previous[signum]))
+        if group.deadline is None:
+            group.stop()
+        elif signum == signal.SIGINT:  # Ctrl-C again: the stage stops at once
+            group.signal(signal.SIGINT)
 
     previous = {s: signal.signal(s, forward) for s in handlers}
     tail = ""
@@ -163,16 +242,33 @@ def run_group(
             tail = (tail + line)[-4000:]
         watcher.join()
         if timed_out.is_set():
-            raise Timeout(f"`{' '.join(cmd[2:])}` ran past {timeout_s:.0f} s and was killed")
+            raise Timeout(f"`{' '.join(cmd[2:])}` ran past {timeout_s:.0f} s and was stopped")
         return process.returncode, tail
     finally:
         ended.set()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        signal_group(signal.SIGKILL)  # timeout, cancellation, an error: nothing may survive
+        if process.poll() is None:  # ended early (cancellation, an error): the same stop
+            drain = threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True)
+            drain.start()  # a stage that cannot print cannot reach its safe point
+            group.end()
+        group.signal(signal.SIGKILL)  # nothing may survive this call
         watcher.join()
-        reaper.stdin.close()  # the group is gone: the reaper finds nothing and ends
+        group.tell_reaper(b"done")
+        reaper.stdin.close()
         reaper.wait()
+
+
+def pass_on_stop() -> None:
+    """Give a SIGINT or SIGTERM that `run_group` took to the handler it displaced, now that the
+    group has stopped (Prefect's turns a SIGTERM into the flow run's cancellation). A default
+    handler is left alone: the caller decides how to end."""
+    if not DISPLACED:
+        return
+    signum, handler = DISPLACED[0]  # the signal that asked first
+    DISPLACED.clear()
+    if callable(handler):
+        handler(signum, None)
 
 
 def dvc_busy(workdir: Path) -> bool:
@@ -191,10 +287,18 @@ def dvc_busy(workdir: Path) -> bool:
 
 
 def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
-    """After a failed run: `dvc checkout [STAGES]` puts back the outputs that dvc.lock records
-    (the failed stage's previous results among them) from DVC's cache. Named stages are forced:
-    what is in their outputs now came from the run that failed (or that DVC could not record)."""
-    cmd = [*dvc_command(), "checkout", *(["--force", *stages] if stages else [])]
+    """After a failed run: `dvc checkout --force [STAGES]` puts back the outputs that dvc.lock
+    records (the failed stage's previous results among them) from DVC's cache, whatever the
+    stage left at their paths (it came from the run that failed, or that DVC could not record);
+    the staging folders a killed stage left beside them go too."""
+    try:
+        outs = all_outs(workdir)
+    except Exception:  # dvc.yaml or params.yaml unreadable: DVC has said so; restore what it can
+        outs = []
+    for out in outs:
+        for suffix in (".partial", ".old", ".extract"):  # staging, swap, an archive's files
+            shutil.rmtree(out.with_name(out.name + suffix), ignore_errors=True)
+    cmd = [*dvc_command(), "checkout", "--force", *stages]
     code, tail = run_group(cmd, workdir, 600, lambda line: None)
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
@@ -219,6 +323,6 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
             return BUSY_EXIT
         cmd = [*dvc_command(), "repro", *args]
         code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
-        if code != 0 and STAGE_FAILED in tail:  # not DVC's own lock, a bad argument, ...
-            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
+        if code != 0 and not dvc_busy(workdir):  # a failed, stopped or killed run (DVC's exit
+            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))  # code)
         return code
