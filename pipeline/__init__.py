@@ -167,7 +167,8 @@ def stop_at_once(signum, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the same clean stop (train finishes its epoch)
 
 
-CACHE_MARGIN = 2**20  # bytes beyond the outputs' size that DVC's cache must have free (a run-cache entry)
+# bytes beyond the outputs' size that DVC's cache must have free (a run-cache entry, say)
+CACHE_MARGIN = 2**20
 
 
 def check_cache_room() -> None:

@@ -1,13 +1,15 @@
 """Prefect flows around the DVC pipeline: DVC stays the only DAG, Prefect runs and shows it.
 
 `reproduce` asks `dvc status --json` first and ends at once when nothing changed; otherwise it
-runs one task per stage of dvc.yaml, in order: a stage DVC finds unchanged (asked in this process)
-is skipped; the others run `dvc repro --single-item <stage>`, each in its own process group: its
-output streams to the Prefect log, its timeout fires whether or not it prints, and when the task
-ends early (timeout, cancellation, an error) the whole process tree is killed, since a kill of
-`dvc` alone would leave the stage's command running. A task is retried only when another `dvc`
-holds the repository's lock; a stage that fails on its own fails the flow with its output, and
-its previous results come back from DVC's cache.
+runs one task per stage, in the order of DVC's own graph: a stage DVC finds unchanged (asked in
+this process) is skipped; the others run `dvc repro --single-item <stage>`, each in its own
+process group: its output streams to the Prefect log, its timeout fires whether or not it prints.
+Every stop (the timeout, a cancellation's SIGTERM, Ctrl-C, this process's death) is the runner's
+one path: SIGINT, on which training checkpoints its epoch, then SIGKILL after the grace period,
+so nothing of the stage's process tree is left. A task is retried only when another `dvc` holds
+the repository's lock; a stage that fails on its own fails the flow with its output, and its
+previous results come back from DVC's cache. A queued sweep has a guard process that stops its
+experiments if this process dies; the next run marks such a dead flow run Crashed.
 
 One run at a time per workspace, on every path (these functions called from Python, the CLI,
 `--serve`, a work-pool worker): an OS file lock in the workspace's `.dvc/tmp`, which the kernel
@@ -175,10 +177,9 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
     except Timeout as e:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
-    if len(runner.FORWARDED) > stops:  # this process was asked to stop (a cancellation, say)
-        if code != 0:
-            restore(workdir, logger.warning, stage)
-        runner.pass_on_stop()  # Prefect's handler: the flow run ends as cancelled
+    if len(runner.FORWARDED) > stops:  # this process was asked to stop (a cancellation, say):
+        if code != 0:  # the stage stopped at its safe point; Prefect's runner, which sent the
+            restore(workdir, logger.warning, stage)  # SIGTERM, marks the run Cancelled
         name = signal.Signals(runner.FORWARDED[-1]).name
         raise StageFailed(f"stage {stage}: stopped by {name} (exit {code}):\n{tail}")
     if code == 0:

@@ -613,3 +613,19 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["True", "False"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_resumed_gpu_run_draws_the_dropout_an_uninterrupted_one_draws():
+    """Dropout on a GPU draws from the CUDA generators: the checkpoint carries them."""
+    from pipeline.train import Trainer
+    from visionflow.params import load_params
+
+    t = load_params(ROOT / "params.yaml").train
+    trainer = Trainer.create(fresh_model().cuda(), t, seed=0, rank=0, world=1)
+    saved = trainer.state()
+    ones = torch.ones(10_000, device="cuda")
+    uninterrupted = F.dropout(ones, 0.5)
+    torch.cuda.manual_seed_all(123)  # a fresh process: other draws
+    trainer.restore(saved)
+    assert torch.equal(F.dropout(ones, 0.5), uninterrupted)

@@ -35,7 +35,6 @@ from visionflow.project import all_deps, all_outs, special_files
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
 STOP_GRACE_S = 120.0  # default seconds a stopped stage gets to reach its safe point before SIGKILL
 FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked to stop
-DISPLACED: list[tuple[int, object]] = []  # (signal, the handler run_group displaced) to pass on
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
@@ -227,8 +226,7 @@ def run_group(
     )
 
     def forward(signum: int, frame) -> None:
-        FORWARDED.append(signum)  # for a caller that loops (the watcher): stop after this run
-        DISPLACED.append((signum, previous[signum]))
+        FORWARDED.append(signum)  # for the caller: it was asked to stop, and ends after this run
         if group.deadline is None:
             group.stop()
         elif signum == signal.SIGINT:  # Ctrl-C again: the stage stops at once
@@ -257,18 +255,6 @@ def run_group(
         group.tell_reaper(b"done")
         reaper.stdin.close()
         reaper.wait()
-
-
-def pass_on_stop() -> None:
-    """Give a SIGINT or SIGTERM that `run_group` took to the handler it displaced, now that the
-    group has stopped (Prefect's turns a SIGTERM into the flow run's cancellation). A default
-    handler is left alone: the caller decides how to end."""
-    if not DISPLACED:
-        return
-    signum, handler = DISPLACED[0]  # the signal that asked first
-    DISPLACED.clear()
-    if callable(handler):
-        handler(signum, None)
 
 
 def dvc_busy(workdir: Path) -> bool:
@@ -317,6 +303,11 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
     if special:
         print(f"error: {'; '.join(special)}: DVC would hang reading it; remove it", file=sys.stderr)
         return 1
+    try:
+        stop_grace_s()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with workspace_lock(workdir, wait) as held:
         if not held:
             print("another run holds this workspace: skipped (--if-busy skip)", file=sys.stderr)
