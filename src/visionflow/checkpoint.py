@@ -45,10 +45,11 @@ def save_checkpoint(folder: Path, state: dict) -> Path:
     save_atomic(state, path, epoch=state["epoch"])  # makes the folder again if it was deleted
     for old in sorted(folder.glob("epoch-*.pt"))[:-KEEP]:
         old.unlink()
-    best = best_file(folder, state["best"]["epoch"])
-    for old in folder.glob("best-*.pt"):
-        if old != best:
-            old.unlink(missing_ok=True)
+    if "best" in state:
+        best = best_file(folder, state["best"]["epoch"])
+        for old in folder.glob("best-*.pt"):
+            if old != best:
+                old.unlink(missing_ok=True)
     return path
 
 

@@ -76,7 +76,8 @@ class NotAProject(RuntimeError):
 
 
 class Timeout(TimeoutError):
-    """A command ran past its time and was stopped with its whole process group (SIGINT, then SIGKILL after the grace period)."""
+    """A command ran past its time and was stopped with its whole process group (SIGINT, then
+    SIGKILL after the grace period)."""
 
 
 def environment() -> dict[str, str]:
