@@ -505,20 +505,25 @@ def alive(group: int) -> bool:
         return False
 
 
-def exp_show(root: Path, attempts: int = 3) -> str:
-    """`dvc exp show --json`, asked again (a second apart) when it fails: DVC can read an
-    experiment's executor file just as that experiment ends and removes it ("No such file or
-    directory: .dvc/tmp/exps/run/..."), and a sweep must not be stopped for that. A hang is not
+EXP_SHOW_RETRY_S = 60.0  # how long a failing `dvc exp show` is asked again
+
+
+def exp_show(root: Path) -> str:
+    """`dvc exp show --json`, asked again (every 2 s, for up to EXP_SHOW_RETRY_S) when it fails:
+    DVC's queue can list an experiment as active after its executor file is gone ("No such file
+    or directory: .dvc/tmp/exps/run/..."; seen to last more than a few seconds for an experiment
+    that failed while another ran), and a sweep must not be stopped for that. A hang is not
     asked again."""
-    for attempt in range(1, attempts + 1):
+    deadline = time.monotonic() + EXP_SHOW_RETRY_S
+    while True:
         try:
             return dvc(root, "exp", "show", "--json", doing="following experiments")
         except DvcHung:
             raise
         except StageFailed:
-            if attempt == attempts:
+            if time.monotonic() > deadline:
                 raise
-            time.sleep(1)
+            time.sleep(2)
 
 
 def results(root: Path, names) -> dict[str, dict]:
