@@ -180,11 +180,12 @@ def check_cache_room() -> None:
     if root is None or not STAGED:  # a stage run by hand, outside a DVC project
         return
     cache, types = project.cache_config(root)
-    if types and "copy" not in types:  # links only: the cache takes no second copy
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    same_disk = existing.stat().st_dev == STAGED[0][0].stat().st_dev
+    if same_disk and types and "copy" not in types:  # moved and linked: no second copy
         return
     files = [f for tmp, _ in STAGED for f in tmp.rglob("*") if f.is_file()]
     needed = sum(f.stat().st_size for f in files) + CACHE_MARGIN
-    existing = next(p for p in (cache, *cache.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if needed > free:
         outs = ", ".join(str(out) for _, out in STAGED)

@@ -54,6 +54,7 @@ from visionflow.runner import (
     restore,
     run_group,
     stop_grace_s,
+    wait_until_free,
     workspace_lock,
 )
 
@@ -219,12 +220,6 @@ def unchanged(workdir: Path, stage: str) -> bool:
             return not special_files(local) and not found.changed()
     except DvcException:
         return False
-
-
-def wait_until_free(workdir: Path, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while dvc_busy(workdir) and time.monotonic() < deadline:
-        time.sleep(0.5)
 
 
 def publish(workdir: Path) -> None:

@@ -228,7 +228,7 @@ def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
 AT_EPOCH_2 = "train.loss@epoch=2,step=2:pause={go};train.stop:touch={go}"
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "sigterm-to-all"])
 def test_ctrl_c_or_sigterm_checkpoint_the_epoch_in_progress_and_the_rerun_resumes(
     project, tmp_path, baseline, stop
 ):
@@ -243,10 +243,13 @@ def test_ctrl_c_or_sigterm_checkpoint_the_epoch_in_progress_and_the_rerun_resume
     read_until(run, "fault: pause")
     if stop == "ctrl-c":
         os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
-    else:
-        os.kill(run.pid, signal.SIGTERM)  # `kill PID`, systemd, a cancelled flow run's process
+    elif stop == "sigterm":
+        os.kill(run.pid, signal.SIGTERM)  # `kill PID`, a cancelled flow run's process
+    else:  # systemd's control-group stop: every process, DVC and the reaper too
+        for process in [psutil.Process(run.pid), *psutil.Process(run.pid).children(True)]:
+            process.send_signal(signal.SIGTERM)
     output = run.communicate(timeout=300)[0]
-    assert run.returncode != 0
+    assert run.returncode != 0 and "Traceback" not in output, output
     assert "train stopped after epoch 2" in output, output
     assert "restored the previous results" in output  # DVC lived on, and recorded nothing
     assert torch.load(state_folder(project) / "epoch-0002.pt", weights_only=True)["epoch"] == 2
@@ -410,3 +413,50 @@ def test_ctrl_c_during_prepares_decoding_stops_its_pool_at_once(project, image_f
     assert not [p for p in left if "pipeline.prepare" in " ".join(p.info["cmdline"] or [])]
     sh(project, "dvc", "checkout")  # plain DVC: the previous cache comes back
     assert (project / "data/prepared/manifest.json").exists()
+
+
+def test_a_stage_that_ignores_its_stop_is_killed_after_the_grace_period(project, tmp_path):
+    never = tmp_path / "never"  # training stays paused: it never reaches its safe point
+    run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=1:pause={never}")
+    read_until(run, "fault: pause")
+    os.kill(run.pid, signal.SIGTERM)
+    run.communicate(timeout=300)  # 5 s of grace (the suite's), then SIGKILL; before, for good
+    assert run.returncode != 0 and not trainers(project)
+    assert_invariants(project)
+
+
+def test_a_stop_as_a_stage_ends_keeps_dvc_from_starting_the_next_one(project, tmp_path):
+    go = tmp_path / "go"  # train has put its outputs in place and is about to exit 0
+    fault = f"stage.published@stage=train:pause={go};train.stop:touch={go}"
+    run = start(project, "-f", "--downstream", "train", fault=fault, **SAFE_POINT_GRACE)
+    read_until(run, "fault: pause")
+    os.kill(run.pid, signal.SIGTERM)
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0 and "> python -m pipeline.evaluate" not in output, output
+    assert "ERROR: interrupted by the user" in output  # DVC, before evaluate's command
+    assert "restored the previous results" in output
+    assert_invariants(project)
+
+
+def test_a_failed_run_restores_stage_outputs_only_never_dvc_added_data(project):
+    photos = project / "data/photos"
+    photos.mkdir()
+    (photos / "a.txt").write_text("tracked")
+    sh(project, "dvc", "add", "-q", "data/photos")
+    (photos / "new.txt").write_text("added since, not yet tracked")  # the user's own work
+    failed = repro(project, "no-such-stage")
+    assert failed.returncode != 0 and "restored the previous results" in failed.stderr
+    assert (photos / "new.txt").read_text() == "added since, not yet tracked"
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_grace_period_that_is_no_number_of_seconds_is_refused_up_front(project, value):
+    result = subprocess.run(
+        repro_cmd(),
+        cwd=project,
+        env=env(project, VISIONFLOW_STOP_GRACE_S=value),
+        text=True,
+        capture_output=True,
+    )
+    assert result.returncode == 2
+    assert f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds >= 0" in result.stderr

@@ -18,6 +18,7 @@ running, and a failed stage leaves its outputs deleted (they stay in DVC's cache
 """
 
 import fcntl
+import math
 import os
 import shutil
 import signal
@@ -30,8 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from visionflow import faults
+from visionflow.params import read_yaml
 from visionflow.project import all_deps, all_outs, special_files
 
+DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
 STOP_GRACE_S = 120.0  # default seconds a stopped stage gets to reach its safe point before SIGKILL
 FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked to stop
@@ -46,6 +49,8 @@ HELD: list[int] = []  # the file descriptor of the workspace lock this process h
 # process is reaped), for at most 30 s.
 REAPER = """
 import os, signal, sys, threading, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop sent to every process (systemd's
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # control group) must not end the guard
 group, grace, output = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
 deadline, done = None, False
 for line in sys.stdin.buffer:
@@ -125,15 +130,20 @@ def stop_grace_s() -> float:
     killed: VISIONFLOW_STOP_GRACE_S, else STOP_GRACE_S. Give it more than one epoch takes."""
     value = os.environ.get("VISIONFLOW_STOP_GRACE_S", "")
     try:
-        return float(value) if value else STOP_GRACE_S
+        seconds = float(value) if value else STOP_GRACE_S
     except ValueError:
-        raise ValueError(f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds") from None
+        seconds = math.nan
+    if not seconds >= 0:  # nan too
+        raise ValueError(f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds >= 0")
+    return seconds
 
 
 class Group:
-    """A process group `run_group` started, and the one way it is stopped: SIGINT first (DVC
-    ignores it while a stage runs, the stage stops at its safe point and DVC records the failure),
-    SIGKILL once the grace period is over. The reaper is told, so it keeps the same deadline."""
+    """A process group `run_group` started (`dvc` leads it), and the one way it is stopped:
+    SIGINT first (DVC ignores it while a stage runs, the stage stops at its safe point and DVC
+    records the failure; a stage DVC starts after it, the one that finished just then being
+    done, gets it too), SIGKILL once the grace period is over. The reaper is told, so it keeps
+    the same deadline."""
 
     def __init__(self, pid: int, grace_s: float, reaper: subprocess.Popen):
         self.pid, self.grace_s, self.reaper = pid, grace_s, reaper
@@ -147,19 +157,25 @@ class Group:
         except ProcessLookupError:
             return False
 
-    def tell_reaper(self, word: bytes) -> None:
+    def tell_reaper(self, word: bytes | None) -> None:
+        """Write a line to the reaper (None: close its stdin)."""
         try:
-            self.reaper.stdin.write(word + b"\n")
-            self.reaper.stdin.flush()
-        except (BrokenPipeError, ValueError):  # the reaper is gone, or told already
+            if word is None:
+                self.reaper.stdin.close()
+            else:
+                self.reaper.stdin.write(word + b"\n")
+                self.reaper.stdin.flush()
+        except (BrokenPipeError, ValueError):  # the reaper is gone (killed), or told already
             pass
 
     def stop(self) -> None:
-        """Ask the group to stop at its safe point (once; the grace period runs from now)."""
+        """Ask the group to stop at its safe point (once; the grace period runs from now, and
+        is kept even if nothing else waits for it)."""
         if self.deadline is None:
             self.deadline = time.monotonic() + self.grace_s
             self.tell_reaper(b"stop")
             self.signal(signal.SIGINT)
+            threading.Thread(target=self.end, daemon=True).start()
 
     def end(self) -> None:
         """Stop the group, wait for it until the grace period is over, then kill what is left."""
@@ -239,6 +255,8 @@ def run_group(
         for line in process.stdout:
             log(line.rstrip())
             tail = (tail + line)[-4000:]
+            if group.deadline is not None and line.startswith(DVC_RUNS_A_STAGE):
+                group.signal(signal.SIGINT)  # stopping: the next stage stops at its start
         watcher.join()
         if timed_out.is_set():
             raise Timeout(f"`{' '.join(cmd[2:])}` ran past {timeout_s:.0f} s and was stopped")
@@ -254,7 +272,7 @@ def run_group(
         group.signal(signal.SIGKILL)  # nothing may survive this call
         watcher.join()
         group.tell_reaper(b"done")
-        reaper.stdin.close()
+        group.tell_reaper(None)
         reaper.wait()
 
 
@@ -273,18 +291,29 @@ def dvc_busy(workdir: Path) -> bool:
         return False
 
 
+def wait_until_free(workdir: Path, timeout_s: float = 60) -> None:
+    """Until no other `dvc` holds the repository's lock (at most `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while dvc_busy(workdir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
-    """After a failed run: `dvc checkout --force [STAGES]` puts back the outputs that dvc.lock
-    records (the failed stage's previous results among them) from DVC's cache, whatever the
-    stage left at their paths (it came from the run that failed, or that DVC could not record);
-    the staging folders a killed stage left beside them go too."""
+    """After a failed run: `dvc checkout --force STAGES` (default: every stage of dvc.yaml) puts
+    back the outputs that dvc.lock records (the failed stage's previous results among them) from
+    DVC's cache, whatever the stage left at their paths (it came from the run that failed, or
+    that DVC could not record); the staging folders a killed stage left beside them go too.
+    Stage outputs only: data tracked with `dvc add` is the user's, new files in it included."""
     try:
         outs = all_outs(workdir)
-    except Exception:  # dvc.yaml or params.yaml unreadable: DVC has said so; restore what it can
-        outs = []
+        stages = stages or tuple((read_yaml(workdir / "dvc.yaml") or {}).get("stages") or {})
+    except Exception:  # dvc.yaml or params.yaml unreadable: DVC has said so; nothing to restore
+        log("dvc.yaml could not be read: nothing restored")
+        return
     for out in outs:
         for suffix in (".partial", ".old", ".extract"):  # staging, swap, an archive's files
             shutil.rmtree(out.with_name(out.name + suffix), ignore_errors=True)
+    wait_until_free(workdir)  # a `dvc status` of the user's (an editor's, say) lets go soon
     cmd = [*dvc_command(), "checkout", "--force", *stages]
     code, tail = run_group(cmd, workdir, 600, lambda line: None)
     if code == 0:
@@ -313,8 +342,11 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
         if not held:
             print("another run holds this workspace: skipped (--if-busy skip)", file=sys.stderr)
             return BUSY_EXIT
+        # from here to the end, a stop is recorded, never fatal: the restore must happen
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, lambda signum, frame: FORWARDED.append(signum))
         cmd = [*dvc_command(), "repro", *args]
         code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
-        if code != 0 and not dvc_busy(workdir):  # a failed, stopped or killed run (DVC's exit
-            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))  # code)
+        if code != 0:  # failed, stopped or killed: DVC's exit code, whatever it printed
+            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
         return code
