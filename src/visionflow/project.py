@@ -25,24 +25,31 @@ def fill(deps: list[str], params: dict) -> list[str]:
 def all_deps(root: Path) -> list[Path]:
     """What a change to from outside reruns a stage: every dep of every stage that no stage
     writes (data/prepared, say, is prepare's output), plus dvc.yaml and params.yaml."""
-    stages = (read_yaml(root / "dvc.yaml") or {}).get("stages") or {}
-    params = read_yaml(root / "params.yaml") or {}
+    stages, params = pipeline(root)
     deps = {d for spec in stages.values() for d in fill(spec.get("deps", []), params)}
-    outs = [out.relative_to(root) for out in all_outs(root)]
+    outs = outs_of(stages, params)
     outside = {d for d in deps if not any(Path(d).is_relative_to(out) for out in outs)}
     return [root / d for d in sorted(outside | {"dvc.yaml", "params.yaml"})]
 
 
-def all_outs(root: Path) -> list[Path]:
-    """Every stage's outputs as dvc.yaml lists them (a path, or {path: options})."""
+def pipeline(root: Path) -> tuple[dict, dict]:
+    """dvc.yaml's stages and params.yaml, as read once."""
     stages = (read_yaml(root / "dvc.yaml") or {}).get("stages") or {}
-    params = read_yaml(root / "params.yaml") or {}
+    return stages, read_yaml(root / "params.yaml") or {}
+
+
+def outs_of(stages: dict, params: dict) -> list[Path]:
+    """Every stage's outputs as dvc.yaml lists them (a path, or {path: options}), relative."""
     paths = [
         out if isinstance(out, str) else next(iter(out))
         for spec in stages.values()
         for out in spec.get("outs", [])
     ]
-    return [root / out for out in fill(paths, params)]
+    return [Path(out) for out in fill(paths, params)]
+
+
+def all_outs(root: Path) -> list[Path]:
+    return [root / out for out in outs_of(*pipeline(root))]
 
 
 def dvc_root(start: Path) -> Path | None:
@@ -67,8 +74,8 @@ def cache_config(root: Path) -> tuple[Path, list[str]]:
     return folder, types
 
 
-def cache_object(root: Path, md5: str) -> Path:
-    return cache_config(root)[0] / "files" / "md5" / md5[:2] / md5[2:]
+def cache_object(cache: Path, md5: str) -> Path:
+    return cache / "files" / "md5" / md5[:2] / md5[2:]
 
 
 def recorded(path: Path, md5: str) -> bool:
@@ -78,21 +85,21 @@ def recorded(path: Path, md5: str) -> bool:
     lock = root / "dvc.lock" if root else None
     if lock is None or not lock.exists():
         return False
-    relative = path.resolve().relative_to(root)
+    relative, cache = path.resolve().relative_to(root), cache_config(root)[0]
     outs = [
         o for stage in (read_yaml(lock).get("stages") or {}).values() for o in stage.get("outs", [])
     ]
     for out in outs:
         if relative == Path(out["path"]):
-            return out.get("md5") == md5 and cache_object(root, md5).exists()
+            return out.get("md5") == md5 and cache_object(cache, md5).exists()
         if relative.is_relative_to(out["path"]) and str(out.get("md5", "")).endswith(".dir"):
-            listing = cache_object(root, out["md5"])
+            listing = cache_object(cache, out["md5"])
             if not listing.exists():
                 return False
             inside = str(relative.relative_to(out["path"]))
             entries = json.loads(listing.read_text())
             found = any(e.get("relpath") == inside and e.get("md5") == md5 for e in entries)
-            return found and cache_object(root, md5).exists()
+            return found and cache_object(cache, md5).exists()
     return False
 
 

@@ -31,8 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from visionflow import faults
-from visionflow.params import read_yaml
-from visionflow.project import all_deps, all_outs, special_files
+from visionflow.project import all_deps, dvc_root, outs_of, pipeline, special_files
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
@@ -96,11 +95,12 @@ def dvc_command() -> list[str]:
 
 def find_root(start: Path) -> Path:
     """The DVC project `start` is in, as DVC finds it: the nearest folder with a `.dvc` folder."""
-    start = start.resolve()
-    for folder in (start, *start.parents):
-        if (folder / ".dvc").is_dir():
-            return folder
-    raise NotAProject(f"{start} is not inside a DVC project (no .dvc folder here or above)")
+    root = dvc_root(start)
+    if root is None:
+        raise NotAProject(
+            f"{start.resolve()} is not inside a DVC project (no .dvc folder here or above)"
+        )
+    return root
 
 
 @contextmanager
@@ -305,8 +305,8 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     that DVC could not record); the staging folders a killed stage left beside them go too.
     Stage outputs only: data tracked with `dvc add` is the user's, new files in it included."""
     try:
-        outs = all_outs(workdir)
-        stages = stages or tuple((read_yaml(workdir / "dvc.yaml") or {}).get("stages") or {})
+        specs, params = pipeline(workdir)
+        outs, stages = [workdir / out for out in outs_of(specs, params)], stages or tuple(specs)
     except Exception:  # dvc.yaml or params.yaml unreadable: DVC has said so; nothing to restore
         log("dvc.yaml could not be read: nothing restored")
         return
