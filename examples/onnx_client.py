@@ -47,19 +47,55 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
     return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
-def main(model_path: str, image_paths: list[str]) -> None:
+def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
+    """The session, class names and preprocessing; metadata that is missing, malformed or does
+    not fit the network is an error naming what is wrong (a model file may come from anyone;
+    an ONNX file runs no code, but its metadata can still lie)."""
     session = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
     meta = session.get_modelmeta().custom_metadata_map
-    classes = json.loads(meta["visionflow.classes"])
-    spec = json.loads(meta["visionflow.preprocess"])
-    batch = np.stack([preprocess(p, spec) for p in image_paths])
-    logits = session.run(None, {session.get_inputs()[0].name: batch})[0]
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    for path, p in zip(image_paths, probs, strict=True):
-        best = int(p.argmax())
-        print(json.dumps({"file": path, "class": classes[best], "probability": float(p[best])}))
+    missing = [k for k in ("visionflow.classes", "visionflow.preprocess") if k not in meta]
+    if missing:
+        sys.exit(
+            f"error: {model_path} lacks the {' and '.join(missing)} metadata visionflow writes"
+        )
+    try:
+        classes = json.loads(meta["visionflow.classes"])
+        spec = json.loads(meta["visionflow.preprocess"])
+        channels = {"grayscale": 1, "rgb": 3}[spec["color"]]
+        size = int(spec["image_size"])
+        if not (len(spec["mean"]) == len(spec["std"]) == channels and min(spec["std"]) > 0):
+            raise ValueError(f"mean/std need {channels} values, std > 0")
+        if not (1 <= size <= 1024 and len(set(classes)) == len(classes) >= 2):
+            raise ValueError("image_size 1 to 1024 px, two or more distinct class names")
+    except (ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: {model_path}: its visionflow metadata is malformed ({e!r})")
+    try:  # the input the metadata describes, once: the network must take it
+        dummy = np.zeros((1, channels, size, size), np.float32)
+        logits = session.run(None, {session.get_inputs()[0].name: dummy})[0]
+    except Exception as e:  # ONNX Runtime's own error for a wrong shape or type
+        sys.exit(f"error: {model_path}: the network does not take {dummy.shape} float32: {e}")
+    if logits.shape != (1, len(classes)):
+        sys.exit(
+            f"error: {model_path}: its metadata lists {len(classes)} classes, the network gives "
+            f"{logits.shape} for one image"
+        )
+    return session, classes, spec
+
+
+def main(model_path: str, image_paths: list[str]) -> None:
+    session, classes, spec = open_model(model_path)
+    name = session.get_inputs()[0].name
+    for start in range(0, len(image_paths), 64):  # a batch at a time: memory stays flat
+        paths = image_paths[start : start + 64]
+        logits = session.run(None, {name: np.stack([preprocess(p, spec) for p in paths])})[0]
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        for path, p in zip(paths, probs, strict=True):
+            best = int(p.argmax())
+            print(json.dumps({"file": path, "class": classes[best], "probability": float(p[best])}))
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2:])

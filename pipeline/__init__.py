@@ -196,13 +196,36 @@ def check_cache_room() -> None:
         )
 
 
+def say_what_is_left(stage: str, found: tuple[dict, dict] | None) -> None:
+    """After a failure, the truth about the stage's outputs: DVC deleted them before the stage
+    ran (unless persistent), so name the command that brings the recorded ones back."""
+    if found is None:
+        return
+    spec, params = found
+    outs = fill([o if isinstance(o, str) else next(iter(o)) for o in spec.get("outs", [])], params)
+    gone = [out for out in outs if not Path(out).exists()]
+    if not gone:
+        return
+    try:
+        recorded = stage in ((read_yaml("dvc.lock") or {}).get("stages") or {})
+    except Exception:  # no dvc.lock, or one DVC cannot read either: nothing recorded to restore
+        recorded = False
+    if recorded:
+        print(
+            f"{', '.join(gone)}: DVC deleted it before the stage ran; `dvc checkout {stage}` "
+            "brings back the last recorded results (visionflow repro and the flows do it "
+            "themselves)",
+            file=sys.stderr,
+        )
+
+
 def run(main: Callable[[], None]) -> None:
     """Run a stage's main; a known failure prints one clear line and exits 1 (no traceback),
     an interrupt (Ctrl-C or SIGTERM) exits 130. Either way the staging folder is removed."""
     signal.signal(signal.SIGTERM, stop_at_once)
     stage = Path(sys.argv[0]).stem
-    found = stage_spec(stage)
-    before = Snapshot(*found) if found else None
+    spec = stage_spec(stage)
+    before = Snapshot(*spec) if spec else None
     try:
         if faults.ACTIVE:
             faults.fault("stage.start", stage=stage)
@@ -221,15 +244,18 @@ def run(main: Callable[[], None]) -> None:
             faults.fault("stage.published", stage=stage)
     except (ParamsError, DataError, GateError) as e:
         print(f"error: {e}", file=sys.stderr)
+        say_what_is_left(stage, spec)
         sys.exit(1)
     except (Interrupted, KeyboardInterrupt) as e:
         print(f"interrupted: {str(e) or 'stopped at once'}", file=sys.stderr)
+        say_what_is_left(stage, spec)
         sys.exit(130)
     except OSError as e:
         message = disk_full_message(e)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
+        say_what_is_left(stage, spec)
         sys.exit(1)
     finally:
         discard()

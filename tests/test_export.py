@@ -91,7 +91,7 @@ def test_torch_formats_match_eager_and_carry_metadata(model, pixels, tmp_path, r
             export_pt2(model, example(pixels), path, META)
         else:
             export_torchscript(model, example(pixels), path, META)
-        predictor, classes, spec = load_predictor(runtime, path)
+        predictor, classes, spec = load_predictor(runtime, path, trust_code=True)
     assert not [w for w in seen if "torch.jit" in str(w.message)]  # handled, not drowning the log
     assert classes == ["a", "b", "c", "d"] and spec == SPEC
     x = example(pixels).numpy()
@@ -110,7 +110,7 @@ def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runt
             export_torchscript(model, example(pixels), path, META)
     finally:
         model.eval()
-    predictor, _, _ = load_predictor(runtime, path)
+    predictor, _, _ = load_predictor(runtime, path, trust_code=True)
     x = example(pixels).numpy()
     results = check_parity(module_predictor(model), predictor, x, [16], rtol=1e-5, atol=1e-6)
     assert not results["batch_16"]["passed"] and results["batch_16"]["max_abs_diff"] > 1e-3

@@ -124,9 +124,9 @@ def predict(reproduced, monkeypatch, capsys):
 @pytest.mark.parametrize("runtime", ["onnx", "pt2", "torchscript", "torch"])
 def test_predict_agrees_with_evaluate(reproduced, predict, test_pngs, runtime):
     evaluated = json.loads((reproduced / "results/evaluate/predictions.json").read_text())
-    code, out, err = predict("--json", "--runtime", runtime, *test_pngs)
+    code, out, err = predict("--json", "--runtime", runtime, "--trust-code", *test_pngs)
     assert code == 0, err
-    rows = json.loads(out)
+    rows = [json.loads(line) for line in out.splitlines()]  # JSON Lines: an object per image
     predicted = [row["predictions"][0]["class"] for row in rows]
     assert predicted == [row["predicted"] for row in evaluated[:40]]
     assert all(len(row["predictions"]) == 3 for row in rows)
@@ -157,7 +157,7 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
         check=True,
     )
     lines = [json.loads(line) for line in client.stdout.splitlines()]
-    rows = json.loads(predict("--json", *images)[1])
+    rows = [json.loads(line) for line in predict("--json", *images)[1].splitlines()]
     assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
     probabilities = [row["predictions"][0]["probability"] for row in rows]
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
@@ -167,8 +167,10 @@ def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(
     reproduced, predict, test_pngs, tmp_path
 ):
     export = reproduced / "results/export"
-    code, out, err = predict("--json", "--model", export / "model.pt2", test_pngs[0])
-    assert code == 0 and json.loads(out)[0]["predictions"], err
+    code, out, err = predict(
+        "--json", "--model", export / "model.pt2", "--trust-code", test_pngs[0]
+    )
+    assert code == 0 and json.loads(out)["predictions"], err
     for model, runtime, real in (
         ("model.onnx", "torchscript", "an ONNX file"),
         ("model.pt2", "torch", "a torch.export .pt2 file"),
@@ -176,12 +178,13 @@ def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(
     ):
         code, _, err = predict("--model", export / model, "--runtime", runtime, test_pngs[0])
         assert code == 2 and f"is {real}, not for --runtime {runtime}" in err
-    _, _, err = predict("--model", export / "model.torchscript.pt", test_pngs[0])
-    assert "TorchScript, which is code: load only files you made or trust" in err
+    for model in ("model.torchscript.pt", "model.pt2"):  # files that can run code
+        code, _, err = predict("--model", export / model, test_pngs[0])
+        assert code == 2 and "which can run code when loaded" in err and "--trust-code" in err
     _, _, err = predict(
         "--model", export / "model.torchscript.pt", "--runtime", "onnx", test_pngs[0]
     )
-    assert err.count("\n") == 1  # one line: the file is not loaded, so no warning
+    assert err.count("\n") == 1  # one line: the file is not loaded
     truncated = tmp_path / "truncated.onnx"
     truncated.write_bytes((export / "model.onnx").read_bytes()[:1000])
     code, _, err = predict("--model", truncated, test_pngs[0])
@@ -209,7 +212,7 @@ def test_predict_names_a_corrupt_image_and_still_predicts_the_rest(predict, test
     code, out, err = predict("--json", test_pngs[0], bad, test_pngs[1])
     assert code == 1
     assert f"cannot decode {bad}" in err
-    rows = json.loads(out)
+    rows = [json.loads(line) for line in out.splitlines()]
     assert [("predictions" in row) for row in rows] == [True, False, True]
     assert str(bad) in rows[1]["error"]
 

@@ -2,7 +2,10 @@
 
 visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript|pt2|torch]
                    (the runtime is the model file's own by default)
-                   [--top-k K] [--json]          classify images with an exported model
+                   [--top-k K] [--json] [--trust-code]
+                                                 classify images with an exported model: a
+                                                 line per image (file, class, probability...,
+                                                 tab-separated; --json: a JSON object each)
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
                                                  `dvc repro`, one run at a time, nothing orphaned
 visionflow verify [--data data/prepared]         re-hash the prepared cache and DVC's objects
@@ -11,6 +14,8 @@ visionflow doctor [--json]                       versions, GPU, disk, pipeline a
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -42,10 +47,12 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
     return files, errors
 
 
-def predict(args: argparse.Namespace) -> int:
-    import numpy as np
+BATCH = 256  # images decoded and run at once: memory stays flat however long the folder
 
-    from visionflow.inference import file_format, load_images, load_predictor, normalise, top_k
+
+def predict(args: argparse.Namespace) -> int:
+    """Predict every image, in order, a batch at a time, printing each batch as it is done."""
+    from visionflow.inference import ModelError, load_predictor
 
     model = args.model or Path(DEFAULT_MODELS[args.runtime or "onnx"])
     files, errors = expand(args.inputs)
@@ -55,15 +62,12 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        found = file_format(model) if model.is_file() else None
-        if found == "torchscript" and args.runtime in (None, "torchscript"):  # it will load it
-            print(
-                f"warning: {model} is TorchScript, which is code: load only files you made or "
-                "trust",
-                file=sys.stderr,
-            )
-        predictor, classes, spec = load_predictor(args.runtime, model)
-    except (FileNotFoundError, ValueError) as e:
+        if not model.is_file():
+            from visionflow.project import missing_output
+
+            raise FileNotFoundError(missing_output(model, "model file"))
+        predictor, classes, spec = load_predictor(args.runtime, model, args.trust_code)
+    except (FileNotFoundError, ModelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # the right format, but a corrupt or truncated file
@@ -73,32 +77,58 @@ def predict(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    pixels, good, decode_errors = load_images(files, spec)
-    errors.update(decode_errors)
-    logits = (
-        np.concatenate(
-            [predictor(normalise(pixels[i : i + 256], spec)) for i in range(0, len(pixels), 256)]
-        )
-        if len(good)
-        else np.empty((0, 0))
-    )
-    ranked = top_k(logits, classes, args.top_k) if len(good) else []
-    results = dict(zip(good, ranked, strict=True))
-    if args.json:
-        rows = [
-            {"file": str(f), "predictions": [{"class": c, "probability": p} for c, p in results[f]]}
-            if f in results
-            else {"file": str(f), "error": errors[f]}
-            for f in files
-        ]
-        rows += [{"file": str(f), "error": e} for f, e in errors.items() if f not in files]
-        print(json.dumps(rows, indent=2))
-    else:
-        for f, preds in results.items():
-            print(f"{f}: " + ", ".join(f"{c} {p:.3f}" for c, p in preds))
-    for message in errors.values():
-        print(f"error: {message}", file=sys.stderr)
+    show = json_line if args.json else tsv_line
+    try:
+        for path, message in errors.items():  # inputs that do not exist
+            report(path, message, args.json)
+        for i in range(0, len(files), BATCH):
+            results, failed = predict_batch(files[i : i + BATCH], predictor, classes, spec, args)
+            errors.update(failed)
+            for path in files[i : i + BATCH]:
+                if path in results:
+                    print(show(path, results[path]))
+                else:
+                    report(path, failed[path], args.json)
+            sys.stdout.flush()
+    except BrokenPipeError:  # `| head` has read enough: stop quietly, as `cat` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 128 + signal.SIGPIPE
     return 1 if errors else 0
+
+
+def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
+    """Top-k classes of the images that decode, and an error line for each one that does not."""
+    from visionflow.inference import load_images, normalise, top_k
+
+    pixels, good, failed = load_images(files, spec)
+    ranked = top_k(predictor(normalise(pixels, spec)), classes, args.top_k) if good else []
+    return dict(zip(good, ranked, strict=True)), failed
+
+
+def report(path: Path, message: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"file": str(path), "error": message}))
+    print(f"error: {message}", file=sys.stderr)
+
+
+def json_line(path: Path, ranked: list[tuple[str, float]]) -> str:
+    """One JSON object per image on one line (a newline in a file name is escaped)."""
+    rows = [{"class": c, "probability": p} for c, p in ranked]
+    return json.dumps({"file": str(path), "predictions": rows})
+
+
+def tsv_line(path: Path, ranked: list[tuple[str, float]]) -> str:
+    """file, then class and probability for each of the top k, tab-separated, one line per image."""
+    cells = [str(path)] + [v for c, p in ranked for v in (c, f"{p:.4f}")]
+    return "\t".join(map(escape, cells))
+
+
+def escape(text: str) -> str:
+    """A name as one TSV cell: backslash, tab and line breaks escaped (as `\\t`, `\\n`), and
+    bytes that are not UTF-8 (a file name from another system) shown as `\\xff`."""
+    for char, code in (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r")):
+        text = text.replace(char, code)
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         help="default: what the --model file is (without --model: onnx, ONNX Runtime)",
     )
     p.add_argument("--top-k", type=int, default=3, help="classes to show per image (default 3)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per image and line (JSON Lines)"
+    )
+    p.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="load a TorchScript or .pt2 file, which can run code: only files you made or trust",
+    )
     r = commands.add_parser(
         "repro", help="`dvc repro` under the workspace lock, in its own process group"
     )

@@ -3,6 +3,12 @@
 Every exported file carries its own description: the class names in output order and the
 preprocessing (`visionflow.classes`, `visionflow.preprocess`; ONNX `metadata_props`, and extra files
 inside the TorchScript and `.pt2` archives). A client needs the file and nothing else.
+
+A model file may come from someone else, so nothing in it is taken on trust: the formats that can
+run code when loaded (TorchScript, `.pt2`) load only when the caller says it trusts the file, the
+metadata is checked for shape and type, and then against the network itself (its declared input
+and output shapes, and one forward pass of the input the metadata describes) before any
+prediction: forged or mismatched metadata is a ModelError naming what disagrees, never wrong labels.
 """
 
 import json
@@ -22,6 +28,17 @@ Predictor = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
 RUNTIMES = ("onnx", "torchscript", "pt2", "torch")
 JIT_DEPRECATED = r".*torch\.jit\.\w+` is deprecated"  # TorchScript still works in torch 2.14
 CLASSES_KEY, PREPROCESS_KEY = "visionflow.classes", "visionflow.preprocess"
+MAX_IMAGE_SIZE = 1024  # px, as prepare.image_size: a larger size in metadata is forged or a mistake
+RESIZE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
+# What loading each format can do beyond reading numbers: these two run code from the file.
+RUNS_CODE = {
+    "torchscript": "TorchScript is a program: loading it runs code stored in the file",
+    "pt2": "torch.export.load unpickles some weights with weights_only=False, which can run code",
+}
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used as it is: untrusted code, bad or mismatched metadata."""
 
 
 def preprocess_spec(
@@ -88,8 +105,17 @@ def onnx_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    meta = session.get_modelmeta().custom_metadata_map
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    if len(inputs) != 1 or not outputs:
+        raise ModelError(
+            f"{path} has {len(inputs)} inputs and {len(outputs)} outputs; an image classifier "
+            "has one input (the image batch) and its logits as the first output"
+        )
+    name = inputs[0].name
+    meta = {
+        **session.get_modelmeta().custom_metadata_map,
+        DECLARED: json.dumps([inputs[0].type, inputs[0].shape, outputs[0].shape]),
+    }
     return (lambda x: session.run(None, {name: x})[0]), meta
 
 
@@ -136,6 +162,9 @@ def module_predictor(module: Callable) -> Predictor:
     return run
 
 
+DECLARED = "declared"  # (input type, input shape, output shape) an ONNX file states
+
+
 LOADERS = {
     "onnx": onnx_predictor,
     "torchscript": torchscript_predictor,
@@ -167,10 +196,14 @@ def file_format(path: Path) -> str | None:
         return "onnx" if f.read(1) == b"\x08" else None
 
 
-def load_predictor(runtime: str | None, path: Path) -> tuple[Predictor, list[str], dict]:
+def load_predictor(
+    runtime: str | None, path: Path, trust_code: bool = False
+) -> tuple[Predictor, list[str], dict]:
     """A model file as a function on normalised batches, with its class names and preprocessing;
     `runtime` None: the one the file is for. A file of another format than `runtime` is a
-    ValueError naming the format it is."""
+    ValueError naming the format it is; a format that runs code when loaded is a ModelError
+    unless `trust_code`; metadata that is malformed or disagrees with the network is a
+    ModelError saying what disagrees."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no model file at {path} (run `dvc repro` first?)")
     found = file_format(Path(path))
@@ -183,13 +216,113 @@ def load_predictor(runtime: str | None, path: Path) -> tuple[Predictor, list[str
             f"{path} is {NAMES[found]}, not for --runtime {runtime}: use --runtime {found}, "
             "or leave --runtime out"
         )
-    predictor, meta = LOADERS[found](Path(path))
-    if not meta.get(CLASSES_KEY) or not meta.get(PREPROCESS_KEY):
-        raise ValueError(
-            f"{path} lacks {CLASSES_KEY} / {PREPROCESS_KEY} metadata; "
-            "export it with `dvc repro export`"
+    if found in RUNS_CODE and not trust_code:
+        raise ModelError(
+            f"{path} is {NAMES[found]}, which can run code when loaded ({RUNS_CODE[found]}): "
+            "load it only if you made it or trust where it came from, with --trust-code; an "
+            "ONNX file (model.onnx) runs no code and is the format to take from someone else"
         )
-    return predictor, json.loads(meta[CLASSES_KEY]), json.loads(meta[PREPROCESS_KEY])
+    predictor, meta = LOADERS[found](Path(path))
+    try:
+        classes, spec = parse_metadata(meta)
+        check_against_network(predictor, classes, spec, meta.get(DECLARED))
+    except ModelError as e:
+        raise ModelError(f"{path}: {e}; not used (re-export it with `dvc repro export`)") from None
+    return predictor, classes, spec
+
+
+def parse_metadata(meta: dict[str, str]) -> tuple[list[str], dict]:
+    """The class names and preprocessing a file states, checked for type and range."""
+    missing = [key for key in (CLASSES_KEY, PREPROCESS_KEY) if not meta.get(key)]
+    if missing:
+        raise ModelError(f"it lacks the {' and '.join(missing)} metadata visionflow writes")
+    try:
+        classes, spec = json.loads(meta[CLASSES_KEY]), json.loads(meta[PREPROCESS_KEY])
+    except json.JSONDecodeError as e:
+        raise ModelError(f"its metadata is not JSON ({e})") from None
+    problems = class_problems(classes) + spec_problems(spec)
+    if problems:
+        raise ModelError("its metadata is invalid: " + "; ".join(problems))
+    return classes, spec
+
+
+def class_problems(classes) -> list[str]:
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        return [f"{CLASSES_KEY} is not a list of names"]
+    if len(classes) < 2 or len(set(classes)) != len(classes):
+        return [f"{CLASSES_KEY} needs two or more distinct names, got {classes[:12]}"]
+    return []
+
+
+def spec_problems(spec) -> list[str]:
+    """What is wrong with a preprocessing description, as readable lines (none: usable)."""
+    if not isinstance(spec, dict):
+        return [f"{PREPROCESS_KEY} is not a mapping"]
+    size, color = spec.get("image_size"), spec.get("color")
+    found = []
+    if type(size) is not int or not 1 <= size <= MAX_IMAGE_SIZE:
+        found.append(f"image_size must be a whole number of px, 1 to {MAX_IMAGE_SIZE}: {size!r}")
+    if color not in ("grayscale", "rgb"):
+        found.append(f"color must be grayscale or rgb: {color!r}")
+    if spec.get("resize") not in RESIZE_FILTERS:
+        found.append(f"resize must be one of {', '.join(RESIZE_FILTERS)}: {spec.get('resize')!r}")
+    channels = 1 if color == "grayscale" else 3
+    for key in ("mean", "std"):
+        values = spec.get(key)
+        if not _numbers(values, channels) or (key == "std" and min(values) <= 0):
+            found.append(f"{key} must be {channels} finite numbers (std > 0): {values!r}")
+    background = spec.get("background")
+    if not _numbers(background, 3) or any(
+        type(v) is not int or not 0 <= v <= 255 for v in background
+    ):
+        found.append(f"background must be 3 whole numbers 0 to 255: {background!r}")
+    if not isinstance(spec.get("exif_transpose", True), bool):
+        found.append("exif_transpose must be true or false")
+    return found
+
+
+def _numbers(values, n: int) -> bool:
+    return (
+        isinstance(values, list)
+        and len(values) == n
+        and all(type(v) in (int, float) and np.isfinite(v) for v in values)
+    )
+
+
+def check_against_network(
+    predictor: Predictor, classes: list[str], spec: dict, declared: str | None
+) -> None:
+    """The network takes the input the metadata describes and has an output per class name: from
+    the shapes an ONNX file declares, then by one forward pass of that input."""
+    channels = 1 if spec["color"] == "grayscale" else 3
+    wanted = [channels, spec["image_size"], spec["image_size"]]
+    if declared:
+        kind, inputs, outputs = json.loads(declared)
+        fixed = [d if isinstance(d, int) else None for d in inputs[1:]]
+        if kind != "tensor(float)" or len(inputs) != 4:
+            raise ModelError(f"the network's input is {kind} {inputs}, not a float32 NCHW batch")
+        if any(d is not None and d != w for d, w in zip(fixed, wanted, strict=True)):
+            raise ModelError(
+                f"the metadata describes {spec['color']} {spec['image_size']} px images "
+                f"(N x {' x '.join(map(str, wanted))}), the network takes {inputs}"
+            )
+        if len(outputs) == 2 and isinstance(outputs[1], int) and outputs[1] != len(classes):
+            raise ModelError(
+                f"{CLASSES_KEY} lists {len(classes)} names, the network has {outputs[1]} outputs"
+            )
+    try:
+        logits = predictor(np.zeros((1, *wanted), np.float32))
+    except Exception as e:  # a runtime's own error on the wrong input
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModelError(
+            f"the network does not run on the input its metadata describes "
+            f"(1 x {' x '.join(map(str, wanted))} float32): {first}"
+        ) from None
+    if np.shape(logits) != (1, len(classes)):
+        raise ModelError(
+            f"{CLASSES_KEY} lists {len(classes)} names, the network gives "
+            f"{np.shape(logits)} for one image"
+        )
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
