@@ -19,11 +19,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from PIL import Image
 
 from tests.conftest import TINY, commit, copy_project, dvc_clean, sh, write_params
-from tests.test_reliability import assert_invariants, env, ran, read_until, repro, start, trainers
+from tests.test_reliability import (
+    assert_invariants,
+    env,
+    live_metrics,
+    ran,
+    read_until,
+    repro,
+    same_weights,
+    start,
+    trainers,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +115,11 @@ def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(proj
     write_params(project, {"export": {"onnx_rtol": 0.0, "onnx_atol": 0.0}})  # a parity miss
     failed = sh(project, "dvc", "repro", check=False)
     assert failed.returncode != 0 and "parity missed" in failed.stderr
+    # the truth about results/export, and the one command that brings it back
+    assert "keeps the last good export" not in failed.stderr
+    assert "results/export: DVC deleted it before the stage ran; `dvc checkout export`" in (
+        failed.stderr
+    )
     assert ran(failed.stdout) == ["check", "export"]
     lock_after = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     assert lock_after["export"] == yaml.safe_load(lock)["stages"]["export"]  # not recorded
@@ -182,9 +198,55 @@ def test_a_code_change_does_not_resume_the_old_codes_checkpoint(project):
     engine.write_text(engine.read_text() + "\n# a fix\n")
     rerun = repro(project, "-s", "train")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert "no checkpoint to resume for these params, data and code" in rerun.stdout
+    assert re.search(
+        r"train: starting fresh: the code changed since the checkpoint in checkpoints/train/\w+\n",
+        rerun.stdout,
+    )
     assert "epoch   1/4" in rerun.stdout  # trained from the first epoch with the new code
     assert_invariants(project)
+
+
+def trained(project: Path) -> dict:
+    """What a train run gave, timings left out: weights, meta, metrics and curves' last values."""
+    model = torch.load(project / "results/train/model.pt", weights_only=True)
+    metrics = json.loads((project / "results/train/metrics.json").read_text())
+    return {**model, "metrics": metrics, "live": live_metrics(project)}
+
+
+def epochs_run(output: str, budget: int) -> list[int]:
+    return [int(e) for e in re.findall(rf"^epoch +(\d+)/{budget} ", output, re.MULTILINE)]
+
+
+def test_a_larger_epoch_budget_extends_the_recorded_run_and_cosine_says_why_not(project):
+    """train.epochs 4 -> 5: under the plateau schedule a 5-epoch run's first 4 epochs are the
+    recorded run's, so plain `dvc repro` trains epoch 5 alone and ends where an uninterrupted
+    5-epoch run ends. Before, it trained from epoch 1, saying only "no checkpoint to resume"."""
+    write_params(project, {"train": {"epochs": 5}})
+    extended = sh(project, "dvc", "repro", "train").stdout
+    assert re.search(
+        r"train: extending the recorded 4-epoch run to 5 epochs: resuming from "
+        r"checkpoints/train/\w+/epoch-0004\.pt \(epoch 4 done\)",
+        extended,
+    ), extended
+    assert epochs_run(extended, 5) == [5]
+    longer = trained(project)
+    assert longer["meta"]["train"]["epochs"] == 5  # the kept epoch's meta says this run's budget
+    again = sh(project, "dvc", "repro", "-f", "-s", "train").stdout  # recorded, unchanged: fresh
+    assert "recorded by DVC; starting fresh" in again and epochs_run(again, 5) == [1, 2, 3, 4, 5]
+    uninterrupted = trained(project)
+    assert same_weights(longer.pop("state_dict"), uninterrupted.pop("state_dict"))
+    assert longer == uninterrupted
+
+    write_params(project, {"train": {"scheduler": "cosine", "epochs": 1}})
+    sh(project, "dvc", "repro", "train")
+    write_params(project, {"train": {"epochs": 2}})
+    fresh = sh(project, "dvc", "repro", "train").stdout
+    assert re.search(
+        r"train: starting fresh: train.epochs 1 -> 2 changed since the checkpoint in "
+        r"checkpoints/train/\w+ \(the cosine schedule's learning rate depends on it\)\n",
+        fresh,
+    ), fresh
+    assert epochs_run(fresh, 2) == [1, 2]
 
 
 def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
