@@ -25,7 +25,7 @@ from visionflow import faults, project
 from visionflow.errors import DataError, DiskFull
 from visionflow.files import file_hash, file_stats
 from visionflow.params import ParamsError, read_yaml
-from visionflow.project import fill, lookup
+from visionflow.project import fill, param_changes
 
 
 class GateError(RuntimeError):
@@ -136,9 +136,7 @@ class Snapshot:
     def changes(self) -> list[str]:
         params = read_yaml("params.yaml") or {}
         found = [
-            f"params.yaml {key}: {lookup(self.params_file, key)!r} -> {lookup(params, key)!r}"
-            for key in self.keys
-            if lookup(self.params_file, key) != lookup(params, key)
+            f"params.yaml {line}" for line in param_changes(self.keys, self.params_file, params)
         ]
         now = file_stats(self.deps)
         for path in sorted(self.stats.keys() | now.keys()):

@@ -345,7 +345,7 @@ def test_params_edited_while_training_is_reported_and_the_next_run_retrains(
     rerun = repro(project)
     assert rerun.returncode == 0 and ran(rerun.stdout)[:2] == ["check", "train"]
     lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert lock["stages"]["train"]["params"]["params.yaml"]["train.lr"] == 3e-3
+    assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["lr"] == 3e-3
     assert_invariants(project)
 
 

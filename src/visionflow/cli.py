@@ -42,6 +42,8 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
             )
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            errors[path] = f"{path}: not a regular file (a FIFO or a device): not read"
         else:
             errors[path] = f"{path}: no such file or folder"
     return files, errors
@@ -62,10 +64,14 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        if not model.is_file():
+        if model.is_dir():
+            raise ValueError(f"{model} is a folder: name the model file in it with --model")
+        if not model.exists():
             from visionflow.project import missing_output
 
             raise FileNotFoundError(missing_output(model, "model file"))
+        if not model.is_file():
+            raise ValueError(f"{model} is not a regular file (a FIFO or a device): not read")
         predictor, classes, spec = load_predictor(args.runtime, model, args.trust_code)
     except (FileNotFoundError, ModelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

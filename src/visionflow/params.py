@@ -4,11 +4,17 @@ The file is read as DVC reads it (ruamel.yaml, YAML 1.2: `off`, `on`, `yes`, `no
 is a float, a duplicate key is an error), so the checker and DVC never disagree on a value.
 Unknown keys, wrong types (a boolean is not a number) and out-of-range values are rejected with a
 message that names the key (`train.lerning_rate: unknown key; did you mean 'lr'?`). A key is
-required exactly when a stage in dvc.yaml lists it, so a missing one fails here as it would in DVC
-(tests/test_params.py holds the two together); the others have defaults.
+required exactly when DVC requires it: a key that a stage in dvc.yaml lists one by one, or a
+section a stage lists whole (`train`); keys inside a section listed whole may have defaults, as DVC
+tracks the section by its value (tests/test_dvc_contract.py holds the two together).
+
+A params.yaml that is a symbolic link is refused (DVC's queued experiments cannot apply their params
+through one, and DVC cannot read it at a commit), and so is a `prepare.path` that overlaps an output
+of dvc.yaml beside the file (DVC refuses the pipeline then, naming neither).
 """
 
 import difflib
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,6 +33,46 @@ def read_yaml(path: str | Path):
     from ruamel.yaml import YAML
 
     return YAML(typ="safe").load(Path(path).read_text())
+
+
+class ParamsError(ValueError):
+    """params.yaml (or dvc.yaml beside it) cannot be used; the message names the file and every
+    offending key."""
+
+
+def read_file(path: Path):
+    """`read_yaml(path)`, or a ParamsError in one line naming the file and the line:
+    `cannot read params.yaml: found character '\\t' that cannot start any token (line 31)`. A
+    duplicate key, a tab, a `!!python/...` tag are refused as DVC refuses them."""
+    from ruamel.yaml import YAMLError
+
+    if path.exists() and not (path.is_file() or path.is_dir()):  # reading a FIFO would block
+        raise ParamsError(f"cannot read {path}: not a regular file (a FIFO, socket or device)")
+    try:
+        return read_yaml(path)
+    except OSError as e:
+        raise ParamsError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ParamsError(f"cannot read {path}: not UTF-8 text (byte {e.start})") from None
+    except YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise ParamsError(
+            f"cannot read {path}: {getattr(e, 'problem', None) or e}{where}"
+        ) from None
+
+
+def refuse_link(path: Path) -> None:
+    """A ParamsError naming `path` when it is a symbolic link, as params.yaml and dvc.yaml must
+    not be: DVC's queued experiments cannot apply params through a link ("Could not apply stash
+    commit", the edit lost), DVC cannot read it at a commit, and a linked dvc.yaml is read as
+    its target, with every path (params.yaml among them) taken beside the target."""
+    if path.is_symlink():
+        raise ParamsError(
+            f"{path} is a symbolic link to {os.readlink(path)}: DVC needs the file itself; "
+            f'replace the link with the file: cp --remove-destination "$(readlink -f {path})" '
+            f"{path}"
+        )
 
 
 class Section(BaseModel):
@@ -159,10 +205,6 @@ class Params(Section):
     export: Export
 
 
-class ParamsError(ValueError):
-    """params.yaml is malformed; the message names every offending key."""
-
-
 def _model_at(loc: tuple) -> type[BaseModel]:
     """The params model that owns the key at `loc` (the section for `train.x`)."""
     model: type[BaseModel] = Params
@@ -206,25 +248,65 @@ def parse_params(raw: object) -> Params:
         raise ParamsError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 
+def stage_outputs(stages: dict) -> list[tuple[str, str]]:
+    """(stage, output) for every output dvc.yaml's stages list (a path, or {path: options})."""
+    return [
+        (name, out if isinstance(out, str) else next(iter(out)))
+        for name, spec in stages.items()
+        if isinstance(spec, dict)  # DVC names what else is wrong in dvc.yaml
+        for out in spec.get("outs", [])
+    ]
+
+
+def overlap(root: Path, data: str, outputs: list[tuple[str, str]]) -> str | None:
+    """The line refusing `prepare.path: data` when it is, holds or lies in a pipeline output
+    (paths relative to `root`, the project): DVC then refuses the whole pipeline with "Same
+    item(s) are defined as both a dependency and an output", naming neither."""
+
+    def where(path: str) -> Path:
+        return Path(os.path.normpath(Path(root).absolute() / path))
+
+    here, found = where(data), []
+    for stage, out in outputs:
+        there = where(out)
+        if here == there or here.is_relative_to(there) or there.is_relative_to(here):
+            how = "is" if here == there else "lies in" if here.is_relative_to(there) else "holds"
+            found.append(f"{how} {out} (stage {stage}'s output)")
+    if not found:
+        return None
+    return (
+        f"prepare.path: {data} {', '.join(found)}: DVC refuses a dep that overlaps an output; "
+        "point prepare.path at a folder of its own (data/raw, say)"
+    )
+
+
+def check_paths(path: Path, params: Params) -> None:
+    """prepare.path against the outputs of the dvc.yaml beside params.yaml, if there is one."""
+    pipeline = path.parent / "dvc.yaml"
+    if not pipeline.is_file():
+        return
+    try:
+        spec = read_file(pipeline)
+    except ParamsError:  # unreadable: DVC says so itself (and `visionflow repro` before it)
+        return
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    outputs = stage_outputs(stages) if isinstance(stages, dict) else []
+    problem = overlap(path.parent, params.prepare.path, outputs)
+    if problem:
+        raise ParamsError(f"{path}: invalid params:\n  {problem}")
+
+
 def load_params(path: str | Path = "params.yaml") -> Params:
     """Read and validate a params file; any problem is a ParamsError that names the file and key."""
     path = Path(path)
-    from ruamel.yaml import YAMLError
-
+    refuse_link(path)
+    raw = read_file(path)
     try:
-        raw = read_yaml(path)
-    except OSError as e:
-        raise ParamsError(f"cannot read {path}: {e}") from None
-    except YAMLError as e:  # a duplicate key, a tab, an unclosed bracket: as DVC refuses them
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise ParamsError(
-            f"cannot read {path}: {getattr(e, 'problem', None) or e}{where}"
-        ) from None
-    try:
-        return parse_params(raw)
+        params = parse_params(raw)
     except ParamsError as e:
         raise ParamsError(f"{path}: {e}") from None
+    check_paths(path, params)
+    return params
 
 
 def main(argv: list[str] | None = None) -> int:

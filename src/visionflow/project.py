@@ -1,5 +1,5 @@
-"""What dvc.yaml says a run depends on, read without DVC: the watcher, the special-file check and
-the stages' own mid-run guard use it. Torch-free."""
+"""What dvc.yaml says a run depends on, read without DVC: the watcher, the pre-check before a run
+(`preflight`) and the stages' own mid-run guard use it. Torch-free."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import re
 import stat
 from pathlib import Path
 
-from visionflow.params import read_yaml
+from visionflow.params import ParamsError, overlap, read_file, read_yaml, refuse_link, stage_outputs
 
 
 def lookup(tree: dict, key: str):
@@ -15,6 +15,23 @@ def lookup(tree: dict, key: str):
     for part in key.split("."):
         tree = tree.get(part) if isinstance(tree, dict) else None
     return tree
+
+
+def param_changes(keys: list[str], before: dict, after: dict) -> list[str]:
+    """ "train.lr: 0.001 -> 0.003" for each value under `keys` (a stage's params in dvc.yaml: a
+    key, or a section listed whole) that differs between two readings of params.yaml, key by key
+    inside a section."""
+    found = []
+    for key in keys:
+        old, new = lookup(before, key), lookup(after, key)
+        if old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            inner = [f"{key}.{name}" for name in sorted(old.keys() | new.keys())]
+            found += param_changes(inner, before, after)
+        else:
+            found.append(f"{key}: {old!r} -> {new!r}")
+    return found
 
 
 def fill(deps: list[str], params: dict) -> list[str]:
@@ -25,7 +42,11 @@ def fill(deps: list[str], params: dict) -> list[str]:
 def all_deps(root: Path) -> list[Path]:
     """What a change to from outside reruns a stage: every dep of every stage that no stage
     writes (data/prepared, say, is prepare's output), plus dvc.yaml and params.yaml."""
-    stages, params = pipeline(root)
+    return deps_from_outside(root, *pipeline(root))
+
+
+def deps_from_outside(root: Path, stages: dict, params: dict) -> list[Path]:
+    """`all_deps` of dvc.yaml's stages and params.yaml, as read."""
     deps = {d for spec in stages.values() for d in fill(spec.get("deps", []), params)}
     outs = outs_of(stages, params)
     outside = {d for d in deps if not any(Path(d).is_relative_to(out) for out in outs)}
@@ -40,12 +61,7 @@ def pipeline(root: Path) -> tuple[dict, dict]:
 
 def outs_of(stages: dict, params: dict) -> list[Path]:
     """Every stage's outputs as dvc.yaml lists them (a path, or {path: options}), relative."""
-    paths = [
-        out if isinstance(out, str) else next(iter(out))
-        for spec in stages.values()
-        for out in spec.get("outs", [])
-    ]
-    return [Path(out) for out in fill(paths, params)]
+    return [Path(out) for out in fill([out for _, out in stage_outputs(stages)], params)]
 
 
 def all_outs(root: Path) -> list[Path]:
@@ -112,18 +128,24 @@ KINDS = {
 
 
 def special_files(paths: list[Path]) -> list[str]:
-    """ "<path> is a FIFO" for each FIFO, socket or device at or under `paths` (links followed):
-    DVC would wait forever reading one while hashing. Regular files are told apart by the
-    directory entry, without a stat each, so 20,000 images take a few tens of milliseconds."""
+    """A line for each file at or under `paths` (links followed) that DVC cannot hash, naming it
+    and what to do: a FIFO, socket or device (DVC would wait forever reading it) or a link to
+    nothing (DVC stops with "unexpected error", naming no stage). Regular files are told apart
+    by the directory entry, without a stat each: 20,000 images take a few tens of milliseconds."""
     found, folders = [], []
 
     def check(path: Path) -> None:
         try:
             kind = KINDS.get(stat.S_IFMT(path.stat().st_mode))
-        except OSError:  # a dangling link, or gone since: DVC reports those itself
+        except OSError:  # gone since, or a link to nothing (or to itself)
+            if path.is_symlink():
+                found.append(
+                    f"{path} is a link to {os.readlink(path)}, which does not exist: DVC cannot "
+                    "hash it; remove the link, or put its target back"
+                )
             return
         if kind:
-            found.append(f"{path} is {kind}")
+            found.append(f"{path} is {kind}: DVC would hang reading it; remove it")
 
     for path in paths:
         folders.append(path) if path.is_dir() else check(path)
@@ -135,3 +157,88 @@ def special_files(paths: list[Path]) -> list[str]:
                 elif not entry.is_file(follow_symlinks=False):  # a link, or a special file
                     check(Path(entry.path))
     return sorted(found)
+
+
+def lock_problem(root: Path) -> str | None:
+    """The line for a dvc.lock DVC cannot read (empty, cut short, not a lock file), which DVC
+    reports as "validation failed / required key not provided"; None when there is none yet."""
+    lock = root / "dvc.lock"
+    if not lock.exists():
+        return None  # before the first run
+    fix = (
+        "`git checkout dvc.lock` brings back the committed one, or delete it and DVC reruns "
+        "every stage"
+    )
+    try:
+        content = read_file(lock)
+    except ParamsError as e:
+        return f"{e}: {fix}"
+    if not (isinstance(content, dict) and isinstance(content.get("stages"), dict)):
+        return f"{lock} is empty or not a DVC lock file (it records no stages): {fix}"
+    return None
+
+
+def preflight(root: Path) -> list[str]:
+    """What would stop `dvc repro` or `dvc status`, or make them hang, or answer in words that
+    name nothing, found before DVC runs: each problem one line naming the file and what to do.
+    dvc.yaml and params.yaml must be files (not links) that read; prepare.path must not overlap
+    an output; no dep may be a FIFO, a device or a link to nothing; dvc.lock must read."""
+    try:
+        for name in ("dvc.yaml", "params.yaml"):
+            refuse_link(root / name)
+        spec, params = read_file(root / "dvc.yaml"), read_file(root / "params.yaml")
+    except ParamsError as e:
+        return [str(e)]
+    stages = spec.get("stages") if isinstance(spec, dict) else None
+    stages = stages if isinstance(stages, dict) else {}  # DVC names what is wrong in dvc.yaml,
+    params = params if isinstance(params, dict) else {}  # the check stage in params.yaml
+    data = lookup(params, "prepare.path")
+    crossed = overlap(root, data, stage_outputs(stages)) if isinstance(data, str) else None
+    problems = [f"{root / 'params.yaml'}: {crossed}" if crossed else None]
+    problems += special_files(deps_from_outside(root, stages, params))
+    problems.append(lock_problem(root))
+    return [line for line in problems if line]
+
+
+def locked_output(path: Path) -> tuple[Path, str, str, bool] | None:
+    """What dvc.lock says of a stage output file `path` (itself an output, or inside a folder
+    output): (the project root, the stage, the output as dvc.lock names it, whether DVC's cache
+    holds the file); None when no stage records it."""
+    path = Path(path).absolute()
+    root = dvc_root(next(p for p in (path, *path.parents) if p.exists()))
+    lock = root / "dvc.lock" if root else None
+    if lock is None or not lock.is_file() or not path.is_relative_to(root):
+        return None
+    try:
+        stages = read_yaml(lock).get("stages") or {}
+    except Exception:  # an unreadable dvc.lock records nothing we can use
+        return None
+    relative, cache = path.relative_to(root), cache_config(root)[0]
+    for stage, entry in stages.items():
+        for out in entry.get("outs", []):
+            if relative == Path(out["path"]):
+                return root, stage, out["path"], cache_object(cache, out.get("md5", "")).exists()
+            if relative.is_relative_to(out["path"]):
+                listing = cache_object(cache, str(out.get("md5", "")))
+                inside = str(relative.relative_to(out["path"]))
+                entries = json.loads(listing.read_text()) if listing.is_file() else []
+                md5 = next((e.get("md5") for e in entries if e.get("relpath") == inside), None)
+                return root, stage, out["path"], bool(md5) and cache_object(cache, md5).exists()
+    return None
+
+
+def missing_output(path: Path, what: str = "file") -> str:
+    """One line for a pipeline output missing from the workspace, naming it and the ways to get
+    it back: `dvc checkout` when DVC's cache has it, else `dvc pull` from a remote that has it
+    or `dvc repro` of its stage."""
+    found = locked_output(path)
+    if found is None:
+        return f"no {what} at {path}: `dvc repro` makes it (or name another with --model)"
+    _, stage, out, cached = found
+    if cached:
+        return f"{path} is missing, but DVC's cache has it: `dvc checkout {stage}` puts it back"
+    return (
+        f"{path} is missing, and DVC's cache lacks it (dvc.lock's stage {stage} records {out}; "
+        f"a `dvc pull` that named a missing hash means the remote lacks it too): `dvc pull "
+        f"{stage}` from a remote that has it (`-r NAME`), or `dvc repro {stage}` to make it again"
+    )

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from visionflow import faults
-from visionflow.project import all_deps, dvc_root, outs_of, pipeline, special_files
+from visionflow.project import dvc_root, outs_of, pipeline, preflight
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
@@ -329,9 +329,10 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
     except NotAProject as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    special = special_files(all_deps(workdir))
-    if special:
-        print(f"error: {'; '.join(special)}: DVC would hang reading it; remove it", file=sys.stderr)
+    problems = preflight(workdir)  # DVC would hang, or answer in words that name nothing
+    for line in problems:
+        print(f"error: {line}", file=sys.stderr)
+    if problems:
         return 1
     try:
         stop_grace_s()
