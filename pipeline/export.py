@@ -8,7 +8,8 @@ Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its cla
         units of 1e-6, which DVC's 5-decimal rounding keeps, and ONNX latency at batch 1).
         Files are written to a staging folder and moved into <out> only when every parity check
         passes; on a miss the stage fails with the numbers and <out>.miss.json holds the failed
-        report; the last good export stays in DVC's cache (`dvc checkout` puts it back).
+        report; DVC deleted <out> before the stage ran, and the last good export stays in its
+        cache (`dvc checkout export` puts it back; `visionflow repro` and the flows do it).
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
             --metrics results/evaluate/metrics.json --out results/export
 """
@@ -106,7 +107,7 @@ def main() -> None:
         data.write_json(miss, report)
         raise GateError(
             f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol {e.rtol} "
-            f"atol {e.atol}); nothing promoted, {args.out} keeps the last good export; see {miss}"
+            f"atol {e.atol}); nothing promoted; the failed report is {miss}"
         )
 
     predictors = {"eager": module_predictor(model), **predictors}
@@ -114,7 +115,9 @@ def main() -> None:
     data.write_json(out / "latency.json", {"unit": "ms (median)", **latency})
     data.write_json(out / "metrics.json", summary(report, latency))
     metrics = json.loads(args.metrics.read_text())
-    (out / "MODEL_CARD.md").write_text(model_card(meta, params, metrics, report, latency, spec))
+    manifest = json.loads((args.data / "manifest.json").read_text())  # the source and split
+    card = model_card(meta, manifest, metrics, report, latency, spec)
+    (out / "MODEL_CARD.md").write_text(card)
     print(
         f"export: {', '.join(p.name for p in paths.values())} in {args.out} "
         f"(ONNX via the {exporter} exporter)"

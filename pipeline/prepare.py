@@ -3,7 +3,8 @@
 Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image folder (or a .zip,
         .tar, .tar.gz of one), or a torchvision root
 Writes: <out>/{train,val,test}_{x,y}.npy, classes.json, stats.json (train-only mean/std),
-        decode.json (how pixels were made), manifest.json (sha256 per array, counts),
+        decode.json (how pixels were made), manifest.json (sha256 per array, counts, and what the
+        cache was made from: source, split fractions and seed),
         rejects.json (each rejected file and why), duplicates.json (images shared across splits)
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
 """
@@ -53,6 +54,8 @@ def build(params: Params, out: Path) -> dict:
             print(f"prepare: extracted {p.path} safely into {tmp}")
         source = data.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
+        for warning in data.look_alike_classes(source.classes):
+            print(f"prepare: warning: {warning}")
         return data.build_cache(
             source,
             out,
@@ -64,6 +67,8 @@ def build(params: Params, out: Path) -> dict:
             max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,
+            # not prepare.path: moving the same images must not change the cache (and retrain)
+            origin={"source": p.source},
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -11,7 +11,9 @@ Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=T
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
 
 A killed run resumes from its last checkpoint on the next `dvc repro` and ends with the same
-weights and metrics as an uninterrupted one (CPU, train.deterministic: true).
+weights and metrics as an uninterrupted one (CPU, train.deterministic: true). So does a finished
+run given a larger train.epochs (plateau, step or no schedule: the cosine schedule's rate depends
+on the budget); a run that cannot resume says which key changed since the newest checkpoint.
 """
 
 import argparse
@@ -88,15 +90,25 @@ def start_distributed(device_name: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
-def fingerprint(params, cache: Path) -> str:
-    """What a resumable checkpoint must match: the seed, train params, pretrained file, data and
-    the content of the stage's code."""
+def run_of(params, cache: Path) -> dict:
+    """What a resumable checkpoint must match (its folder is named by the hash of this, and its
+    run.json keeps it): the seed, train params, and the content of the data, the stage's code and
+    the pretrained file. train.epochs is left out but for the cosine schedule, whose learning rate
+    depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
+    budget resumes a finished run."""
     t = params.train
     weights = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
-    pretrained = data.file_hash(weights) if weights else None
-    run = {"seed": params.seed, "train": t.model_dump(), "pretrained": pretrained}
-    run["code"] = code_digest("train")
-    return checkpoint.fingerprint(run, (cache / "manifest.json").read_text())
+    train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
+    hashes = {
+        "data": data.file_hash(cache / "manifest.json"),
+        "code": code_digest("train"),
+        "pretrained weights": data.file_hash(weights) if weights else None,
+    }
+    return {"seed": params.seed, "train": train, "hashes": hashes}
+
+
+# why a changed key starts training fresh, where that is not plain from its name
+FRESH_BECAUSE = {"train.epochs": "the cosine schedule's learning rate depends on it"}
 
 
 def cpu_copy(state_dict: dict) -> dict:
@@ -242,8 +254,9 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
     return model, mean, std
 
 
-def describe(t: Train, d: "Data", mean: list, std: list) -> dict:
-    """What model.pt says about itself: plain values only, so it loads with weights_only=True."""
+def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
+    """What model.pt says about itself: plain values only, so it loads with weights_only=True.
+    The export stage's model card states only what this (and the cache) say."""
     return {
         "model": t.model,
         "in_channels": d.channels,
@@ -254,6 +267,16 @@ def describe(t: Train, d: "Data", mean: list, std: list) -> dict:
         "std": std,
         "background": d.meta.background,
         "checkpointing": t.checkpointing,
+        # where mean/std come from (`model_for`)
+        "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",
+        "train": {
+            "epochs": t.epochs,
+            "batch_size": t.batch_size,
+            "lr": t.lr,
+            "weight_decay": t.weight_decay,
+            "dropout": t.dropout,
+            "seed": seed,
+        },
     }
 
 
@@ -409,26 +432,15 @@ PUBLISHED = "published.json"  # in a state folder: the md5 of the model.pt its r
 
 
 def resume(
-    trainer: Trainer, monitor: health.Monitor, folder: Path, run: str, out: Path, say
+    trainer: Trainer, monitor: health.Monitor, folder: Path, run: dict, out: Path, say
 ) -> Progress:
-    """The state of this fingerprint only, from its own folder; a fresh start otherwise (other
-    configurations' folders beyond the newest few are pruned). A run that finished is kept
-    until DVC has recorded its outputs: then it is done with, and a new run starts fresh; if DVC
-    did not (a full cache, a stop while DVC hashed them), its outputs are written again from it,
-    without training."""
+    """The state of this fingerprint only, from its own folder (`state_to_resume`); a fresh
+    start otherwise (other configurations' folders beyond the newest few are pruned)."""
     device = next(trainer.model.parameters()).device
-    state, why = checkpoint.load_latest(folder, run, device)
-    if state and recorded(folder, out):
-        state = None
-        why = "the last run of these params, data and code is recorded by DVC; starting fresh"
-    elif state and (folder / PUBLISHED).exists():
-        why = (
-            f"the last run of these params finished but DVC did not record its outputs (a full "
-            f"cache, a stop while DVC hashed them): {why}; writing them again, without training"
-        )
+    state, why, extending = state_to_resume(folder, run, out, trainer.t.epochs, device)
     best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
     if state and not checkpoint.readable(best):  # half-deleted or corrupt
-        state = None
+        state, extending = None, False
         why = (
             f"not resuming from {folder}: its {best.name} is missing or unreadable; starting fresh"
         )
@@ -438,6 +450,9 @@ def resume(
     if trainer.rank == 0:
         if state is None:
             shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
+        if extending:  # no longer the run that published: a kill now leaves a run to resume
+            (folder / PUBLISHED).unlink()
+        checkpoint.write_run(folder, run)
         for stray in folder.glob("best-*.pt"):  # written just before a checkpoint that did not
             if stray != best:
                 stray.unlink()
@@ -450,6 +465,44 @@ def resume(
         trainer.scheduler.load_state_dict(state["scheduler"])
     monitor.load_state_dict(state["health"])
     return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
+
+
+def state_to_resume(
+    folder: Path, run: dict, out: Path, epochs: int, device: torch.device
+) -> tuple[dict | None, str, bool]:
+    """(the state to resume or None, a line saying why, whether it extends a finished run).
+
+    A run that finished (published its outputs) is extended when train.epochs grew: only
+    schedules whose first epochs do not depend on the budget share a fingerprint across budgets
+    (`run_of`). Else it is kept until DVC has recorded its outputs: then it is done with, and a
+    new run (`dvc repro -f`) starts fresh; if DVC did not (a full cache, a stop while DVC hashed
+    them), its outputs are written again from it, without training. Without a checkpoint of its
+    own, the line names what changed since the newest other configuration's."""
+    had_state = any(folder.glob("epoch-*.pt"))
+    state, why = checkpoint.load_latest(folder, checkpoint.fingerprint(run), device)
+    if state is None:
+        changed = None
+        if not had_state:  # not some unreadable files (load_latest said so): another config's?
+            changed = checkpoint.why_not_resumed(folder.parent, folder, run, FRESH_BECAUSE)
+        return None, f"starting fresh: {changed}" if changed else why, False
+    if state["epoch"] > epochs:  # a longer run's state, and train.epochs was lowered
+        why = f"not resuming {folder}: its epoch {state['epoch']} is past train.epochs {epochs}"
+        return None, f"{why}; starting fresh", False
+    if not (folder / PUBLISHED).exists():  # a run that stopped before its end
+        return state, why, False
+    done = recorded(folder, out)
+    budget = state.get("epochs", state["epoch"])  # an early-stopped run did fewer epochs
+    if epochs > budget:
+        kind = "recorded" if done else "finished"
+        return state, f"extending the {kind} {budget}-epoch run to {epochs} epochs: {why}", True
+    if done:
+        why = "the last run of these params, data and code is recorded by DVC; starting fresh"
+        return None, why, False
+    why = (
+        "the last run of these params finished but DVC did not record its outputs (a full "
+        f"cache, a stop while DVC hashed them): {why}; writing them again, without training"
+    )
+    return state, why, False
 
 
 def recorded(folder: Path, out: Path) -> bool:
@@ -490,13 +543,14 @@ def main() -> None:
     model, norm_mean, norm_std = model_for(t, d, device, say)
     mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
     trainer = Trainer.create(model, t, params.seed, rank, world)
-    model_meta = describe(t, d, norm_mean, norm_std)
+    model_meta = describe(t, params.seed, d, norm_mean, norm_std)
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
-    run_fingerprint = fingerprint(params, args.data)
+    run = run_of(params, args.data)
+    run_fingerprint = checkpoint.fingerprint(run)
     folder = args.checkpoints / run_fingerprint
     monitor = health.Monitor(t.health, d.meta.classes, say)
-    progress = resume(trainer, monitor, folder, run_fingerprint, args.out, say)
+    progress = resume(trainer, monitor, folder, run, args.out, say)
     parameters = sum(p.numel() for p in model.parameters())
     say(
         f"train: {t.model} on {device} x {world} (amp {trainer.step.dtype or 'off'}), "
@@ -557,7 +611,7 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
-        write_outputs(out, args.out, best_state, folder, progress, monitor)
+        write_outputs(out, args.out, best_state, folder, progress, monitor, model_meta)
 
 
 @contextmanager
@@ -587,6 +641,7 @@ def save_epoch(trainer: Trainer, progress: Progress, monitor, folder: Path, run:
             **trainer.state(),
             "epoch": epoch,
             "fingerprint": run,
+            "epochs": trainer.t.epochs,  # the budget: a larger one extends this run
             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
             "best": progress.best,
             "stale": progress.stale,
@@ -603,16 +658,21 @@ def write_outputs(
     folder: Path,
     progress: Progress,
     monitor: health.Monitor,
+    model_meta: dict,
 ) -> None:
-    """model.pt (the kept epoch: from memory when it ran in this process, else its best file),
-    health.json and metrics.json into the staging folder. The state stays until DVC has recorded
+    """model.pt (the kept epoch: from memory when it ran in this process, else its best file,
+    with this run's meta: an extended run's budget, not the shorter run's), health.json and
+    metrics.json into the staging folder. The state stays until DVC has recorded
     them (the next run's start checks): a failure after this stage (a full DVC cache, a kill
     while DVC hashes) then costs no training."""
     best_path = checkpoint.best_file(folder, progress.best["epoch"])
     if best_state is not None:
         save_atomic(best_state, out / "model.pt")
-    elif best_path.exists():
-        shutil.copy2(best_path, out / "model.pt")
+    elif best_path.exists():  # its meta made as above: the same bytes as an uninterrupted run's
+        saved = torch.load(best_path, map_location="cpu", weights_only=True)
+        kept = {k: saved["meta"][k] for k in ("epoch", "val_accuracy")}
+        best = {"state_dict": saved["state_dict"], "meta": {**model_meta, **kept}}
+        save_atomic(best, out / "model.pt")
     else:
         shutil.rmtree(folder, ignore_errors=True)
         raise GateError(f"{best_path} was deleted during the run; run again to start fresh")

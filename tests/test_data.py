@@ -406,3 +406,30 @@ def _ok_zip(tmp_path):
         zf.writestr("cat/1.png", png_bytes())
         zf.writestr("dog/1.png", png_bytes())
     return path
+
+
+def test_class_folders_equal_once_unicode_normalised_are_refused_naming_both(image_folder):
+    """`café` as NFC and as NFD (a folder copied from macOS): before, two classes of one name."""
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    (image_folder / "green").rename(image_folder / "caff")  # sorts between the two forms
+    shutil.copytree(image_folder / "red", image_folder / nfd)
+    source = data.load_source("imagefolder", image_folder)
+    assert source.classes == ["blue", "caff", nfc, "red"]  # the NFC name, in its NFC place
+    labels = dict(zip(source.names, source.labels.tolist(), strict=True))
+    assert [labels[n] for n in labels if n.startswith(nfd)] == [2] * 8
+    shutil.copytree(image_folder / "red", image_folder / nfc)
+    with pytest.raises(data.DataError) as refused:
+        data.load_source("imagefolder", image_folder)
+    message = str(refused.value)
+    assert r"'caf\xe9'" in message and r"'cafe\u0301'" in message and str(image_folder) in message
+    assert "merge them into one folder or rename one" in message
+
+
+def test_class_names_that_differ_only_by_case_spaces_or_invisible_characters_are_named():
+    found = data.look_alike_classes(["Cat", "cat", "dog", "dog\u200b", "bird ", "bird", "ox"])
+    assert [w.split(" differ")[0] for w in found] == [
+        "classes 'Cat' and 'cat'",
+        r"classes 'dog' and 'dog\u200b'",
+        "classes 'bird ' and 'bird'",
+    ]
+    assert data.look_alike_classes(["0", "1", "cat", "dog"]) == []

@@ -208,9 +208,11 @@ def test_a_code_change_does_not_resume_the_old_codes_checkpoint(project):
 
 def trained(project: Path) -> dict:
     """What a train run gave, timings left out: weights, meta, metrics and curves' last values."""
-    model = torch.load(project / "results/train/model.pt", weights_only=True)
+    path = project / "results/train/model.pt"
+    model = torch.load(path, weights_only=True)
     metrics = json.loads((project / "results/train/metrics.json").read_text())
-    return {**model, "metrics": metrics, "live": live_metrics(project)}
+    md5 = hashlib.md5(path.read_bytes()).hexdigest()  # DVC's: nothing after train reruns
+    return {**model, "md5": md5, "metrics": metrics, "live": live_metrics(project)}
 
 
 def epochs_run(output: str, budget: int) -> list[int]:

@@ -303,11 +303,28 @@ def test_checkpoints_fall_back_refuse_pickles_and_check_the_fingerprint(tmp_path
     assert loaded is None and "other params or data" in why and "starting fresh" in why
 
 
-def test_fingerprint_follows_params_and_data():
-    a = checkpoint.fingerprint({"lr": 1e-3}, "manifest-1")
-    assert a == checkpoint.fingerprint({"lr": 1e-3}, "manifest-1")
-    assert a != checkpoint.fingerprint({"lr": 2e-3}, "manifest-1")
-    assert a != checkpoint.fingerprint({"lr": 1e-3}, "manifest-2")
+def test_fingerprint_follows_the_run_and_a_fresh_start_names_what_changed(tmp_path):
+    run = {"seed": 0, "train": {"lr": 1e-3, "epochs": 3}, "hashes": {"data": "d1", "code": "c1"}}
+    a = checkpoint.fingerprint(run)
+    assert a == checkpoint.fingerprint(json.loads(json.dumps(run)))
+    assert a != checkpoint.fingerprint({**run, "train": {"lr": 2e-3, "epochs": 3}})
+    assert a != checkpoint.fingerprint({**run, "hashes": {"data": "d2", "code": "c1"}})
+    old, empty, new = tmp_path / a, tmp_path / "empty", tmp_path / "new"
+    checkpoint.save_checkpoint(old, state(3, a))
+    checkpoint.write_run(old, run)
+    checkpoint.write_run(empty, run)  # newer, but without a checkpoint: nothing to compare with
+    assert json.loads((old / "run.json").read_text()) == run
+    changed = {
+        "seed": 0,
+        "train": {"lr": 3e-3, "epochs": 5},
+        "hashes": {"data": "d1", "code": "c2"},
+    }
+    notes = {"train.epochs": "the cosine schedule's learning rate depends on it"}
+    assert checkpoint.why_not_resumed(tmp_path, new, changed, notes) == (
+        f"the code, train.epochs 3 -> 5, train.lr 0.001 -> 0.003 changed since the checkpoint in "
+        f"{old} (the cosine schedule's learning rate depends on it)"
+    )
+    assert checkpoint.why_not_resumed(tmp_path / "none", new, changed, notes) is None
 
 
 # --- the stage: DDP (kill and resume: test_reliability, test_nothing_lost) ---------------------------------------------------------------

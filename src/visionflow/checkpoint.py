@@ -5,7 +5,8 @@ scaler state, epoch, best metric, RNG states, the metric history (so curves surv
 fingerprint of the params, data and code it was trained with. Each fingerprint has its own folder,
 so a run never resumes, rotates or deletes another configuration's files; the newest KEEP_RUNS
 folders are kept. An unreadable checkpoint (a killed write, a truncated file) falls back to the
-one before.
+one before. Each folder's run.json holds what its fingerprint was made of, so a run that cannot
+resume another folder's checkpoint can say which key changed.
 
 The best model so far is `best-<epoch>.pt`, written before the epoch's checkpoint, which names
 the best epoch; older best files go only after that checkpoint is written. So a kill between the
@@ -25,12 +26,70 @@ from visionflow.models import save_atomic
 
 KEEP = 2  # newest checkpoints kept in a fingerprint's folder; older ones go after each save
 KEEP_RUNS = 3  # fingerprint folders kept (the current one and the newest others)
+RUN_FILE = "run.json"  # in a fingerprint's folder: what the fingerprint was made of
 
 
-def fingerprint(params: dict, data_manifest: str) -> str:
-    """What a run depends on: its params (as a sorted JSON) and the cache's manifest text."""
-    text = json.dumps(params, sort_keys=True) + "\n" + data_manifest
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+def fingerprint(run: dict) -> str:
+    """A short hash of what a run depends on. `run` holds plain values: params under their keys
+    (`{"seed": 0, "train": {...}}`) and content hashes under `hashes` (data, code, ...)."""
+    return hashlib.sha256(json.dumps(run, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_run(folder: Path, run: dict) -> None:
+    """Keep `run` (what the folder's fingerprint was made of) in the folder, made if needed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(run, indent=2, sort_keys=True) + "\n")
+    tmp.replace(folder / RUN_FILE)
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 0.001}} -> {"train.lr": 0.001}: the keys as params.yaml names them."""
+    found = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            found |= flat(value, f"{prefix}{key}.")
+        else:
+            found[f"{prefix}{key}"] = value
+    return found
+
+
+def changes(old: dict, new: dict) -> list[str]:
+    """What differs between two runs' descriptions, one phrase each: `train.lr 0.001 -> 0.003`,
+    `the data`. Keys only one of them has (a key left out of one's fingerprint) are not compared."""
+    before, after = flat(old), flat(new)
+    found = []
+    for key in sorted(before.keys() & after.keys()):
+        if before[key] == after[key]:
+            continue
+        if key.startswith("hashes."):
+            found.append(f"the {key.removeprefix('hashes.')}")
+        else:
+            found.append(f"{key} {json.dumps(before[key])} -> {json.dumps(after[key])}")
+    return found
+
+
+def why_not_resumed(root: Path, keep: Path, run: dict, notes: dict[str, str]) -> str | None:
+    """Why `run`, which has no checkpoint of its own (in `keep`), starts fresh: what changed since
+    the newest other folder under `root` with a checkpoint and a run.json, e.g. `train.lr 0.001 ->
+    0.003 changed since the checkpoint in <folder>`, with `notes[key]` for the keys changed; None
+    when there is no such folder."""
+    others = [p for p in root.glob("*") if p.is_dir() and p != keep] if root.is_dir() else []
+    for other in sorted(others, key=lambda p: p.stat().st_mtime, reverse=True):
+        try:
+            old = json.loads((other / RUN_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if not any(other.glob("epoch-*.pt")):
+            continue
+        found = changes(old, run) or ["the params"]
+        because = "".join(
+            f" ({note})"
+            for key, note in notes.items()
+            if any(c.startswith(f"{key} ") for c in found)
+        )
+        return f"{', '.join(found)} changed since the checkpoint in {other}{because}"
+    return None
 
 
 def best_file(folder: Path, epoch: int) -> Path:

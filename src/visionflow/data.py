@@ -2,9 +2,10 @@
 
 The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, the class
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
-array, a rejects report and a duplicates report. Normalisation happens at load time
-(`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.loading` is the
-torch half (the splits on the device, batches, normalisation).
+array and what the cache was made from (source, path, split fractions and seed), a rejects report
+and a duplicates report. Class names are NFC-normalised folder names. Normalisation happens at
+load time (`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.loading`
+is the torch half (the splits on the device, batches, normalisation).
 
 Files users did not make themselves are decoded defensively: broken, empty, non-image and
 oversized files are rejected with a reason each (never silently used), image modes are normalised
@@ -18,6 +19,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -84,7 +86,8 @@ def imagefolder_source(root: Path) -> Source:
             classes.append(entry.name)
     if not classes:
         raise DataError(f"{root} has no class subfolders (expected {root}/<class>/<image files>)")
-    for label, name in enumerate(classes):
+    folders, classes = class_names(root, classes)
+    for label, name in enumerate(folders):
         found = 0
         for path in sorted((root / name).rglob("*")):  # rglob does not descend into links
             relative = path.relative_to(root).as_posix()
@@ -107,9 +110,52 @@ def imagefolder_source(root: Path) -> Source:
                 if k.startswith(f"{name}/") and why.startswith(LINK_SKIPPED)
             )
             also = f" ({links} links skipped: links are not followed)" if links else ""
-            raise DataError(f"class '{name}' ({root / name}) has no image files{also}")
+            raise DataError(f"class '{classes[label]}' ({root / name}) has no image files{also}")
     names = [p.relative_to(root).as_posix() for p in paths]
     return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
+
+
+def class_names(root: Path, folders: list[str]) -> tuple[list[str], list[str]]:
+    """(the class folders, their class names), in the order of the names: NFC-normalised, so a
+    folder made on macOS (NFD names) gives the same labels, in the same order, as one made
+    elsewhere. Two folders whose names are equal once normalised are an error naming both,
+    code points shown: they would be two classes of one name."""
+    seen: dict[str, str] = {}
+    for folder in folders:
+        name = unicodedata.normalize("NFC", folder)
+        if name in seen:
+            raise DataError(
+                f"class folders {ascii(seen[name])} and {ascii(folder)} in {root} have the same "
+                f"name {name!r} in different Unicode forms (one was likely copied from macOS): "
+                "merge them into one folder or rename one"
+            )
+        seen[name] = folder
+    names = sorted(seen)
+    return [seen[name] for name in names], names
+
+
+# characters that show as nothing: a folder name holding one looks like another's
+INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
+
+
+def look_alike_classes(classes: list[str]) -> list[str]:
+    """Pairs of class names that differ only by letter case, surrounding spaces, invisible
+    characters or compatibility forms (`Cat` and `cat`, `cat ` and `cat`): one sentence each.
+    A warning, not an error: on Linux they are distinct folders and may be distinct classes."""
+    first: dict[str, str] = {}
+    found = []
+    for name in classes:
+        key = unicodedata.normalize("NFKC", name).translate(INVISIBLE).strip().casefold()
+        if key in first:
+            found.append(
+                f"classes {ascii(first[key])} and {ascii(name)} differ only by letter case, "
+                "spaces or invisible characters: they look alike in every report (and names "
+                "differing by case are one folder on macOS and Windows); if they are one class, "
+                "merge the folders, else rename one"
+            )
+        else:
+            first[key] = name
+    return found
 
 
 TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
@@ -316,9 +362,10 @@ def write_split(path: Path, source: np.ndarray, index: np.ndarray, chunk: int = 
 
 
 def write_cache(
-    out: Path, pixels: np.ndarray, source: Source, splits: dict[str, np.ndarray]
+    out: Path, pixels: np.ndarray, source: Source, splits: dict[str, np.ndarray], made_from: dict
 ) -> dict:
-    """Write arrays, classes, train-only stats and the manifest; returns the manifest."""
+    """Write arrays, classes, train-only stats and the manifest (with `made_from`: the source and
+    the split, which the model card states); returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     files, counts = {}, {}
     for split, index in splits.items():
@@ -337,7 +384,7 @@ def write_cache(
     for name in ("classes.json", "stats.json", "decode.json"):  # class names, preprocessing
         if (out / name).exists():
             files[name] = {"sha256": file_hash(out / name)}
-    manifest = {"files": files, "counts": counts}
+    manifest = {"files": files, "counts": counts, "made_from": made_from}
     write_json(out / "manifest.json", manifest)
     return manifest
 
@@ -354,11 +401,13 @@ def build_cache(
     max_bad_fraction: float = 0.0,
     min_per_class: int = 1,
     dedupe: bool = True,
+    origin: dict | None = None,
 ) -> dict:
     """Decode, reject, split, de-duplicate and write the cache; returns the manifest.
 
     Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, or when
-    a class keeps fewer than `min_per_class` good images, naming it.
+    a class keeps fewer than `min_per_class` good images, naming it. `origin` (the source's name
+    and path, as the user gave them) goes into the manifest with the split's fractions and seed.
     """
     if len(source.classes) < 2:  # before decoding anything
         raise DataError(
@@ -430,7 +479,8 @@ def build_cache(
                 "exif_transpose": True,
             },
         )
-        manifest = write_cache(out, pixels, source, splits)
+        split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
+        manifest = write_cache(out, pixels, source, splits, {**(origin or {}), **split})
     finally:
         pixels = None  # drop the memmap before removing its file
         scratch.unlink(missing_ok=True)

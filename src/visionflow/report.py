@@ -1,4 +1,9 @@
-"""The model card: one Markdown page that says what a shipped model is, how good, and how exact."""
+"""The model card: one Markdown page that says what a shipped model is, how good, and how exact.
+
+It states only what the export stage's inputs say: the model's meta (train's model.pt), the
+cache's manifest, evaluate's metrics and export's own reports; never params.yaml, whose values
+may have changed since the model was trained.
+"""
 
 import platform
 
@@ -12,9 +17,34 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
-def model_card(meta: dict, params, metrics: dict, parity: dict, latency: dict, spec: dict) -> str:
-    """`params` is the validated Params; `parity` and `latency` are the export stage's reports."""
-    p, t = params.prepare, params.train
+def data_line(made_from: dict) -> str:
+    """Where the data came from and how it was split, from the cache's manifest."""
+    if "seed" not in made_from:
+        return "Source and split: unknown (a cache prepared before they were recorded)."
+    path = f" (`{made_from['path']}`)" if made_from.get("path") else ""
+    return (
+        f"Source `{made_from['source']}`{path}, split train/val/test with seed "
+        f"{made_from['seed']} (val {made_from['val_fraction']}, test {made_from['test_fraction']})."
+    )
+
+
+def training_line(meta: dict) -> str:
+    """The training values, from the model's meta (the budget: an early stop did fewer)."""
+    t = meta.get("train")
+    if not t:
+        return "Training values: unknown (a model.pt saved before they were recorded)."
+    epochs = f"{t['epochs']} epoch" + ("s" if t["epochs"] != 1 else "")
+    return (
+        f"{epochs}, batch {t['batch_size']}, lr {t['lr']}, weight decay {t['weight_decay']}, "
+        f"dropout {t['dropout']}, seed {t['seed']}."
+    )
+
+
+def model_card(
+    meta: dict, manifest: dict, metrics: dict, parity: dict, latency: dict, spec: dict
+) -> str:
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity` and `latency` are
+    the export stage's reports, `spec` the preprocessing every exported file carries."""
     parity_rows = [
         [
             runtime,
@@ -40,20 +70,18 @@ def model_card(meta: dict, params, metrics: dict, parity: dict, latency: dict, s
 Classes ({len(meta["classes"])}, in output order): {", ".join(meta["classes"])}
 
 ## Data
-Source `{p.source}` (`{p.path}`), {spec["image_size"]}x{spec["image_size"]} {spec["color"]}, split
-train/val/test with seed {params.seed} (val {p.val_fraction}, test {p.test_fraction}).
+{data_line(manifest.get("made_from", {}))}
 Preprocessing: decode, EXIF transpose, convert to {spec["color"]}, resize ({spec["resize"]}) to
 {spec["image_size"]}x{spec["image_size"]}, then `(pixel / 255 - mean) / std` with mean {
         [round(m, 4) for m in spec["mean"]]
     }
-and std {
-        [round(s, 4) for s in spec["std"]]
-    } (train split), float32 NCHW. Every exported file carries this as
-`visionflow.preprocess` and the class names as `visionflow.classes`.
+and std {[round(s, 4) for s in spec["std"]]}, float32 NCHW. Normalisation statistics: {
+        meta.get("norm", "unknown (a model.pt saved before this was recorded)")
+    }. Every exported file carries this as `visionflow.preprocess` and the class names as
+`visionflow.classes`.
 
 ## Training
-{t.epochs} epochs, batch {t.batch_size}, lr {t.lr}, weight decay {t.weight_decay}, dropout
-{t.dropout}; best epoch {meta["epoch"]} (val accuracy {meta["val_accuracy"]:.4f}).
+{training_line(meta)} Best epoch {meta["epoch"]} (val accuracy {meta["val_accuracy"]:.4f}).
 
 ## Test metrics
 {table(["metric", "value"], scores)}

@@ -1,0 +1,95 @@
+"""Inputs from outside the project, through the stage commands: class folders made on another OS,
+and a model card that states what the model was made from, not what params.yaml says now."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, copy_project, solid, write_params
+
+
+def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m pipeline.<stage> ARGS` in `cwd` (params.yaml there), the project's code."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
+
+
+def test_a_folder_made_on_macos_gives_nfc_class_names_and_look_alikes_are_warned(
+    image_folder, tmp_path
+):
+    """A lone NFD folder (`café` from macOS) is the NFC class `café`; `Red` beside `red` (one
+    folder on macOS and Windows) is named in the prepare log."""
+    (image_folder / "green").rename(image_folder / "cafe\u0301")
+    (image_folder / "Red").mkdir()
+    for i in range(6):
+        image = solid((200, 30, 30))
+        image.putpixel((i, 3), (128, 128, 128))
+        image.save(image_folder / "Red" / f"{i}.png")
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    prepare = {
+        "source": "imagefolder",
+        "path": str(image_folder),
+        "image_size": 8,
+        "color": "rgb",
+        "val_fraction": 0.25,
+        "test_fraction": 0.25,
+        "max_bad_fraction": 0.5,  # the stray notes.txt files
+        "min_per_class": 2,
+    }
+    write_params(tmp_path, {"prepare": prepare})
+    made = stage(tmp_path, "pipeline.prepare", "--out", "prepared")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "prepare: warning: classes 'Red' and 'red' differ only by letter case" in made.stdout
+    classes = json.loads((tmp_path / "prepared/classes.json").read_text())
+    assert classes == ["Red", "blue", "caf\u00e9", "red"]
+    manifest = json.loads((tmp_path / "prepared/manifest.json").read_text())
+    assert manifest["made_from"] == {
+        "source": "imagefolder",
+        "val_fraction": 0.25,
+        "test_fraction": 0.25,
+        "seed": 0,
+    }
+
+
+@pytest.mark.slow
+def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
+    reproduced_base, tmp_path
+):
+    """A pretrained resnet18 is normalised with ImageNet's mean/std, and the card says so (before:
+    "train split"); params.yaml edited after training (not export deps) changes nothing in the
+    card (before: it printed the new values beside the old model)."""
+    import torchvision
+
+    project = copy_project(reproduced_base, tmp_path / "project")
+    torch.save(
+        torchvision.models.resnet18(weights=None).state_dict(), project / "data/pretrained/r.pt"
+    )
+    pretrained = {"model": "resnet18", "pretrained": "data/pretrained/r.pt", "epochs": 1}
+    write_params(project, {"train": pretrained})
+    out = tmp_path / "train"
+    trained = stage(
+        project, "pipeline.train", "--data", "data/prepared", "--out", str(out),
+        "--checkpoints", str(tmp_path / "state"),
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    meta = torch.load(out / "model.pt", weights_only=True)["meta"]
+    assert meta["norm"] == "ImageNet (the pretrained weights' statistics)"
+    stale = {"seed": 7, "prepare": {"val_fraction": 0.3}, "train": {"lr": 0.5, "pretrained": ""}}
+    write_params(project, stale)
+    exported = stage(
+        project, "pipeline.export", "--model", str(out / "model.pt"), "--data", "data/prepared",
+        "--metrics", "results/evaluate/metrics.json", "--out", str(tmp_path / "export"),
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    card = (tmp_path / "export/MODEL_CARD.md").read_text()
+    assert "Source `digits`, split train/val/test with seed 0 (val 0.15, test 0.2)." in card
+    assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
+    assert "1 epoch, batch 128, lr 0.001, weight decay 0.0, dropout 0.25, seed 0." in card
