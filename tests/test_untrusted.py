@@ -3,6 +3,7 @@ remote: each gets a clear answer, never a wrong one and never code run from a fi
 
 import hashlib
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -181,3 +182,182 @@ def test_a_missing_model_names_the_output_and_the_ways_to_get_it_back(
     assert result.returncode == 2 and "results/export/model.onnx is missing" in result.stderr
     assert "`dvc pull export`" in result.stderr and "`dvc repro export`" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# Ten more inputs of this kind (issue #29's closing request), each once wrong or a traceback.
+
+
+def test_model_files_newer_than_onnxruntime_or_with_custom_ops_say_why(
+    reproduced_base, digit, tmp_path
+):
+    """Before, ONNX Runtime's message was cut at 200 characters inside a C++ signature, before
+    the versions that say what to do; a custom-op domain named only an op."""
+    good = onnx.load(str(reproduced_base / "results/export/model.onnx"))
+    files = {}
+    for name, change in {
+        "opset": lambda m: setattr(m.opset_import[0], "version", 999),
+        "ir": lambda m: setattr(m, "ir_version", 99),
+        "custom": lambda m: (
+            setattr(m.graph.node[0], "domain", "com.example"),
+            m.opset_import.add(domain="com.example", version=1),
+        ),
+    }.items():
+        model = onnx.ModelProto()
+        model.CopyFrom(good)
+        change(model)
+        files[name] = tmp_path / f"{name}.onnx"
+        onnx.save(model, str(files[name]))
+    words = {
+        "opset": "uses opset 999, and this onnxruntime",
+        "ir": "uses ONNX IR version 99, and this onnxruntime",
+        "custom": "uses operator Conv of domain com.example, which ONNX Runtime lacks",
+    }
+    for name, path in files.items():
+        result = predict(reproduced_base, digit, "--model", path)
+        assert result.returncode == 2 and words[name] in result.stderr, result.stderr
+        assert len(result.stderr.splitlines()) == 1 and not result.stdout
+
+
+def test_a_foreign_model_pt_is_refused_before_the_network_is_built(
+    reproduced_base, digit, tmp_path, capsys
+):
+    """Before: extra pickled objects gave torch's advice to load the file unsafely (with
+    terminal colour codes); forged meta gave KeyError 'meta', a TypeError, or an attempt to
+    allocate a petabyte for image_size 10**6."""
+    import torch
+
+    from visionflow.cli import main
+
+    saved = torch.load(reproduced_base / "results/train/model.pt", weights_only=True)
+    marker = tmp_path / "code-ran"
+    cases = {
+        "pickle": ({**saved, "extra": Payload(marker)}, "holds pickled objects besides tensors"),
+        "size": (
+            {**saved, "meta": {**saved["meta"], "image_size": 10**6}},
+            "image_size must be a whole number of px, 1 to 1024: 1000000",
+        ),
+        "model": (
+            {**saved, "meta": {**saved["meta"], "model": "resnet9000"}},
+            "model 'resnet9000' is none of simple_cnn",
+        ),
+        "meta": ({"state_dict": saved["state_dict"]}, "its meta lacks model, in_channels"),
+    }
+    for name, (content, words) in cases.items():
+        torch.save(content, tmp_path / f"{name}.pt")
+        assert main(["predict", str(digit), "--model", str(tmp_path / f"{name}.pt")]) == 2
+        out, err = capsys.readouterr()
+        assert words in err and len(err.splitlines()) == 1 and not out, (name, err)
+    assert not marker.exists()
+
+
+def test_class_and_file_names_cannot_drive_the_terminal_or_break_json(
+    reproduced_base, digit, tmp_path
+):
+    """A forged class name with an escape sequence cleared the user's terminal, one with U+202E
+    showed reversed; an empty or 50 MB name was printed as is; a file name that is not UTF-8
+    became a lone surrogate (\\udcff) in --json, which strict JSON parsers refuse."""
+    good = reproduced_base / "results/export/model.onnx"
+    ten = [str(i) for i in range(10)]
+    odd = forged(good, tmp_path / "odd.onnx", classes=["\x1b[2J", "\u202egnp.exe", *ten[2:]])
+    table = predict(reproduced_base, digit, "--model", odd, "--top-k", "10", check=True).stdout
+    assert "\\x1b[2J" in table and "\\u202egnp.exe" in table
+    assert "\x1b" not in table and "\u202e" not in table
+    for name, classes in {"empty": ["", *ten[1:]], "long": ["x" * 300, *ten[1:]]}.items():
+        result = predict(
+            reproduced_base, digit, "--model", forged(good, tmp_path / name, classes=classes)
+        )
+        assert result.returncode == 2 and "empty or over 255 bytes" in result.stderr, name
+
+    folder = tmp_path / "names"
+    folder.mkdir()
+    shutil.copy(digit, folder / b"\xff.png".decode("utf-8", "surrogateescape"))
+    line = predict(reproduced_base, folder, "--json", check=True).stdout
+    assert line.isascii() and "\\udcff" not in line
+    assert json.loads(line)["file"] == f"{folder}/\\xff.png"
+
+
+def test_predict_from_a_subfolder_or_with_nowhere_to_write(reproduced_base, digit):
+    """Before: from a subfolder of the project, "no model file at results/export/model.onnx:
+    `dvc repro` makes it"; `>&-` and a full disk ended in tracebacks; `-` (stdin) was "no
+    such file"."""
+    env = {**os.environ, "PYTHONPATH": str(reproduced_base / "src")}
+    cmd = f"{sys.executable} -m visionflow.cli predict {digit}"
+    inside = subprocess.run(
+        f"{cmd} --json",
+        shell=True,
+        cwd=reproduced_base / "results",
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert inside.returncode == 0 and json.loads(inside.stdout)["predictions"], inside.stderr
+    for redirect, words in {
+        ">&-": "error: standard output is closed",
+        ">/dev/full": "error: cannot write the predictions: No space left on device",
+    }.items():
+        result = subprocess.run(
+            f"{cmd} {redirect}",
+            shell=True,
+            cwd=reproduced_base,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 2 and result.stderr.startswith(words), result.stderr
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+    result = predict(reproduced_base, "-")
+    assert result.returncode == 2 and "not standard input: save it to a file" in result.stderr
+
+
+def test_an_empty_or_missing_prepare_path_is_named_before_dvc_runs(reproduced_base, tmp_path):
+    """Before: `prepare.path: ""` made DVC stop with "unexpected error" (and the checker said
+    `prepare.path:  holds results/check...`); a clone without data/raw got DVC's "[Errno 2] No
+    such file or directory" and no way out."""
+    (tmp_path / ".dvc").mkdir()
+    shutil.copy(reproduced_base / "dvc.yaml", tmp_path)
+    params = (reproduced_base / "params.yaml").read_text()
+    expected = {
+        '""': "prepare.path: empty: name the folder of images",
+        "data/raw": "prepare.path data/raw does not exist, and stage prepare depends on it",
+        "~/photos": "prepare.path ~/photos does not exist (`~` is not expanded",
+    }
+    for value, words in expected.items():
+        (tmp_path / "params.yaml").write_text(params.replace("path: data/raw", f"path: {value}"))
+        result = subprocess.run(
+            [sys.executable, "-m", "visionflow.cli", "repro"],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 1 and words in result.stderr, (value, result.stderr)
+        assert "Traceback" not in result.stderr and "Running stage" not in result.stdout
+
+
+def test_a_file_removed_while_predict_runs_is_one_error_line(
+    reproduced_base, digit, tmp_path, monkeypatch, capsys
+):
+    """Before: a file listed, then deleted before it was decoded, ended in a traceback
+    (FileNotFoundError from the size check), and the other images' lines were lost."""
+    from visionflow import cli
+
+    folder = tmp_path / "changing"
+    folder.mkdir()
+    for name in ("a.png", "b.png"):
+        shutil.copy(digit, folder / name)
+    listed = cli.expand
+
+    def expand_then_delete(inputs):  # another process removes b.png just after the listing
+        found = listed(inputs)
+        (folder / "b.png").unlink()
+        return found
+
+    monkeypatch.setattr(cli, "expand", expand_then_delete)
+    model = reproduced_base / "results/export/model.onnx"
+    assert cli.main(["predict", str(folder), "--model", str(model), "--json"]) == 1
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert lines[0]["predictions"] and lines[1]["error"].endswith(
+        "cannot read: No such file or directory"
+    )
+    assert err == f"error: cannot decode {folder}/b.png: cannot read: No such file or directory\n"

@@ -15,6 +15,7 @@ visionflow doctor [--json]                       versions, GPU, disk, pipeline a
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -42,6 +43,8 @@ def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
             )
         elif path.is_file():
             files.append(path)
+        elif str(path) == "-":  # a shell habit: `cat img.png | visionflow predict -`
+            errors[path] = "-: images are read from files, not standard input: save it to a file"
         elif path.exists():
             errors[path] = f"{path}: not a regular file (a FIFO or a device): not read"
         else:
@@ -56,7 +59,12 @@ def predict(args: argparse.Namespace) -> int:
     """Predict every image, in order, a batch at a time, printing each batch as it is done."""
     from visionflow.inference import ModelError, load_predictor
 
-    model = args.model or Path(DEFAULT_MODELS[args.runtime or "onnx"])
+    if sys.stdout is None:  # `>&-`: nowhere to print, and nothing to tell apart from success
+        print("error: standard output is closed: nowhere to write the predictions", file=sys.stderr)
+        return 2
+    # a file name or class that the terminal's encoding lacks is escaped, not a traceback
+    sys.stdout.reconfigure(errors="backslashreplace")
+    model = args.model or default_model(args.runtime or "onnx")
     files, errors = expand(args.inputs)
     if not files:
         for message in errors.values():
@@ -99,7 +107,21 @@ def predict(args: argparse.Namespace) -> int:
     except BrokenPipeError:  # `| head` has read enough: stop quietly, as `cat` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 128 + signal.SIGPIPE
+    except OSError as e:  # a full disk, a quota: the predictions did not all get written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: cannot write the predictions: {e.strerror or e}", file=sys.stderr)
+        return 2
     return 1 if errors else 0
+
+
+def default_model(runtime: str) -> Path:
+    """The pipeline's model file for `runtime`, found from anywhere inside the project (a
+    subfolder too); outside one, relative to the current folder."""
+    from visionflow.project import dvc_root
+
+    root = dvc_root(Path.cwd())
+    relative = Path(DEFAULT_MODELS[runtime])
+    return relative if root is None or root == Path.cwd().resolve() else root / relative
 
 
 def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
@@ -113,14 +135,14 @@ def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
 
 def report(path: Path, message: str, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"file": str(path), "error": message}))
+        print(json.dumps({"file": text_of(path), "error": message}))
     print(f"error: {message}", file=sys.stderr)
 
 
 def json_line(path: Path, ranked: list[tuple[str, float]]) -> str:
     """One JSON object per image on one line (a newline in a file name is escaped)."""
     rows = [{"class": c, "probability": p} for c, p in ranked]
-    return json.dumps({"file": str(path), "predictions": rows})
+    return json.dumps({"file": text_of(path), "predictions": rows})
 
 
 def tsv_line(path: Path, ranked: list[tuple[str, float]]) -> str:
@@ -129,12 +151,25 @@ def tsv_line(path: Path, ranked: list[tuple[str, float]]) -> str:
     return "\t".join(map(escape, cells))
 
 
+# Characters a terminal acts on rather than shows: other control characters (ESC starts a
+# colour or clear-screen sequence), and the bidi controls that reorder what follows (U+202E).
+HIDDEN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
 def escape(text: str) -> str:
-    """A name as one TSV cell: backslash, tab and line breaks escaped (as `\\t`, `\\n`), and
-    bytes that are not UTF-8 (a file name from another system) shown as `\\xff`."""
+    """A name as one TSV cell: backslash, tab and line breaks escaped (as `\\t`, `\\n`), other
+    control and bidi characters as `\\x1b`, `\\u202e` (a model's class names are untrusted
+    text), and bytes that are not UTF-8 (a file name from another system) shown as `\\xff`."""
     for char, code in (("\\", "\\\\"), ("\t", "\\t"), ("\n", "\\n"), ("\r", "\\r")):
         text = text.replace(char, code)
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    text = HIDDEN.sub(lambda m: m[0].encode("unicode_escape").decode(), text)
+    return text_of(text)
+
+
+def text_of(name) -> str:
+    """A path or name as valid UTF-8 text: bytes that are not UTF-8 (a file name from another
+    system) become `\\xff`, not the lone surrogate that strict JSON parsers refuse."""
+    return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,11 @@ def normalise_mode(image: Image.Image, color: str, background: tuple[int, int, i
 
 def open_image(path: Path, decode: Decode) -> Image.Image:
     """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
-    if path.stat().st_size == 0:
+    try:
+        empty = path.stat().st_size == 0
+    except OSError as e:  # gone since the folder was listed (or a name too long)
+        raise DataError(f"cannot read: {e.strerror}") from None
+    if empty:
         raise DataError("empty file (0 bytes)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # an error below instead
@@ -82,6 +86,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
         except Image.DecompressionBombError as e:
             raise DataError(f"decompression bomb: {e}") from None
         except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
+            if isinstance(e, OSError) and e.errno:  # the file system's error, not the data's
+                raise DataError(f"cannot read: {e.strerror}") from None
             raise DataError(f"corrupt or truncated: {e}") from None
 
 

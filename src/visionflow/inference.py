@@ -104,7 +104,13 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
 def onnx_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     import onnxruntime as ort
 
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as e:
+        refusal = onnx_load_error(path, str(e), ort.__version__)
+        if refusal is None:
+            raise  # a corrupt or truncated file: the caller names it
+        raise refusal from None
     inputs, outputs = session.get_inputs(), session.get_outputs()
     if len(inputs) != 1 or not outputs:
         raise ModelError(
@@ -117,6 +123,41 @@ def onnx_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
         DECLARED: json.dumps([inputs[0].type, inputs[0].shape, outputs[0].shape]),
     }
     return (lambda x: session.run(None, {name: x})[0]), meta
+
+
+# What ONNX Runtime says when a file is newer than it or uses operators it lacks; its message
+# opens with a C++ source location and signature, which hide these facts past a line's length.
+ORT_TOO_NEW = {
+    r"Unsupported model IR version: (\d+), max supported IR version: (\d+)": (
+        "ONNX IR version",
+        "upgrade onnxruntime, or export with the onnx and torch that this project pins",
+    ),
+    r"Opset (\d+) is under development.*?domain \S+ is till opset (\d+)": (
+        "opset",
+        "upgrade onnxruntime, or re-export with a lower export.opset",
+    ),
+}
+
+
+def onnx_load_error(path: Path, message: str, version: str) -> ModelError | None:
+    """ONNX Runtime's refusal of a newer file or a custom operator as one line saying why."""
+    import re
+
+    for pattern, (what, fix) in ORT_TOO_NEW.items():
+        found = re.search(pattern, message, re.S)
+        if found:
+            return ModelError(
+                f"{path} uses {what} {found[1]}, and this onnxruntime ({version}) reads up to "
+                f"{found[2]}: {fix}"
+            )
+    custom = re.search(r"(\S+):(\w+)\(-?\d+\) is not a registered function/op", message)
+    if custom:
+        return ModelError(
+            f"{path} uses operator {custom[2]} of domain {custom[1]}, which ONNX Runtime lacks "
+            "(a custom-op library): visionflow exports standard ONNX operators only; ask for "
+            "the model.onnx the export stage writes"
+        )
+    return None
 
 
 def torchscript_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
@@ -140,11 +181,51 @@ def pt2_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
 def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
     """A checkpoint as the train stage writes it (model.pt), in eager PyTorch."""
-    from visionflow.models import load_model
+    import pickle
 
-    model, meta = load_model(path)
-    spec = spec_of(meta)
-    return module_predictor(model), describe(meta["classes"], spec)
+    import torch
+
+    from visionflow.models import MODELS, model_from
+
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # torch's advice (load it unsafely) is not ours to give
+        raise ModelError(
+            f"{path} holds pickled objects besides tensors and plain data, which can run code "
+            "when loaded: not loaded (a model.pt the train stage writes has none; ask for the "
+            "model.onnx instead)"
+        ) from None
+    meta = saved.get("meta") if isinstance(saved, dict) else None
+    problems = meta_problems(meta, MODELS)
+    if problems:  # checked before the network is built: a forged image_size could fill memory
+        raise ModelError(f"{path} is not a checkpoint the train stage writes: {problems}")
+    try:
+        model, meta = model_from(saved)
+    except (KeyError, RuntimeError, TypeError, ValueError) as e:
+        words = " ".join(str(e).split())  # torch's lines, as one
+        raise ModelError(
+            f"{path}: its weights do not fit the network its meta describes: {words[:300]}"
+        ) from None
+    return module_predictor(model), describe(meta["classes"], spec_of(meta))
+
+
+def meta_problems(meta, models) -> str:
+    """What is wrong with a checkpoint's meta, in words ("": usable)."""
+    keys = ("model", "in_channels", "image_size", "dropout", "classes", "mean", "std")
+    if not isinstance(meta, dict) or any(k not in meta for k in keys):
+        return f"its meta lacks {', '.join(k for k in keys if k not in (meta or {}))}"
+    if meta["model"] not in models:
+        return f"model {meta['model']!r} is none of {', '.join(models)}"
+    if meta["in_channels"] not in (1, 3):
+        return f"in_channels must be 1 or 3: {meta['in_channels']!r}"
+    spec = preprocess_spec(
+        meta["image_size"],
+        meta["in_channels"],
+        meta["mean"],
+        meta["std"],
+        meta.get("background", [255, 255, 255]),
+    )
+    return "; ".join(class_problems(meta["classes"]) + spec_problems(spec))
 
 
 def _text(value: str | bytes) -> str:
@@ -251,6 +332,11 @@ def class_problems(classes) -> list[str]:
         return [f"{CLASSES_KEY} is not a list of names"]
     if len(classes) < 2 or len(set(classes)) != len(classes):
         return [f"{CLASSES_KEY} needs two or more distinct names, got {classes[:12]}"]
+    # names are folder names: never empty, at most 255 bytes (a longer one is forged)
+    odd = [c for c in classes if not c or len(c.encode("utf-8", "surrogatepass")) > 255]
+    if odd:
+        shown = [c if len(c) <= 40 else c[:40] + f"... ({len(c)} characters)" for c in odd[:3]]
+        return [f"{CLASSES_KEY} has names that are empty or over 255 bytes: {shown}"]
     return []
 
 

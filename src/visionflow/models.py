@@ -276,7 +276,11 @@ def save_model(model: nn.Module, meta: dict, path: Path) -> None:
 
 def load_model(path: Path, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict]:
     """Rebuild the model saved by `save_model`, in eval mode, with its meta."""
-    saved = torch.load(path, map_location=map_location, weights_only=True)
+    return model_from(torch.load(path, map_location=map_location, weights_only=True))
+
+
+def model_from(saved: dict) -> tuple[nn.Module, dict]:
+    """The model a loaded `save_model` dict describes, in eval mode, with its meta."""
     meta = saved["meta"]
     model = build_model(
         meta["model"],

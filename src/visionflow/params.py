@@ -266,6 +266,8 @@ def overlap(root: Path, data: str, outputs: list[tuple[str, str]]) -> str | None
     def where(path: str) -> Path:
         return Path(os.path.normpath(Path(root).absolute() / path))
 
+    if not data.strip():  # "" is the project itself, which holds every output
+        return "prepare.path: empty: name the folder of images (data/raw, say)"
     here, found = where(data), []
     for stage, out in outputs:
         there = where(out)

@@ -194,10 +194,23 @@ def preflight(root: Path) -> list[str]:
     params = params if isinstance(params, dict) else {}  # the check stage in params.yaml
     data = lookup(params, "prepare.path")
     crossed = overlap(root, data, stage_outputs(stages)) if isinstance(data, str) else None
-    problems = [f"{root / 'params.yaml'}: {crossed}" if crossed else None]
+    problems = [f"{root / 'params.yaml'}: {crossed}" if crossed else missing_data(root, data)]
     problems += special_files(deps_from_outside(root, stages, params))
     problems.append(lock_problem(root))
     return [line for line in problems if line]
+
+
+def missing_data(root: Path, data) -> str | None:
+    """The line for a prepare.path that is not there (a teammate's clone without the images),
+    which DVC reports as "[Errno 2] No such file or directory" and nothing to do about it."""
+    if not isinstance(data, str) or not data or os.path.lexists(root / data):
+        return None
+    tilde = " (`~` is not expanded: write the whole path)" if data.startswith("~") else ""
+    return (
+        f"{root / 'params.yaml'}: prepare.path {data} does not exist{tilde}, and stage prepare "
+        f"depends on it: put the images there (`dvc pull {data}` if DVC tracks them, `git "
+        f"checkout -- {data}` if git does), or point prepare.path at the folder that holds them"
+    )
 
 
 def locked_output(path: Path) -> tuple[Path, str, str, bool] | None:
