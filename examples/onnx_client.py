@@ -92,7 +92,8 @@ def main(model_path: str, image_paths: list[str]) -> None:
         probs /= probs.sum(axis=1, keepdims=True)
         for path, p in zip(paths, probs, strict=True):
             best = int(p.argmax())
-            print(json.dumps({"file": path, "class": classes[best], "probability": float(p[best])}))
+            name = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            print(json.dumps({"file": name, "class": classes[best], "probability": float(p[best])}))
 
 
 if __name__ == "__main__":
