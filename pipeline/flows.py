@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -37,12 +38,14 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NONE
 from prefect.deployments import run_deployment
-from prefect.states import Completed
+from prefect.futures import wait
+from prefect.states import Completed, Failed, State
 
 from visionflow import runner
 from visionflow.params import read_yaml
-from visionflow.project import all_deps, special_files
+from visionflow.project import all_deps, preflight, special_files
 from visionflow.runner import (
     BUSY_EXIT,
     NotAProject,
@@ -149,11 +152,12 @@ def only_when_busy(task, task_run, state) -> bool:
 
 @task(retries=LOCK_RETRIES, retry_delay_seconds=LOCK_WAIT_S, retry_condition_fn=only_when_busy)
 def changed(workdir: Path) -> dict:
-    """`dvc status --json`: empty when the pipeline is up to date. Special files among the deps
-    are refused first, by name: DVC would wait on a FIFO forever while hashing."""
-    special = special_files(all_deps(workdir))
-    if special:
-        raise StageFailed(f"{'; '.join(special)}: DVC would hang reading it; remove it")
+    """`dvc status --json`: empty when the pipeline is up to date. What would make DVC hang (a
+    FIFO among the deps) or answer in words that name nothing (an unreadable params.yaml, a link
+    to nothing, an empty dvc.lock) is refused first, by name (`project.preflight`)."""
+    problems = preflight(workdir)
+    if problems:
+        raise StageFailed("; ".join(problems))
     return json.loads(dvc(workdir, "status", "--json", doing="what changed") or "{}")
 
 
@@ -174,7 +178,7 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
     before, stops = locked(workdir, stage), len(runner.FORWARDED)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
     try:
-        code, tail = run_group(cmd, workdir, timeout_s, logger.info)
+        code, tail = run_group(cmd, workdir, timeout_s, readable(logger.info))
     except Timeout as e:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
@@ -191,6 +195,27 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         raise DvcBusy.at(workdir, stage)
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
+
+
+# DVC's advice after a stage or an experiment records its results, each followed by a blank
+# line and the command, indented with a tab: noise in a flow's log (the flow commits nothing).
+DVC_HINTS = ("To track the changes with git, run:", "To enable auto staging, run:")
+
+
+def readable(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` for DVC's output, less what a person does not read there: blank lines and DVC's
+    git hints with their commands (`git add ...`, `dvc config core.autostage true`)."""
+    in_hint = False
+
+    def say(line: str) -> None:
+        nonlocal in_hint
+        if line.startswith(DVC_HINTS):
+            in_hint = True
+        elif line.strip() and not (in_hint and line.startswith("\t")):
+            in_hint = False
+            log(line)
+
+    return say
 
 
 def lock_refused(output: str, stage: str) -> bool:
@@ -341,7 +366,8 @@ def experiments(
     `workers: 0` runs them one after another, `workers: N` queues them and lets DVC's queue run
     N at a time; either way each runs in its own temporary copy, so the workspace stays as it is,
     and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
-    a failed or cancelled sweep stops the DVC queue's workers. One failed experiment does not
+    a failed or cancelled sweep stops the DVC queue's workers. Each experiment is a task run
+    named after it: Completed with its main metrics, or Failed. One failed experiment does not
     stop the others; the flow fails at the end, naming it.
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
@@ -368,62 +394,97 @@ def exp_run_args(name: str, sets: list[str]) -> list[str]:
 
 
 def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
+    stops = len(runner.FORWARDED)
+    for name, sets in plan.items():  # a failed one is its task's state: the next one runs
+        run_experiment(root, name, sets, timeout_s, return_state=True)
+        if len(runner.FORWARDED) > stops:  # a cancellation or Ctrl-C stopped that one: no more
+            signal_name = signal.Signals(runner.FORWARDED[-1]).name
+            raise StageFailed(f"sweep stopped by {signal_name} during {name}; the rest not run")
+
+
+@task(task_run_name="{name}")
+def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> dict | State:
+    """`dvc exp run --temp` of one experiment, its output in the log; its state and main
+    metrics, or a Failed state."""
     logger = get_run_logger()
-    for name, sets in plan.items():
-        logger.info(f"{name} ({' '.join(sets)}): running")
-        cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
-        try:
-            code, tail = run_group(cmd, root, timeout_s, logger.info)
-        except Timeout as e:
-            logger.error(f"{name}: {e}")
-            continue
-        if code != 0:
-            logger.error(f"{name}: failed (exit {code}): {tail.strip().splitlines()[-1:]}")
-            continue
-        summary = results(root, [name])[name]
-        logger.info(f"{name}: {summary['state']} {main_metrics(summary)}".rstrip())
+    logger.info(f"{name} ({' '.join(sets)}): running")
+    cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
+    try:
+        code, tail = run_group(cmd, root, timeout_s, readable(logger.info))
+    except Timeout as e:
+        return Failed(message=f"{name}: {e}")
+    if code != 0:
+        last = tail.strip().splitlines()[-1:]  # DVC's own line for why
+        return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
+    return ended(name, results(root, [name])[name])
+
+
+def ended(name: str, summary: dict, more: str = "") -> dict | State:
+    """An ended experiment's task result: its state and main metrics (said in the log too), or
+    a Failed state when it did not succeed (a task's message, with no traceback to read past)."""
+    get_run_logger().info(f"{name}: {summary['state']} {main_metrics(summary)}".rstrip())
+    if summary["state"] != "success":
+        return Failed(message=f"{name}: {summary['state']}{more}")
+    return {"experiment": name, "state": summary["state"], **metric_values(summary)}
 
 
 def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float) -> None:
-    """Queue the plan, start `workers` DVC queue workers, follow each experiment until all have
-    ended (one running past `timeout_s` is killed); on any early end, stop the queue."""
+    """Queue the plan, start `workers` DVC queue workers, follow the experiments until all have
+    ended (one running past `timeout_s` is killed); on any early end, stop the queue. Each
+    experiment is a task, from when it leaves the queue to its end."""
     logger = get_run_logger()
     for name, sets in plan.items():
         dvc(root, *exp_run_args(name, sets), "--queue", doing=f"queueing {name}")
         logger.info(f"{name} ({' '.join(sets)}): queued")
-    finished = False
+    ends = {name: Future() for name in plan}  # set as this flow's one poll sees each end
+    followers, started = {}, {}
     try:
-        # the worker is a daemon: with our pipes it would hold them until the queue is empty
-        subprocess.run(
-            [*dvc_command(), "queue", "start", "--jobs", str(workers)],
-            cwd=root,
-            env=environment(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            timeout=DVC_TIMEOUT_S,
-            check=True,
-        )
-        seen, started = {}, {}
+        start_workers(root, workers)
         while True:
-            now = results(root, plan)
-            for name, summary in now.items():
+            for name, summary in results(root, plan).items():
                 state = summary["state"]
-                if seen.get(name) != state:
-                    logger.info(f"{name}: {state} {main_metrics(summary)}".rstrip())
-                    seen[name] = state
+                if state != "queued" and name not in followers:
+                    logger.info(f"{name}: left the queue ({state})")
+                    followers[name] = follow.submit(name, ends[name])
+                if state in ENDED and not ends[name].done():
+                    ends[name].set_result(summary)
                 if state == "running":
                     started.setdefault(name, time.monotonic())
                     if time.monotonic() - started[name] > timeout_s:
                         logger.error(f"{name}: ran past {timeout_s:.0f} s; killing it")
                         dvc(root, "queue", "kill", name, doing=f"stopping {name}")
-            if all(summary["state"] in ENDED for summary in now.values()):
-                finished = True
-                return
+            if all(end.done() for end in ends.values()):
+                break
             time.sleep(POLL_S)
     finally:
-        if not finished:  # failed or cancelled: nothing of this sweep keeps running
+        early = [end for end in ends.values() if not end.done()]
+        for end in early:  # its task ends now, Failed
+            end.set_result({"state": "stopped (the sweep ended first)"})
+        if early:  # failed or cancelled: nothing of this sweep keeps running
             stop_queue(root, plan)
+    wait(list(followers.values()))
+
+
+def start_workers(root: Path, workers: int) -> None:
+    """`dvc queue start --jobs N`. The worker is a daemon: with our pipes it would hold them
+    until the queue is empty."""
+    subprocess.run(
+        [*dvc_command(), "queue", "start", "--jobs", str(workers)],
+        cwd=root,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=DVC_TIMEOUT_S,
+        check=True,
+    )
+
+
+@task(task_run_name="{name}", cache_policy=NONE)  # `end` is no input to cache on
+def follow(name: str, end: Future) -> dict | State:
+    """A queued experiment from when it left the queue to its end, both seen by the flow's
+    poll: its state and main metrics, or a Failed state."""
+    return ended(name, end.result(), f" (`dvc queue logs {name}` has its output)")
 
 
 ENDED = ("success", "failed")

@@ -88,6 +88,66 @@ def artifact(key, run_id):
     return sorted(found, key=lambda a: a.created)[-1]
 
 
+# What DVC tells a terminal after it records results: no line a flow's log should carry.
+DVC_HINTS = ("To track the changes with git", "To enable auto staging", "git add ", "autostage")
+
+
+def flow_logs(run_id) -> list:
+    """Every log line of one flow run and its task runs, as the server has them (this
+    process's unsent lines sent first)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+    logs = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter=only_this_run, limit=200, offset=len(logs)):
+            logs += page
+    return logs
+
+
+def assert_readable(logs, *expected: str) -> None:
+    """No blank line and none of DVC's git hints; each of `expected` in some line."""
+    messages = [log.message for log in logs]
+    noise = [m for m in messages if not m.strip() or any(hint in m for hint in DVC_HINTS)]
+    assert not noise, noise
+    for text in expected:
+        assert any(text in m for m in messages), f"no log line has {text!r}"
+
+
+def assert_one_task_per_experiment(run_id, rows: list[dict]) -> None:
+    """A sweep's flow run has one task run per experiment, named after it: Completed, with its
+    accuracy in the task's log, when it succeeded; Failed otherwise."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    found = {}
+    with get_client(sync_client=True) as client:
+
+        def all_ended() -> bool:  # task runs reach the server as events: wait for the last one
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+            )
+            found.clear()
+            found.update({run.name: run for run in runs})
+            return len(runs) >= len(rows) and all(r.state and r.state.is_final() for r in runs)
+
+        wait_for(all_ended, 60, "a task run per experiment")
+    assert sorted(found) == sorted(row["experiment"] for row in rows)
+    logs = flow_logs(run_id)
+    for row in rows:
+        state = found[row["experiment"]].state
+        if row["state"] == "success":
+            assert state.is_completed(), (row, state)
+            said = f"{row['experiment']}: success accuracy={row['accuracy']:.4f}"
+            task_run = found[row["experiment"]].id
+            assert any(log.task_run_id == task_run and said in log.message for log in logs)
+        else:
+            assert state.is_failed() and row["experiment"] in state.message, (row, state)
+
+
 def flow_run_id(cli_output: str) -> str:
     """The flow run that `prefect deployment run` created, from its own words."""
     return re.search(r"UUID: ([0-9a-f-]{36})", cli_output).group(1)
@@ -144,6 +204,7 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
     assert "results/evaluate/metrics.json" in artifact("metrics-diff", run).data
     assert "onnx" in str(artifact("export-parity", run).data)
     assert dvc_clean(project)
+    assert_readable(flow_logs(run), "Running stage 'evaluate'", "Updating lock file 'dvc.lock'")
 
 
 def test_the_cli_exits_75_when_skipped_and_never_imports_torch(project, hold):
@@ -333,17 +394,22 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     from pipeline.flows import experiments
 
     params = (project / "params.yaml").read_text()
-    overrides = [["evaluate.top_k=2"], ["sanity.per_class=3"]]  # no training
+    overrides = [["evaluate.top_k=2"], ["train.epochs=0"], ["sanity.per_class=3"]]  # no training:
     state = experiments(str(project), overrides, return_state=True)
-    rows = state.result()
-    assert [row["state"] for row in rows] == ["success", "success"]
+    with pytest.raises(Exception, match=r"experiments sweep-\w+-2 did not succeed"):
+        state.result()  # check refuses the second one, and the third one still runs
+    run = state.state_details.flow_run_id
+    rows = json.loads(artifact("experiments", run).data)
+    assert [row["state"] for row in rows] == ["success", "failed", "success"]
     assert [(row["evaluate.top_k"], row["sanity.per_class"]) for row in rows] == [
         (2, None),
+        (None, None),
         (None, 3),
     ]
-    assert all(0 <= row["accuracy"] <= 1 for row in rows)
-    assert artifact("experiments", state.state_details.flow_run_id).data.count("sweep-") == 2
+    assert rows[1]["accuracy"] is None and all(0 <= rows[i]["accuracy"] <= 1 for i in (0, 2))
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
+    assert_one_task_per_experiment(run, rows)
+    assert_readable(flow_logs(run), "Running stage 'evaluate'", "train.epochs: Input should be")
 
 
 def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
@@ -365,9 +431,11 @@ def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
     assert time.monotonic() - started > helper_s + 5
     with pytest.raises(Exception, match=r"experiments sweep-\w+-1 did not succeed"):
         state.result()  # the first one is refused by check; the second one still ran
-    failed, done = json.loads(artifact("experiments", state.state_details.flow_run_id).data)
+    rows = json.loads(artifact("experiments", state.state_details.flow_run_id).data)
+    failed, done = rows
     assert (failed["state"], failed["accuracy"]) == ("failed", None)  # not its baseline's
     assert done["state"] == "success" and 0 <= done["accuracy"] <= 1
+    assert_one_task_per_experiment(state.state_details.flow_run_id, rows)
     # The next sweep may find the last one's queue worker still up (DVC keeps it 10-20 s).
     state = experiments(str(project), [["sanity.per_class=5"]], workers=1, return_state=True)
     rows = state.result()
