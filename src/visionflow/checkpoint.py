@@ -39,8 +39,11 @@ def write_run(folder: Path, run: dict) -> None:
     """Keep `run` (what the folder's fingerprint was made of) in the folder, made if needed."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(run, indent=2, sort_keys=True) + "\n")
-    tmp.replace(folder / RUN_FILE)
+    try:
+        tmp.write_text(json.dumps(run, indent=2, sort_keys=True) + "\n")
+        tmp.replace(folder / RUN_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file
 
 
 def flat(tree: dict, prefix: str = "") -> dict:
