@@ -19,11 +19,13 @@ SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
 def preprocess(path: str, spec: dict) -> np.ndarray:
-    """One image -> float32 CHW, exactly as in training (visionflow.decode.normalise_mode): EXIF
-    orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
+    """One image -> float32 CHW, exactly as in training (visionflow.decode): a JPEG decoded at
+    the reduced DCT scale the file records (`jpeg_draft`), EXIF orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
     colour mode, the resize filter, and (pixel / 255 - mean) / std."""
     size = spec["image_size"]
     with Image.open(path) as image:
+        if spec.get("jpeg_draft") and image.format == "JPEG":  # as training decoded it
+            image.draft(image.mode, (size, size))  # libjpeg at 1/2, 1/4 or 1/8 scale
         image.load()
         if spec["exif_transpose"]:
             image = ImageOps.exif_transpose(image)
@@ -65,6 +67,8 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
         size = int(spec["image_size"])
         if not (len(spec["mean"]) == len(spec["std"]) == channels and min(spec["std"]) > 0):
             raise ValueError(f"mean/std need {channels} values, std > 0")
+        if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+            raise ValueError("visionflow.classes is not a list of names")
         if not (1 <= size <= 1024 and len(set(classes)) == len(classes) >= 2):
             raise ValueError("image_size 1 to 1024 px, two or more distinct class names")
     except (ValueError, KeyError, TypeError) as e:
@@ -73,7 +77,8 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
         dummy = np.zeros((1, channels, size, size), np.float32)
         logits = session.run(None, {session.get_inputs()[0].name: dummy})[0]
     except Exception as e:  # ONNX Runtime's own error for a wrong shape or type
-        sys.exit(f"error: {model_path}: the network does not take {dummy.shape} float32: {e}")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.exit(f"error: {model_path}: the network does not take {dummy.shape} float32: {first}")
     if logits.shape != (1, len(classes)):
         sys.exit(
             f"error: {model_path}: its metadata lists {len(classes)} classes, the network gives "

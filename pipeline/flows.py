@@ -375,6 +375,9 @@ def experiments(
     root = find_root(Path(workdir))
     prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
     plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
+    problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
+    if problems:
+        raise StageFailed("; ".join(problems))
     with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
         if workers:
             with guarded(root, plan):

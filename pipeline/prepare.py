@@ -63,7 +63,7 @@ def build(params: Params, out: Path) -> dict:
             val_fraction=p.val_fraction,
             test_fraction=p.test_fraction,
             seed=params.seed,
-            workers=p.workers,
+            workers=p.workers or data.cores(),  # 0: one per core this process may use
             max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,

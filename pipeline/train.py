@@ -266,6 +266,7 @@ def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
         "mean": mean,
         "std": std,
         "background": d.meta.background,
+        "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
         "checkpointing": t.checkpointing,
         # where mean/std come from (`model_for`)
         "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",

@@ -1,7 +1,10 @@
 import io
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tarfile
 import zipfile
 
@@ -217,6 +220,52 @@ def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folde
     manifest = json.loads((tmp_path / "serial/manifest.json").read_text())
     for name, entry in manifest["files"].items():
         assert data.file_hash(tmp_path / "serial" / name) == entry["sha256"]
+
+
+DIES = """
+import sys
+from pathlib import Path
+from visionflow import data
+source = data.load_source("imagefolder", Path(sys.argv[1]))
+try:
+    data.build_cache(source, Path(sys.argv[2]), data.Decode(8, "rgb"), val_fraction=0.25,
+                     test_fraction=0.25, seed=0, workers=2, max_bad_fraction=0.5)
+except data.DataError as e:
+    sys.exit(f"error: {e}")
+"""
+
+
+def test_a_decoding_process_that_dies_is_one_clear_error_not_a_hang(image_folder, tmp_path):
+    """The out-of-memory killer or kill -9 ends a worker mid-image: before, the pool started a
+    new one and waited for good on the images the dead one held."""
+    run = subprocess.run(
+        [sys.executable, "-c", DIES, str(image_folder), str(tmp_path / "out")],
+        env={**os.environ, "VISIONFLOW_FAULT": "prepare.decode@index=3:kill"},
+        capture_output=True,
+        text=True,
+        timeout=120,  # a guard only: a broken pool is reported as soon as the worker is gone
+    )
+    assert "fault: kill at prepare.decode {'index': 3}" in run.stderr
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    error = run.stderr.splitlines()[-1]
+    assert error.startswith("error: a decoding process died (SIGKILL: killed, or out of memory)")
+    assert error.endswith("run again, or use fewer workers")
+    assert not (tmp_path / "out/manifest.json").exists()
+
+
+def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, tmp_path, capsys):
+    """DVC's captured output and the Prefect logs get a few lines with the count, the rate and
+    the time left, not a progress bar redrawn per file."""
+    build(data.load_source("imagefolder", image_folder), tmp_path / "out")
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decode")]
+    assert "\r" not in "".join(lines) and lines  # the end, and a line every 5 s before it
+    progress = data.Progress(24, every=0)  # a line at every step: each says count, rate, left
+    for _ in range(3):
+        progress(8)
+    lines = lines[:-1] + [line for line in capsys.readouterr().err.splitlines()]
+    for line in lines[:-1]:
+        assert re.fullmatch(r"decode: \d+/24 images \(\d+/s, [\d.]+ s left\)", line), line
+    assert re.fullmatch(r"decode: 24/24 images in [\d.]+ s \(\d+/s\)", lines[-1]), lines[-1]
 
 
 def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():

@@ -3,15 +3,19 @@ and a model card that states what the model was made from, not what params.yaml 
 
 import json
 import os
+import runpy
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from tests.conftest import ROOT, copy_project, solid, write_params
+from visionflow.inference import load_images, normalise, preprocess_spec
 
 
 def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -93,3 +97,48 @@ def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     assert "Source `digits`, split train/val/test with seed 0 (val 0.15, test 0.2)." in card
     assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
     assert "1 epoch, batch 128, lr 0.001, weight decay 0.0, dropout 0.25, seed 0." in card
+
+
+def photo(seed: int, size=(320, 240)) -> Image.Image:
+    """A camera-like JPEG subject: smooth colour noise (blocks upscaled), not a flat colour."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(size[1] // 40, size[0] // 40, 3), dtype=np.uint8)
+    return Image.fromarray(blocks).resize(size, Image.Resampling.BICUBIC)
+
+
+def test_jpegs_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_path):
+    """The cache decodes JPEGs at the DCT scale that still covers the size (Image.draft); the
+    exported preprocessing records it, and predict and the ONNX client give the same pixels."""
+    folder = tmp_path / "photos"
+    files = []
+    for label in ("a", "b"):
+        (folder / label).mkdir(parents=True)
+        for i in range(6):
+            files.append(folder / label / f"{i}.jpg")
+            photo(i + 10 * (label == "b")).save(files[-1], quality=90)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    prepare = {"source": "imagefolder", "path": str(folder), "image_size": 16, "color": "rgb"}
+    write_params(tmp_path, {"prepare": {**prepare, "val_fraction": 0.25, "test_fraction": 0.25}})
+    made = stage(tmp_path, "pipeline.prepare", "--out", "prepared")
+    assert made.returncode == 0, made.stderr
+    decode = json.loads((tmp_path / "prepared/decode.json").read_text())
+    assert decode["jpeg_draft"] is True
+    cache = np.concatenate([np.load(tmp_path / f"prepared/{s}_x.npy") for s in SPLITS])
+
+    spec = preprocess_spec(16, 3, [0.5] * 3, [0.25] * 3, decode["background"], True)
+    pixels, good, errors = load_images(files, spec)
+    assert not errors and rows(pixels) == rows(cache)  # predict's pixels are the cache's
+    full, _, _ = load_images(files, {**spec, "jpeg_draft": False})
+    assert rows(full) != rows(pixels)  # the reduced scale is in effect (full decoding differs)
+
+    client = runpy.run_path(str(ROOT / "examples/onnx_client.py"))  # not run as __main__
+    for i, path in enumerate(files):
+        expected = normalise(pixels[i : i + 1], spec)[0]
+        assert np.allclose(client["preprocess"](str(path), spec), expected, atol=1e-6), path
+
+
+SPLITS = ("train", "val", "test")
+
+
+def rows(x: np.ndarray) -> list[bytes]:
+    return sorted(image.tobytes() for image in x)

@@ -13,14 +13,19 @@ oversized files are rejected with a reason each (never silently used), image mod
 decoding runs on all cores into memory-mapped arrays, so a dataset larger than RAM can be prepared.
 """
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
+import time
 import unicodedata
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import NamedTuple
 
@@ -194,11 +199,24 @@ def load_source(name: str, path: Path, download: bool = False) -> Source:
 
 
 _worker: dict = {}  # per decoding process: the output memmap and the Decode options
+# images per task handed to a decoding process: large enough that the hand-over (a pickle each
+# way, a queue, a future) costs under 1% of decoding even 32 px PNGs, small enough that the last
+# tasks still spread over every core; capped below so each process gets about 8 tasks
+CHUNK = 64
+
+
+def cores() -> int:
+    """The CPU cores this process may run on: its affinity (a container's or taskset's share),
+    not the host's count that `os.cpu_count()` gives."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def _start_worker(path: Path, decode: Decode) -> None:
     # Ctrl-C reaches the whole foreground group: the parent stops the pool (no traceback per
-    # worker); SIGTERM from the parent's terminate() ends a worker at once
+    # worker); SIGTERM from the parent ends a worker at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker["out"] = np.load(path, mmap_mode="r+")
@@ -220,43 +238,135 @@ def _decode_one(job: tuple[int, object]) -> tuple[int, str | None, str]:
     return index, None, hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
 
 
+def _decode_chunk(jobs: list[tuple[int, object]]) -> list[tuple[int, str | None, str]]:
+    return [_decode_one(job) for job in jobs]
+
+
+def _decode_here(path: Path, images: Sequence, decode: Decode):
+    """Yield each image's result, decoded in this process."""
+    _worker["out"], _worker["decode"] = np.load(path, mmap_mode="r+"), decode
+    try:
+        for job in enumerate(images):
+            yield [_decode_one(job)]
+    finally:
+        _worker.clear()
+
+
+def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
+    """Yield the results of each chunk of images as a process finishes it. A process that dies
+    (the out-of-memory killer, kill -9, a crash in a codec) is a DataError, not a hang; a stop
+    (Ctrl-C, SIGTERM, an error, the caller closing this generator) ends the processes at once."""
+    jobs = list(enumerate(images))
+    size = max(1, min(CHUNK, len(jobs) // (8 * workers)))
+    chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+    context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
+    pool = ProcessPoolExecutor(min(workers, len(chunks)), context, _start_worker, (path, decode))
+    processes, done = [], 0
+    try:
+        futures = [pool.submit(_decode_chunk, chunk) for chunk in chunks]
+        # all started by the first submit (fork); Python 3.14's terminate_workers() is the public way
+        processes = list(pool._processes.values())
+        for future in as_completed(futures):
+            results = future.result()
+            done += len(results)
+            yield results
+    except BrokenProcessPool:
+        pool.shutdown(wait=True)  # the rest are stopped and reaped: their exit codes are known
+        raise DataError(_died(processes, done, len(jobs)), setting="workers") from None
+    except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
+        for process in processes:
+            process.terminate()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _died(processes: list, done: int, total: int) -> str:
+    """What a dead decoding process's exit says; the pool itself SIGTERMs the others."""
+    codes = [p.exitcode for p in processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
+    how = "killed, or out of memory"
+    if codes and codes[0] < 0:
+        how = f"{signal.Signals(-codes[0]).name}: {how}"
+    return (
+        f"a decoding process died ({how}) after {done} of {total} images were decoded; run "
+        "again, or use fewer workers"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
+
+
+class Progress:
+    """Images decoded of the total, the rate and the time left, on stderr: tqdm's bar in a
+    terminal; elsewhere (DVC's captured output, the Prefect logs) a plain line every `every`
+    seconds and one at the end, never a redraw per file (a quick decode is one line)."""
+
+    def __init__(self, total: int, every: float = 5.0, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.every, self.done = total, every, 0
+        self.start = time.monotonic()
+        self.shown = (self.start, 0)  # when the last line went out, at what count
+        tty = total > 0 and getattr(self.stream, "isatty", lambda: False)()
+        self.bar = (
+            tqdm(total=total, desc="decode", unit="img", file=self.stream, mininterval=0.5)
+            if tty
+            else None
+        )
+
+    def __call__(self, n: int) -> None:
+        """`n` more images are done (decoded or rejected)."""
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            if self.done >= self.total:
+                self.bar.close()
+            return
+        now, (then, _) = time.monotonic(), self.shown
+        if self.done >= self.total or now - then >= self.every:
+            self.shown = (now, self.done)
+            print(self.line(now - self.start), file=self.stream, flush=True)
+
+    def line(self, elapsed: float) -> str:
+        rate = self.done / max(elapsed, 1e-9)
+        if self.done >= self.total:
+            return f"decode: {self.done}/{self.total} images in {_duration(elapsed)} ({rate:.0f}/s)"
+        left = _duration((self.total - self.done) / max(rate, 1e-9))
+        return f"decode: {self.done}/{self.total} images ({rate:.0f}/s, {left} left)"
+
+
 def decode_into(
-    path: Path, images: Sequence, decode: Decode, workers: int = 1
+    path: Path, images: Sequence, decode: Decode, workers: int = 1, progress=None
 ) -> tuple[np.ndarray, dict[int, str], list[str]]:
     """Decode every image into the .npy file at `path` (N x size x size x C, made by the caller).
 
     Files are decoded in `workers` processes, each writing its rows of the memory-mapped file;
-    arrays are decoded in this one. Returns the mask of decoded images, the reason for each
+    arrays are decoded in this one. `progress(n)` is called as each n more images are done
+    (default: a `Progress` on stderr). Returns the mask of decoded images, the reason for each
     rejected index, and a digest of each image's pixels.
     """
     ok = np.zeros(len(images), dtype=bool)
     rejected, digests = {}, [""] * len(images)
-    jobs = enumerate(images)
-    parallel = workers > 1 and len(images) > 0 and not isinstance(images[0], np.ndarray)
-    context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
-    pool = context.Pool(workers, _start_worker, (path, decode)) if parallel else None
-    if pool is None:
-        _worker["out"], _worker["decode"] = np.load(path, mmap_mode="r+"), decode
-    try:
-        results = (
-            pool.imap_unordered(_decode_one, jobs, chunksize=64) if pool else map(_decode_one, jobs)
-        )
-        for index, reason, digest in tqdm(
-            results, total=len(images), desc="decode", unit="img", mininterval=1.0
-        ):
-            if reason is None:
-                ok[index], digests[index] = True, digest
-            else:
-                rejected[index] = reason
-    except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
-        if pool:
-            pool.terminate()
-        raise
-    finally:
-        if pool:
-            pool.close()
-            pool.join()
-        _worker.clear()
+    progress = progress or Progress(len(images))
+    files = len(images) > 0 and not isinstance(images[0], np.ndarray)
+    parallel = workers > 1 and files
+    chunks = (
+        _decode_in_pool(path, images, decode, workers)
+        if parallel
+        else _decode_here(path, images, decode)
+    )
+    with contextlib.closing(chunks):  # a stop here stops the pool too
+        for results in chunks:
+            for index, reason, digest in results:
+                if reason is None:
+                    ok[index], digests[index] = True, digest
+                else:
+                    rejected[index] = reason
+            progress(len(results))
     return ok, rejected, digests
 
 
@@ -477,6 +587,7 @@ def build_cache(
                 "resize": RESIZE,
                 "background": list(decode.background),
                 "exif_transpose": True,
+                "jpeg_draft": decode.jpeg_draft,
             },
         )
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
@@ -492,13 +603,15 @@ class Cache(NamedTuple):
     mean: list[float]
     std: list[float]
     background: list[int]  # what transparent pixels were composited on
+    jpeg_draft: bool  # JPEGs decoded at a reduced DCT scale first (decode.Decode)
 
 
 def read_cache_meta(cache: Path) -> Cache:
     stats = json.loads((cache / "stats.json").read_text())
     decode = json.loads((cache / "decode.json").read_text())
     classes = json.loads((cache / "classes.json").read_text())
-    return Cache(classes, stats["mean"], stats["std"], decode["background"])
+    draft = decode.get("jpeg_draft", False)  # a cache made before the draft decode
+    return Cache(classes, stats["mean"], stats["std"], decode["background"], draft)
 
 
 def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:

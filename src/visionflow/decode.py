@@ -1,6 +1,10 @@
 """Image files to uint8 pixels, defensively, exactly as training saw them; torch-free, so the
 ONNX path of `visionflow predict` and the CLI load without torch.
 
+JPEGs are decoded at the reduced DCT scale that still covers the target size (`Image.draft`), then
+resized like any image: the cache, `visionflow predict` and the ONNX client all do it, and the
+exported models record it (`jpeg_draft`), so served pixels equal trained pixels.
+
 Broken, empty, non-image and oversized files are a DataError with the reason; image modes are
 normalised (alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied).
 """
@@ -27,6 +31,7 @@ class Decode(NamedTuple):
     background: tuple[int, int, int] = (255, 255, 255)  # under transparent pixels
     max_pixels: int = 50_000_000  # larger images are rejected from their header, undecoded
     formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
+    jpeg_draft: bool = True  # JPEGs decoded at a reduced DCT scale first (see `open_image`)
 
 
 LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
@@ -75,6 +80,11 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                         f"decompression bomb: {width}x{height} px is over Pillow's "
                         f"limit of {Image.MAX_IMAGE_PIXELS} px; not decoded"
                     )
+                if decode.jpeg_draft and opened.format == "JPEG":
+                    # libjpeg decodes at 1/2, 1/4 or 1/8 scale in the DCT, the smallest that
+                    # still covers size x size (either way up): a 1024x768 photo for 64 px
+                    # decodes at 128x96, about 3x faster; the resize below does the rest
+                    opened.draft(opened.mode, (decode.size, decode.size))
                 opened.load()
                 ImageOps.exif_transpose(opened, in_place=True)  # upright, as the camera was held
                 return opened

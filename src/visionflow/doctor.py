@@ -150,6 +150,11 @@ def workspace(workdir: Path) -> list[dict]:
             )
         ]
     results = [check("dvc repo", "ok", str(workdir))]
+    from visionflow.project import preflight  # here: doctor must run without pydantic too
+
+    problems = preflight(workdir)  # what makes `dvc status` fail, hang or lose an edit
+    if problems:  # each line names the file and the fix; `dvc status` would only fail or hang
+        return results + [check("pipeline inputs", "FAIL", line) for line in problems]
     status = subprocess.run(
         [sys.executable, "-m", "dvc", "status", "--json"],
         cwd=workdir,

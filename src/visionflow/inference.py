@@ -47,10 +47,13 @@ def preprocess_spec(
     mean: list[float],
     std: list[float],
     background: list[int] = (255, 255, 255),
+    jpeg_draft: bool = False,
 ) -> dict:
     """How to turn an image file into the model's input, as data (see `load_images`)."""
     return {
         "image_size": image_size,
+        # JPEGs: Pillow's Image.draft(mode, (image_size, image_size)) before decoding
+        "jpeg_draft": jpeg_draft,
         "color": "grayscale" if channels == 1 else "rgb",
         "resize": RESIZE,  # PIL resampling filter, to image_size x image_size (aspect not kept)
         "exif_transpose": True,
@@ -69,7 +72,12 @@ def preprocess_spec(
 def spec_of(meta: dict) -> dict:
     """The preprocessing of a model saved by the train stage (its meta)."""
     return preprocess_spec(
-        meta["image_size"], meta["in_channels"], meta["mean"], meta["std"], meta["background"]
+        meta["image_size"],
+        meta["in_channels"],
+        meta["mean"],
+        meta["std"],
+        meta["background"],
+        meta.get("jpeg_draft", False),  # models trained before the draft decode: off
     )
 
 
@@ -89,7 +97,12 @@ def normalise(pixels: np.ndarray, spec: dict) -> np.ndarray:
 def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], dict[Path, str]]:
     """Decode what can be decoded; returns uint8 NHWC pixels, their paths, and errors by path."""
     pixels, good, errors = [], [], {}
-    decode = Decode(spec["image_size"], spec["color"], tuple(spec["background"]))
+    decode = Decode(
+        spec["image_size"],
+        spec["color"],
+        tuple(spec["background"]),
+        jpeg_draft=spec.get("jpeg_draft", False),  # files exported before it: full decoding
+    )
     for path in paths:
         try:
             pixels.append(to_pixels(path, decode))
@@ -362,8 +375,9 @@ def spec_problems(spec) -> list[str]:
         type(v) is not int or not 0 <= v <= 255 for v in background
     ):
         found.append(f"background must be 3 whole numbers 0 to 255: {background!r}")
-    if not isinstance(spec.get("exif_transpose", True), bool):
-        found.append("exif_transpose must be true or false")
+    for key in ("exif_transpose", "jpeg_draft"):
+        if not isinstance(spec.get(key, True), bool):
+            found.append(f"{key} must be true or false")
     return found
 
 

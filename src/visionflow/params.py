@@ -99,7 +99,7 @@ class Prepare(Section):
     max_bad_fraction: float = Field(ge=0, le=1)
     min_per_class: int = Field(ge=1)
     dedupe: bool
-    workers: int = Field(0, ge=0)  # not in dvc.yaml: does not change the cache
+    workers: int = Field(0, ge=0)  # 0 = one per core; any count makes the same cache bytes
     max_extract_mb: int = Field(ge=1)
 
 

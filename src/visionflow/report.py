@@ -17,6 +17,15 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
+def draft_words(spec: dict) -> str:
+    if spec.get("jpeg_draft"):
+        return (
+            "JPEGs at the reduced DCT scale that still covers the size, Pillow's "
+            "`Image.draft(mode, (size, size))`"
+        )
+    return "at full size"
+
+
 def data_line(made_from: dict) -> str:
     """Where the data came from and how it was split, from the cache's manifest."""
     if "seed" not in made_from:
@@ -71,7 +80,9 @@ Classes ({len(meta["classes"])}, in output order): {", ".join(meta["classes"])}
 
 ## Data
 {data_line(manifest.get("made_from", {}))}
-Preprocessing: decode, EXIF transpose, convert to {spec["color"]}, resize ({spec["resize"]}) to
+Preprocessing: decode ({draft_words(spec)}), EXIF transpose, convert to {spec["color"]}, resize ({
+        spec["resize"]
+    }) to
 {spec["image_size"]}x{spec["image_size"]}, then `(pixel / 255 - mean) / std` with mean {
         [round(m, 4) for m in spec["mean"]]
     }
