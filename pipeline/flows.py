@@ -44,6 +44,7 @@ from prefect.futures import wait
 from prefect.states import Completed, Failed, State
 
 from visionflow import runner
+from visionflow.files import flatten
 from visionflow.params import read_yaml
 from visionflow.project import all_deps, preflight, special_files
 from visionflow.runner import (
@@ -270,17 +271,6 @@ def publish(workdir: Path) -> None:
         ]
         description = f"exporter {parity['exporter']}"
         create_table_artifact(rows, key="export-parity", description=description)
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}, as `dvc metrics show` names nested metrics."""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 @flow(name="reproduce")

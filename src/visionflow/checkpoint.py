@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from visionflow.files import flatten
 from visionflow.models import save_atomic
 
 KEEP = 2  # newest checkpoints kept in a fingerprint's folder; older ones go after each save
@@ -46,21 +47,10 @@ def write_run(folder: Path, run: dict) -> None:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file
 
 
-def flat(tree: dict, prefix: str = "") -> dict:
-    """{"train": {"lr": 0.001}} -> {"train.lr": 0.001}: the keys as params.yaml names them."""
-    found = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            found |= flat(value, f"{prefix}{key}.")
-        else:
-            found[f"{prefix}{key}"] = value
-    return found
-
-
 def changes(old: dict, new: dict) -> list[str]:
     """What differs between two runs' descriptions, one phrase each: `train.lr 0.001 -> 0.003`,
     `the data`. Keys only one of them has (a key left out of one's fingerprint) are not compared."""
-    before, after = flat(old), flat(new)
+    before, after = flatten(old), flatten(new)
     found = []
     for key in sorted(before.keys() & after.keys()):
         if before[key] == after[key]:

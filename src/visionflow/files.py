@@ -56,3 +56,14 @@ def verify_cache(cache: Path) -> list[str]:
             f"`dvc checkout {cache}` or rebuild it with `dvc repro --force prepare`"
         )
     return [str(cache / name) for name in expected]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}: keys as params.yaml and `dvc metrics show` name them."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

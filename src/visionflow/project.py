@@ -94,29 +94,45 @@ def cache_object(cache: Path, md5: str) -> Path:
     return cache / "files" / "md5" / md5[:2] / md5[2:]
 
 
+def locked_file(path: Path) -> tuple[Path, str, str, str | None] | None:
+    """What dvc.lock records of the file `path` (an output itself, or inside a folder output):
+    (DVC's cache folder, the stage, the output as dvc.lock names it, the file's md5, None when
+    the folder's listing is not in the cache); None when no stage records it."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    path = existing.resolve() / path.relative_to(existing)  # as dvc_root resolves the root
+    root = dvc_root(existing)
+    lock = root / "dvc.lock" if root else None
+    if lock is None or not lock.is_file() or not path.is_relative_to(root):
+        return None
+    try:
+        stages = read_yaml(lock).get("stages") or {}
+    except Exception:  # an unreadable dvc.lock records nothing we can use
+        return None
+    relative, cache = path.relative_to(root), cache_config(root)[0]
+    for stage, entry in stages.items():
+        for out in entry.get("outs", []):
+            if relative == Path(out["path"]):
+                return cache, stage, out["path"], out.get("md5")
+            if relative.is_relative_to(out["path"]):
+                listing = cache_object(cache, str(out.get("md5", "")))
+                inside = str(relative.relative_to(out["path"]))
+                entries = json.loads(listing.read_text()) if listing.is_file() else []
+                md5 = next((e.get("md5") for e in entries if e.get("relpath") == inside), None)
+                return cache, stage, out["path"], md5
+    return None
+
+
+def in_cache(found: tuple[Path, str, str, str | None]) -> bool:
+    cache, _, _, md5 = found
+    return bool(md5) and cache_object(cache, md5).exists()
+
+
 def recorded(path: Path, md5: str) -> bool:
     """Whether dvc.lock records the file `path` (or the folder output holding it) with this
     md5, and DVC's cache holds that object: DVC has recorded it, and `dvc checkout` restores it."""
-    root = dvc_root(path.parent if path.parent.exists() else Path.cwd())
-    lock = root / "dvc.lock" if root else None
-    if lock is None or not lock.exists():
-        return False
-    relative, cache = path.resolve().relative_to(root), cache_config(root)[0]
-    outs = [
-        o for stage in (read_yaml(lock).get("stages") or {}).values() for o in stage.get("outs", [])
-    ]
-    for out in outs:
-        if relative == Path(out["path"]):
-            return out.get("md5") == md5 and cache_object(cache, md5).exists()
-        if relative.is_relative_to(out["path"]) and str(out.get("md5", "")).endswith(".dir"):
-            listing = cache_object(cache, out["md5"])
-            if not listing.exists():
-                return False
-            inside = str(relative.relative_to(out["path"]))
-            entries = json.loads(listing.read_text())
-            found = any(e.get("relpath") == inside and e.get("md5") == md5 for e in entries)
-            return found and cache_object(cache, md5).exists()
-    return False
+    found = locked_file(path)
+    return found is not None and found[3] == md5 and in_cache(found)
 
 
 KINDS = {
@@ -213,42 +229,15 @@ def missing_data(root: Path, data) -> str | None:
     )
 
 
-def locked_output(path: Path) -> tuple[Path, str, str, bool] | None:
-    """What dvc.lock says of a stage output file `path` (itself an output, or inside a folder
-    output): (the project root, the stage, the output as dvc.lock names it, whether DVC's cache
-    holds the file); None when no stage records it."""
-    path = Path(path).absolute()
-    root = dvc_root(next(p for p in (path, *path.parents) if p.exists()))
-    lock = root / "dvc.lock" if root else None
-    if lock is None or not lock.is_file() or not path.is_relative_to(root):
-        return None
-    try:
-        stages = read_yaml(lock).get("stages") or {}
-    except Exception:  # an unreadable dvc.lock records nothing we can use
-        return None
-    relative, cache = path.relative_to(root), cache_config(root)[0]
-    for stage, entry in stages.items():
-        for out in entry.get("outs", []):
-            if relative == Path(out["path"]):
-                return root, stage, out["path"], cache_object(cache, out.get("md5", "")).exists()
-            if relative.is_relative_to(out["path"]):
-                listing = cache_object(cache, str(out.get("md5", "")))
-                inside = str(relative.relative_to(out["path"]))
-                entries = json.loads(listing.read_text()) if listing.is_file() else []
-                md5 = next((e.get("md5") for e in entries if e.get("relpath") == inside), None)
-                return root, stage, out["path"], bool(md5) and cache_object(cache, md5).exists()
-    return None
-
-
 def missing_output(path: Path, what: str = "file") -> str:
     """One line for a pipeline output missing from the workspace, naming it and the ways to get
     it back: `dvc checkout` when DVC's cache has it, else `dvc pull` from a remote that has it
     or `dvc repro` of its stage."""
-    found = locked_output(path)
+    found = locked_file(path)
     if found is None:
         return f"no {what} at {path}: `dvc repro` makes it (or name another with --model)"
-    _, stage, out, cached = found
-    if cached:
+    _, stage, out, _ = found
+    if in_cache(found):
         return f"{path} is missing, but DVC's cache has it: `dvc checkout {stage}` puts it back"
     return (
         f"{path} is missing, and DVC's cache lacks it (dvc.lock's stage {stage} records {out}; "
