@@ -21,7 +21,8 @@ SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 def preprocess(path: str, spec: dict) -> np.ndarray:
     """One image -> float32 CHW, exactly as in training (visionflow.decode): a JPEG decoded at
     the reduced DCT scale the file records (`jpeg_draft`), EXIF orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
-    colour mode, the resize filter, and (pixel / 255 - mean) / std."""
+    colour mode, the resize (in two steps where the file records `reducing_gap`), and
+    (pixel / 255 - mean) / std."""
     size = spec["image_size"]
     with Image.open(path) as image:
         if spec.get("jpeg_draft") and image.format == "JPEG":  # as training decoded it
@@ -41,7 +42,9 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
             image = Image.alpha_composite(under, image.convert("RGBA"))
         image = image.convert("L" if spec["color"] == "grayscale" else "RGB")
         if image.size != (size, size):
-            image = image.resize((size, size), Image.Resampling[spec["resize"].upper()])
+            resample = Image.Resampling[spec["resize"].upper()]
+            # a box reduce by a whole factor first, when the file records it (reducing_gap)
+            image = image.resize((size, size), resample, reducing_gap=spec.get("reducing_gap"))
     pixels = np.asarray(image, dtype=np.uint8).reshape(size, size, -1)
     scaled = pixels.astype(np.float32) / np.float32(255)
     mean = np.asarray(spec["mean"], np.float32)

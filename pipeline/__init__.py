@@ -5,19 +5,21 @@ Every stage runs through `run(main)`, which closes two gaps DVC leaves:
   stage succeeded, so a half-written or unproven output (an export that missed parity) never sits
   at the real path. DVC deletes a stage's outputs before it runs it; after a failure they are still
   in DVC's cache, and `dvc checkout` puts them back (`visionflow repro` and the flows do it).
-- The stage's params and deps (as dvc.yaml lists them) are fingerprinted when it starts and
-  checked when it ends. DVC hashes deps only after the command, so an edit made mid-run would be
-  recorded in dvc.lock against outputs the old values produced; here the stage fails instead,
-  naming what changed, and the next `dvc repro` runs it again. A file whose mtime changed but
-  whose content did not (an editor's "save all", a branch switch and back) is not a change.
+- The stage's params and deps (as dvc.yaml lists them) are fingerprinted when it starts (a
+  stat per file, nothing read) and checked when it ends. DVC hashes deps only after the command,
+  so an edit made mid-run would be recorded in dvc.lock against outputs the old values produced;
+  here the stage fails instead, naming what changed, and the next `dvc repro` runs it again. A
+  file whose stat changed but whose content did not (an editor's "save all", a branch switch and
+  back) is not a change: its content is compared with the hash DVC took before the run. Under
+  `torchrun` rank 0 alone checks.
 """
 
 import errno
 import hashlib
+import os
 import shutil
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -110,28 +112,16 @@ def code_digest(stage: str) -> str:
 
 
 class Snapshot:
-    """The stage's param values and the (size, mtime) of every file of its deps when it started;
-    the content hashes of those files are taken in a background thread meanwhile, so that at the
-    end a file whose stat changed is compared by content."""
+    """The stage's param values and the stat of every file of its deps when it started; no file
+    is read then. At the end only a file whose stat changed is read, and compared with the hash
+    DVC's state recorded for its start stat (DVC hashed the deps to decide the stage must run), so
+    data is read once per run beyond DVC's own hashing. A file DVC never hashed at its start stat
+    (`dvc repro --force`, a stage run by hand) counts as modified when its stat changed."""
 
     def __init__(self, spec: dict, params: dict):
         self.params_file = params
         self.keys, self.deps = spec.get("params", []), deps_of(spec, self.params_file)
         self.stats = file_stats(self.deps)
-        self.hashes: dict[str, str] = {}
-        self.hashing = threading.Thread(target=self.hash_all, daemon=True)
-        self.hashing.start()
-
-    def hash_all(self) -> None:
-        """A file's start hash counts only if its stat still equals the snapshot's after hashing;
-        one changed before the thread reached it has no start hash, so it counts as modified."""
-        for path, stat in self.stats.items():
-            try:
-                digest = file_hash(Path(path), "md5")
-                if file_stats([path]).get(path) == stat:
-                    self.hashes[path] = digest
-            except OSError:  # removed since: the stat comparison reports it
-                pass
 
     def changes(self) -> list[str]:
         params = read_yaml("params.yaml") or {}
@@ -139,15 +129,25 @@ class Snapshot:
             f"params.yaml {line}" for line in param_changes(self.keys, self.params_file, params)
         ]
         now = file_stats(self.deps)
+        touched = [p for p in self.stats.keys() & now.keys() if now[p] != self.stats[p]]
+        started = {
+            p: (self.stats[p].inode, self.stats[p].mtime, self.stats[p].size) for p in touched
+        }
+        known = project.hashes_dvc_knew(started)
         for path in sorted(self.stats.keys() | now.keys()):
             if path not in now:
                 found.append(f"{path} removed")
             elif path not in self.stats:
                 found.append(f"{path} added")
-            elif now[path] != self.stats[path]:
-                self.hashing.join()
-                if file_hash(Path(path), "md5") != self.hashes.get(path):
-                    found.append(f"{path} modified")
+            elif path not in started:
+                continue
+            elif path not in known:
+                found.append(
+                    f"{path} changed (its stat did, and DVC has no hash from before the run "
+                    "to compare its content with: `dvc repro --force` hashes no dep first)"
+                )
+            elif file_hash(Path(path), "md5") != known[path]:
+                found.append(f"{path} modified")
         return found
 
 
@@ -223,7 +223,10 @@ def run(main: Callable[[], None]) -> None:
     signal.signal(signal.SIGTERM, stop_at_once)
     stage = Path(sys.argv[0]).stem
     spec = stage_spec(stage)
-    before = Snapshot(*spec) if spec else None
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun: one guard for all ranks
+    before = Snapshot(*spec) if spec and rank == 0 else None
+    if faults.ACTIVE and before is not None:
+        faults.fault("stage.snapshot", stage=stage, rank=rank)
     try:
         if faults.ACTIVE:
             faults.fault("stage.start", stage=stage)

@@ -55,7 +55,7 @@ from visionflow.engine import (
     sync_buffers,
     train_one_epoch,
 )
-from visionflow.errors import Unavailable
+from visionflow.errors import DataError, Unavailable
 from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
 from visionflow.params import Train, load_params
 
@@ -213,8 +213,26 @@ class Data:
         return not torch.is_tensor(self.x_train)
 
 
+def verify_once(cache: Path, rank: int, world: int) -> None:
+    """Rank 0 re-hashes the cache (a flipped byte is an error here, not a silently worse model);
+    under DDP the others take its verdict, so the data is read once and every rank fails alike."""
+    problem = None
+    if rank == 0:
+        if faults.ACTIVE:
+            faults.fault("train.verify", rank=rank)
+        try:
+            data.verify_cache(cache)
+        except DataError as e:
+            problem = str(e)
+    if world > 1:
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem:
+        raise DataError(problem)
+
+
 def load_data(cache: Path, t: Train, device: torch.device) -> Data:
-    data.verify_cache(cache)  # a flipped byte is an error here, not a silently worse model
     max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
     x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
     x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
@@ -267,6 +285,7 @@ def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
         "std": std,
         "background": d.meta.background,
         "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
+        "reducing_gap": d.meta.reducing_gap,  # and resized every image
         "checkpointing": t.checkpointing,
         # where mean/std come from (`model_for`)
         "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",
@@ -540,6 +559,7 @@ def main() -> None:
     say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
     seed_everything(params.seed, t.deterministic, t.compile)
     device = device_for(t)
+    verify_once(args.data, rank, world)
     d = load_data(args.data, t, device)
     model, norm_mean, norm_std = model_for(t, d, device, say)
     mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)

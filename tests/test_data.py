@@ -334,6 +334,28 @@ def test_split_is_stratified_disjoint_and_seeded():
         data.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
 
 
+def test_the_split_is_scikit_learns_index_for_index():
+    """prepare splits without importing scikit-learn (1 s of CPU); caches made before, and the
+    README's numbers, depend on its indices and their order staying the same."""
+    from sklearn.model_selection import train_test_split
+
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        classes = int(rng.integers(2, 12))
+        labels = rng.integers(0, classes, int(rng.integers(4 * classes, 400)))
+        labels = labels[np.isin(labels, np.flatnonzero(np.bincount(labels) >= 2))]
+        index = rng.permutation(len(labels)) + 7  # any index order, any values
+        size, seed = float(rng.choice([0.1, 0.15, 0.2, 0.25, 0.33, 0.5])), case
+        try:
+            expected = train_test_split(index, test_size=size, stratify=labels, random_state=seed)
+        except ValueError:
+            with pytest.raises(ValueError):
+                data.stratified_split(index, labels, size, seed)
+            continue
+        got = data.stratified_split(index, labels, size, seed)
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), case
+
+
 def test_stats_use_the_train_split_only(tmp_path):
     source = data.load_source("digits", None)
     manifest = build(

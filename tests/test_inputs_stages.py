@@ -106,30 +106,34 @@ def photo(seed: int, size=(320, 240)) -> Image.Image:
     return Image.fromarray(blocks).resize(size, Image.Resampling.BICUBIC)
 
 
-def test_jpegs_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_path):
-    """The cache decodes JPEGs at the DCT scale that still covers the size (Image.draft); the
-    exported preprocessing records it, and predict and the ONNX client give the same pixels."""
+def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_path):
+    """The cache decodes JPEGs at the DCT scale that still covers the size (Image.draft) and
+    resizes every image in two steps (reducing_gap); the exported preprocessing records both,
+    and predict and the ONNX client give the same pixels."""
     folder = tmp_path / "photos"
     files = []
     for label in ("a", "b"):
         (folder / label).mkdir(parents=True)
-        for i in range(6):
-            files.append(folder / label / f"{i}.jpg")
+        for i in range(9):
+            files.append(folder / label / f"{i}.{'png' if i % 3 == 2 else 'jpg'}")
             photo(i + 10 * (label == "b")).save(files[-1], quality=90)
+    pngs = [f for f in files if f.suffix == ".png"]
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     prepare = {"source": "imagefolder", "path": str(folder), "image_size": 16, "color": "rgb"}
     write_params(tmp_path, {"prepare": {**prepare, "val_fraction": 0.25, "test_fraction": 0.25}})
     made = stage(tmp_path, "pipeline.prepare", "--out", "prepared")
     assert made.returncode == 0, made.stderr
     decode = json.loads((tmp_path / "prepared/decode.json").read_text())
-    assert decode["jpeg_draft"] is True
+    assert decode["jpeg_draft"] is True and decode["reducing_gap"] == 3.0
     cache = np.concatenate([np.load(tmp_path / f"prepared/{s}_x.npy") for s in SPLITS])
 
-    spec = preprocess_spec(16, 3, [0.5] * 3, [0.25] * 3, decode["background"], True)
+    spec = preprocess_spec(16, 3, [0.5] * 3, [0.25] * 3, decode["background"], True, 3.0)
     pixels, good, errors = load_images(files, spec)
     assert not errors and rows(pixels) == rows(cache)  # predict's pixels are the cache's
     full, _, _ = load_images(files, {**spec, "jpeg_draft": False})
     assert rows(full) != rows(pixels)  # the reduced scale is in effect (full decoding differs)
+    one_step, _, _ = load_images(pngs, {**spec, "reducing_gap": None})
+    assert rows(one_step) != rows(load_images(pngs, spec)[0])  # so is the two-step resize
 
     client = runpy.run_path(str(ROOT / "examples/onnx_client.py"))  # not run as __main__
     for i, path in enumerate(files):

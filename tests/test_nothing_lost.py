@@ -134,18 +134,34 @@ def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(proj
 
 
 def test_an_mtime_only_touch_mid_run_keeps_the_run(project, tmp_path):
+    """Compared by content with the hashes DVC took before the run (nothing of ours reads the
+    data at the start). A forced run of files DVC never hashed at their start stat says why it
+    refuses them."""
+    fresh_config(project)  # never ran here: DVC hashes the deps, finds a change, runs train
     go = tmp_path / "go"
-    run = start_dvc(
-        project, "repro", "-f", "-s", "train", fault=f"train.epoch_end@epoch=2:pause={go}"
-    )
-    read_until(run, "fault: pause")
-    for name in ("src/visionflow/engine.py", "params.yaml", "data/prepared/train_x.npy"):
-        os.utime(project / name)  # an editor's "save all", a branch switch and back
-    go.touch()
-    output = run.communicate(timeout=300)[0]
-    assert run.returncode == 0, output
+    touched = ("src/visionflow/engine.py", "params.yaml", "data/prepared/train_x.npy")
+
+    def touch_mid_run(*force: str) -> str:
+        run = start_dvc(
+            project, "repro", *force, "-s", "train", fault=f"train.epoch_end@epoch=2:pause={go}"
+        )
+        read_until(run, "fault: pause")
+        for name in touched:
+            os.utime(project / name)  # an editor's "save all", a branch switch and back
+        go.touch()
+        output = run.communicate(timeout=300)[0]
+        go.unlink()
+        return run.returncode, output
+
+    code, output = touch_mid_run()
+    assert code == 0, output
     assert (states(project)[0] / "published.json").exists()  # recorded: done with
     assert_invariants(project)
+    os.utime(project / touched[2], ns=(1, 1))  # a stat DVC never hashed, and --force hashes none
+    code, output = touch_mid_run("-f")
+    assert code != 0 and "data/prepared/train_x.npy changed (its stat did" in output, output
+    assert "DVC has no hash from before the run" in output
+    assert "engine.py" not in output.split("changed while the stage ran")[1]  # known: compared
 
 
 def fresh_config(project: Path) -> None:
@@ -156,9 +172,7 @@ def fresh_config(project: Path) -> None:
 def test_a_real_change_mid_run_is_refused_and_the_next_run_resumes(project, tmp_path):
     fresh_config(project)
     go = tmp_path / "go"
-    run = start_dvc(
-        project, "repro", "-f", "-s", "train", fault=f"train.epoch_end@epoch=3:pause={go}"
-    )
+    run = start_dvc(project, "repro", "-s", "train", fault=f"train.epoch_end@epoch=3:pause={go}")
     read_until(run, "fault: pause")
     scan = project / "results/sanity/scan.json"
     original = scan.read_bytes()

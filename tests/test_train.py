@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from tests.conftest import ROOT, write_params
@@ -384,7 +385,15 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     single = run_train(workdir, "single")
     assert single.returncode == 0, single.stderr
     write_params(workdir, {"train": {**plain, "batch_size": 16, "overfit_batches": 40}})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # the stage's mid-run guard and the cache's verification run once, on rank 0: a fault aimed
+    # at rank 1 would fail the run, the ones at rank 0 leave a file each
+    stage = {"cmd": "python -m pipeline.train", "deps": ["prepared"], "params": ["train"]}
+    (workdir / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}))
+    once = ";".join(
+        f"{point}@rank=0:touch={point}.0;{point}@rank=1:raise"
+        for point in ("stage.snapshot", "train.verify")
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": once}
     ddp = subprocess.run(
         [
             sys.executable,
@@ -410,6 +419,7 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     )
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert ddp.stdout.count("train: best val accuracy") == 1  # rank 0 alone reports and writes
+    assert (workdir / "stage.snapshot.0").exists() and (workdir / "train.verify.0").exists()
     a = torch.load(workdir / "single/model.pt", weights_only=True)
     b = torch.load(workdir / "ddp/model.pt", weights_only=True)
     for k in a["state_dict"]:

@@ -16,6 +16,7 @@ decoding runs on all cores into memory-mapped arrays, so a dataset larger than R
 import contextlib
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -370,6 +371,49 @@ def decode_into(
     return ok, rejected, digests
 
 
+def approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of `draws` to take from each class: the floor of its share, then one more for the
+    largest remainders, ties broken at random (scikit-learn's `_approximate_mode`, step for step)."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    need = int(draws - floored.sum())
+    remainder = continuous - floored
+    for value in np.sort(np.unique(remainder))[::-1] if need > 0 else []:
+        (tied,) = np.where(remainder == value)
+        now = min(len(tied), need)
+        floored[rng.choice(tied, size=now, replace=False)] += 1
+        need -= now
+        if need == 0:
+            break
+    return floored.astype(int)
+
+
+def stratified_split(
+    index: np.ndarray, labels: np.ndarray, test_size: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, test) of `index`, each class in proportion: the same indices, in the same order, as
+    scikit-learn's `train_test_split(index, test_size=, stratify=labels, random_state=seed)`
+    (tests/test_data.py holds them equal). Written out because importing scikit-learn costs
+    about 1 s of CPU, a third of preparing 2,000 photos on 2 cores (docs/benchmarks.md)."""
+    n_test = math.ceil(test_size * len(index))
+    n_rest = len(index) - n_test
+    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    if counts.min() < 2:
+        raise ValueError(f"classes {classes[counts < 2].tolist()} have 1 image: 2 at least")
+    if min(n_rest, n_test) < len(classes):
+        raise ValueError(f"{n_rest} and {n_test} images cannot hold {len(classes)} classes each")
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)  # the legacy stream: the same draws in every numpy
+    rest_n = approximate_mode(counts, n_rest, rng)
+    test_n = approximate_mode(counts - rest_n, n_test, rng)
+    rest, test = [], []
+    for members, r, t in zip(by_class, rest_n, test_n, strict=True):
+        shuffled = members.take(rng.permutation(len(members)), mode="clip")
+        rest.extend(shuffled[:r])
+        test.extend(shuffled[r : r + t])
+    return index[rng.permutation(rest)], index[rng.permutation(test)]
+
+
 def split_indices(
     labels: np.ndarray,
     val_fraction: float,
@@ -378,19 +422,13 @@ def split_indices(
     is_test: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Stratified train/val/test indices; an official test split is kept as the test split."""
-    from sklearn.model_selection import train_test_split  # on use: seconds to import
-
     index = np.arange(len(labels))
     try:
         if is_test is None:
-            pool, test = train_test_split(
-                index, test_size=test_fraction, stratify=labels, random_state=seed
-            )
+            pool, test = stratified_split(index, labels, test_fraction, seed)
         else:
             pool, test = index[~is_test], index[is_test]
-        train, val = train_test_split(
-            pool, test_size=val_fraction, stratify=labels[pool], random_state=seed
-        )
+        train, val = stratified_split(pool, labels[pool], val_fraction, seed)
     except ValueError as e:  # too few images in a class to stratify
         counts = np.bincount(labels)
         raise DataError(
@@ -588,6 +626,7 @@ def build_cache(
                 "background": list(decode.background),
                 "exif_transpose": True,
                 "jpeg_draft": decode.jpeg_draft,
+                "reducing_gap": decode.reducing_gap,
             },
         )
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
@@ -604,6 +643,7 @@ class Cache(NamedTuple):
     std: list[float]
     background: list[int]  # what transparent pixels were composited on
     jpeg_draft: bool  # JPEGs decoded at a reduced DCT scale first (decode.Decode)
+    reducing_gap: float | None  # the two-step resize's gap; None: one step (decode.Decode)
 
 
 def read_cache_meta(cache: Path) -> Cache:
@@ -611,7 +651,8 @@ def read_cache_meta(cache: Path) -> Cache:
     decode = json.loads((cache / "decode.json").read_text())
     classes = json.loads((cache / "classes.json").read_text())
     draft = decode.get("jpeg_draft", False)  # a cache made before the draft decode
-    return Cache(classes, stats["mean"], stats["std"], decode["background"], draft)
+    gap = decode.get("reducing_gap")  # a cache made before the two-step resize: None
+    return Cache(classes, stats["mean"], stats["std"], decode["background"], draft, gap)
 
 
 def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:

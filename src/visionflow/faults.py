@@ -12,7 +12,9 @@
                                           on a GPU too small for more (no number: every batch)
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
 
-The points: stage.start (stage), stage.published (stage: its outputs are in place), train.batch
+The points: stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
+taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
+re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
 asked), checkpoint.write (epoch), prepare.decode (index, in the decoding workers), runner.timer
 (before a timeout starts counting). Unset, the normal case, a point costs one test of `ACTIVE`.

@@ -48,6 +48,7 @@ def preprocess_spec(
     std: list[float],
     background: list[int] = (255, 255, 255),
     jpeg_draft: bool = False,
+    reducing_gap: float | None = None,
 ) -> dict:
     """How to turn an image file into the model's input, as data (see `load_images`)."""
     return {
@@ -56,6 +57,9 @@ def preprocess_spec(
         "jpeg_draft": jpeg_draft,
         "color": "grayscale" if channels == 1 else "rgb",
         "resize": RESIZE,  # PIL resampling filter, to image_size x image_size (aspect not kept)
+        # Pillow's resize(..., reducing_gap=): a box reduce by a whole factor first, then the
+        # filter over the last reducing_gap times or more; null: the filter alone
+        "reducing_gap": reducing_gap,
         "exif_transpose": True,
         "background": list(background),  # RGB under transparent pixels, before the colour mode
         "mean": mean,
@@ -78,6 +82,7 @@ def spec_of(meta: dict) -> dict:
         meta["std"],
         meta["background"],
         meta.get("jpeg_draft", False),  # models trained before the draft decode: off
+        meta.get("reducing_gap"),  # before the two-step resize: one step
     )
 
 
@@ -102,6 +107,7 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
         spec["color"],
         tuple(spec["background"]),
         jpeg_draft=spec.get("jpeg_draft", False),  # files exported before it: full decoding
+        reducing_gap=spec.get("reducing_gap"),  # and a one-step resize
     )
     for path in paths:
         try:
@@ -237,6 +243,8 @@ def meta_problems(meta, models) -> str:
         meta["mean"],
         meta["std"],
         meta.get("background", [255, 255, 255]),
+        meta.get("jpeg_draft", False),
+        meta.get("reducing_gap"),
     )
     return "; ".join(class_problems(meta["classes"]) + spec_problems(spec))
 
@@ -378,6 +386,9 @@ def spec_problems(spec) -> list[str]:
     for key in ("exif_transpose", "jpeg_draft"):
         if not isinstance(spec.get(key, True), bool):
             found.append(f"{key} must be true or false")
+    gap = spec.get("reducing_gap")
+    if gap is not None and not (type(gap) in (int, float) and 1 < gap <= 1024):
+        found.append(f"reducing_gap must be null or a number over 1 (at most 1024): {gap!r}")
     return found
 
 

@@ -74,6 +74,29 @@ def dvc_root(start: Path) -> Path | None:
     return next((f for f in (start, *start.parents) if (f / ".dvc").is_dir()), None)
 
 
+def hashes_dvc_knew(paths: dict[str, tuple[int, float, int]]) -> dict[str, str]:
+    """{path: md5} of each file DVC's state database holds a hash for at exactly the given
+    (inode, mtime, size): what DVC hashed the file to when it last saw that stat (`dvc repro`
+    hashes a stage's deps before running it). Paths absent from the result DVC never hashed at
+    that stat. Outside a DVC project, or with DVC's state unreadable, nothing is known."""
+    root = dvc_root(Path.cwd())
+    if root is None or not paths:
+        return {}
+    from dvc.repo import Repo  # imported on use: only a file whose stat changed mid-run needs it
+
+    known = {}
+    try:
+        with Repo(str(root)) as repo:
+            for path, (inode, mtime, size) in paths.items():
+                info = {"ino": inode, "mtime": mtime, "size": size, "type": "file"}
+                _, hash_info = repo.state.get(os.path.abspath(path), repo.fs, info=info)
+                if hash_info is not None and hash_info.name == "md5":
+                    known[path] = hash_info.value
+    except Exception:  # a DVC that cannot open the project here knows nothing we can use
+        return known
+    return known
+
+
 def cache_config(root: Path) -> tuple[Path, list[str]]:
     """DVC's cache folder and `cache.type` list, from the project's `.dvc/config` and
     `.dvc/config.local` (a global or system DVC config is not read)."""

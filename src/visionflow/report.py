@@ -26,6 +26,15 @@ def draft_words(spec: dict) -> str:
     return "at full size"
 
 
+def resize_words(spec: dict) -> str:
+    if spec.get("reducing_gap"):
+        return (
+            f"a box reduce by a whole factor, then {spec['resize']} over the last "
+            f"{spec['reducing_gap']:g}x or more, Pillow's `resize(..., reducing_gap=)`"
+        )
+    return spec["resize"]
+
+
 def data_line(made_from: dict) -> str:
     """Where the data came from and how it was split, from the cache's manifest."""
     if "seed" not in made_from:
@@ -81,7 +90,7 @@ Classes ({len(meta["classes"])}, in output order): {", ".join(meta["classes"])}
 ## Data
 {data_line(manifest.get("made_from", {}))}
 Preprocessing: decode ({draft_words(spec)}), EXIF transpose, convert to {spec["color"]}, resize ({
-        spec["resize"]
+        resize_words(spec)
     }) to
 {spec["image_size"]}x{spec["image_size"]}, then `(pixel / 255 - mean) / std` with mean {
         [round(m, 4) for m in spec["mean"]]
