@@ -20,13 +20,16 @@ def photo(rng: np.random.Generator, label: int, size=(1024, 768)) -> Image.Image
     return Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
-def generate(root: Path, count: int, classes: int = 5) -> tuple[list[Path], np.ndarray]:
+def generate(
+    root: Path, count: int, classes: int = 5, size=(1024, 768)
+) -> tuple[list[Path], np.ndarray]:
+    """`count` JPEGs in `root/class<k>/`, the classes taking turns; their paths and labels."""
     rng = np.random.default_rng(0)
     paths, labels = [], []
     for i in range(count):
         label = i % classes
         paths.append(root / f"class{label}" / f"{i:05d}.jpg")
         paths[-1].parent.mkdir(parents=True, exist_ok=True)
-        photo(rng, label).save(paths[-1], quality=90)
+        photo(rng, label, size).save(paths[-1], quality=90)
         labels.append(label)
     return paths, np.array(labels)

@@ -3,13 +3,16 @@
 The file carries what a client needs: `visionflow.classes` (class names in output order) and
 `visionflow.preprocess` (image size, colour mode, resize filter, mean/std, input layout).
 
-    python examples/onnx_client.py results/export/model.onnx IMAGE [IMAGE ...]
+    python examples/onnx_client.py results/export/model.onnx IMAGE|FOLDER [...]
 
-Prints one JSON object per image: {"file", "class", "probability"}.
+Prints one JSON object per image and line, in the order given (a folder's files sorted):
+{"file", "class", "probability"}; on stderr, a count every 5 s for a long folder.
 """
 
 import json
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -90,21 +93,45 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
     return session, classes, spec
 
 
-def main(model_path: str, image_paths: list[str]) -> None:
+SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def image_files(args: list[str]) -> list[str]:
+    """Files as given; a folder as its image files, sorted (a stable order), hidden ones skipped."""
+    found = []
+    for arg in args:
+        folder = Path(arg)
+        if not folder.is_dir():
+            found.append(arg)
+            continue
+        for path in sorted(folder.rglob("*")):
+            hidden = any(part.startswith(".") for part in path.relative_to(folder).parts)
+            if path.is_file() and path.suffix.lower() in SUFFIXES and not hidden:
+                found.append(str(path))
+    return found
+
+
+def main(model_path: str, image_paths: list[str], batch: int = 64) -> None:
     session, classes, spec = open_model(model_path)
-    name = session.get_inputs()[0].name
-    for start in range(0, len(image_paths), 64):  # a batch at a time: memory stays flat
-        paths = image_paths[start : start + 64]
-        logits = session.run(None, {name: np.stack([preprocess(p, spec) for p in paths])})[0]
+    input_name = session.get_inputs()[0].name
+    shown = time.monotonic()
+    for start in range(0, len(image_paths), batch):  # a batch at a time: memory stays flat
+        paths = image_paths[start : start + batch]
+        logits = session.run(None, {input_name: np.stack([preprocess(p, spec) for p in paths])})[0]
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
         probs /= probs.sum(axis=1, keepdims=True)
         for path, p in zip(paths, probs, strict=True):
             best = int(p.argmax())
             name = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
             print(json.dumps({"file": name, "class": classes[best], "probability": float(p[best])}))
+        sys.stdout.flush()
+        done = start + len(paths)
+        if time.monotonic() - shown >= 5 or (done == len(image_paths) > batch):  # long folders
+            shown = time.monotonic()
+            print(f"{done}/{len(image_paths)} images", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2:])
+    main(sys.argv[1], image_files(sys.argv[2:]))

@@ -138,10 +138,13 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is not allowed')")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    wide = tmp_path / "sixteen_bit.png"  # 16-bit: training scales it; the client clipped it
+    folder = tmp_path / "images"  # more than one of the client's batches of 64
+    folder.mkdir()
+    for i in range(80):
+        shutil.copy(test_pngs[i % len(test_pngs)], folder / f"{i:03d}.png")
+    wide = folder / "sixteen_bit.png"  # 16-bit: training scales it; the client clipped it
     x = np.load(reproduced / "data/prepared/test_x.npy")
     Image.fromarray(x[0, ..., 0].astype(np.uint16) * 257).save(wide)
-    images = [*test_pngs, wide]
     import subprocess
 
     client = subprocess.run(
@@ -149,7 +152,7 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
             sys.executable,
             str(ROOT / "examples/onnx_client.py"),
             str(reproduced / "results/export/model.onnx"),
-            *map(str, images),
+            str(folder),
         ],
         capture_output=True,
         text=True,
@@ -157,10 +160,20 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
         check=True,
     )
     lines = [json.loads(line) for line in client.stdout.splitlines()]
-    rows = [json.loads(line) for line in predict("--json", *images)[1].splitlines()]
+    rows = [json.loads(line) for line in predict("--json", folder)[1].splitlines()]
+    assert [line["file"] for line in lines] == [row["file"] for row in rows]  # one stable order
+    assert len(lines) == 81 and "81/81 images" in client.stderr
     assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
     probabilities = [row["predictions"][0]["probability"] for row in rows]
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
+
+
+def test_predict_on_a_long_folder_into_a_pipe_shows_progress(predict, test_pngs, tmp_path):
+    for i in range(300):  # more than one batch of 256
+        shutil.copy(test_pngs[i % len(test_pngs)], tmp_path / f"{i:03d}.png")
+    code, out, err = predict("--json", tmp_path)
+    assert code == 0 and len(out.splitlines()) == 300
+    assert re.search(r"^predict: 300/300 images in [\d.]+ s \(\d+/s\)$", err, re.M), err
 
 
 def test_predict_takes_the_runtime_from_the_file_and_names_a_mismatch(

@@ -92,6 +92,7 @@ def predict(args: argparse.Namespace) -> int:
         )
         return 2
     show = json_line if args.json else tsv_line
+    progress = progress_for(len(files))
     try:
         for path, message in errors.items():  # inputs that do not exist
             report(path, message, args.json)
@@ -104,6 +105,7 @@ def predict(args: argparse.Namespace) -> int:
                 else:
                     report(path, failed[path], args.json)
             sys.stdout.flush()
+            progress(len(files[i : i + BATCH]))
     except BrokenPipeError:  # `| head` has read enough: stop quietly, as `cat` does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 128 + signal.SIGPIPE
@@ -112,6 +114,16 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: cannot write the predictions: {e.strerror or e}", file=sys.stderr)
         return 2
     return 1 if errors else 0
+
+
+def progress_for(total: int):
+    """Images done of the total, the rate and the time left on stderr, for a folder longer than
+    a batch whose results go to a file or a pipe (in a terminal, the results are the progress)."""
+    if total <= BATCH or sys.stdout.isatty():
+        return lambda n: None
+    from visionflow.data import Progress
+
+    return Progress(total, what="predict")
 
 
 def default_model(runtime: str) -> Path:

@@ -307,14 +307,14 @@ class Progress:
     terminal; elsewhere (DVC's captured output, the Prefect logs) a plain line every `every`
     seconds and one at the end, never a redraw per file (a quick decode is one line)."""
 
-    def __init__(self, total: int, every: float = 5.0, stream=None):
+    def __init__(self, total: int, every: float = 5.0, stream=None, what: str = "decode"):
         self.stream = stream or sys.stderr
-        self.total, self.every, self.done = total, every, 0
+        self.total, self.every, self.done, self.what = total, every, 0, what
         self.start = time.monotonic()
         self.shown = (self.start, 0)  # when the last line went out, at what count
         tty = total > 0 and getattr(self.stream, "isatty", lambda: False)()
         self.bar = (
-            tqdm(total=total, desc="decode", unit="img", file=self.stream, mininterval=0.5)
+            tqdm(total=total, desc=what, unit="img", file=self.stream, mininterval=0.5)
             if tty
             else None
         )
@@ -335,9 +335,10 @@ class Progress:
     def line(self, elapsed: float) -> str:
         rate = self.done / max(elapsed, 1e-9)
         if self.done >= self.total:
-            return f"decode: {self.done}/{self.total} images in {_duration(elapsed)} ({rate:.0f}/s)"
+            done = f"{self.done}/{self.total} images in {_duration(elapsed)} ({rate:.0f}/s)"
+            return f"{self.what}: {done}"
         left = _duration((self.total - self.done) / max(rate, 1e-9))
-        return f"decode: {self.done}/{self.total} images ({rate:.0f}/s, {left} left)"
+        return f"{self.what}: {self.done}/{self.total} images ({rate:.0f}/s, {left} left)"
 
 
 def decode_into(
