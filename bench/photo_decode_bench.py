@@ -1,11 +1,13 @@
-"""Benchmark: camera-size JPEGs decoded at full size vs at the reduced DCT scale (Image.draft),
-side by side in one run, with what it changes in the pixels and in a classifier's accuracy.
+"""Benchmark: camera-size JPEGs decoded at full size vs at the reduced scale (Image.draft, then
+the two-step resize), side by side in one run, with what it changes in the pixels and in a
+classifier's accuracy.
 
 Generates a photo folder (default 300 JPEGs of 1024x768, 5 classes: each class its own colour
 cast and texture scale, every photo its own noise, brightness and framing), warms the page cache,
 then on the same files and in one process:
-  - full:  visionflow.decode.to_pixels with jpeg_draft off (what prepare did before)
-  - draft: the same with jpeg_draft on (what prepare, predict and the ONNX client do now)
+  - full:  visionflow.decode.to_pixels with jpeg_draft off and a one-step resize (before #26)
+  - draft: the same with the cache's defaults, jpeg_draft on and reducing_gap 3 (what prepare,
+           predict and the ONNX client do now)
 and prints wall and CPU seconds of each, their ratio, the mean and max absolute pixel difference,
 and the test accuracy of one logistic regression trained on each cache (the same split).
 
@@ -49,8 +51,8 @@ def main() -> None:
         paths, labels = generate(Path(tmp), args.images)
         for path in paths:  # the page cache, for both
             path.read_bytes()
-        full = Decode(args.size, "rgb", jpeg_draft=False)
-        draft = full._replace(jpeg_draft=True)
+        draft = Decode(args.size, "rgb")  # the cache's defaults
+        full = draft._replace(jpeg_draft=False, reducing_gap=None)
         decode_all(paths[:10], full)  # warm-up: imports, first allocations
         rows = {name: decode_all(paths, d) for name, d in (("full", full), ("draft", draft))}
     diff = np.abs(rows["full"][0].astype(int) - rows["draft"][0].astype(int))
