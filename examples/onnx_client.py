@@ -6,7 +6,8 @@ The file carries what a client needs: `visionflow.classes` (class names in outpu
     python examples/onnx_client.py results/export/model.onnx IMAGE|FOLDER [...]
 
 Prints one JSON object per image and line, in the order given (a folder's files sorted):
-{"file", "class", "probability"}; on stderr, a count every 5 s for a long folder.
+{"file", "class", "probability"}, or {"file", "error"} for one that cannot be read (named on
+stderr too, exit 1); on stderr, a count every 5 s for a long folder.
 """
 
 import json
@@ -111,27 +112,49 @@ def image_files(args: list[str]) -> list[str]:
     return found
 
 
-def main(model_path: str, image_paths: list[str], batch: int = 64) -> None:
+def inputs(paths: list[str], spec: dict) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The model input of each image that can be read, and why each other one cannot."""
+    good, bad = {}, {}
+    for path in paths:
+        try:
+            good[path] = preprocess(path, spec)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:  # unusable
+            bad[path] = f"{type(e).__name__}: {e}"
+    return good, bad
+
+
+def main(model_path: str, image_paths: list[str], batch: int = 64) -> int:
+    """One JSON line per image, in order; 1 when some image could not be read, else 0."""
     session, classes, spec = open_model(model_path)
     input_name = session.get_inputs()[0].name
-    shown = time.monotonic()
+    shown, failed = time.monotonic(), 0
     for start in range(0, len(image_paths), batch):  # a batch at a time: memory stays flat
         paths = image_paths[start : start + batch]
-        logits = session.run(None, {input_name: np.stack([preprocess(p, spec) for p in paths])})[0]
-        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
-        for path, p in zip(paths, probs, strict=True):
-            best = int(p.argmax())
+        good, bad = inputs(paths, spec)
+        probs = {}
+        if good:
+            logits = session.run(None, {input_name: np.stack(list(good.values()))})[0]
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            probs = dict(zip(good, e / e.sum(axis=1, keepdims=True), strict=True))
+        for path in paths:
             name = path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            print(json.dumps({"file": name, "class": classes[best], "probability": float(p[best])}))
+            if path in bad:
+                print(json.dumps({"file": name, "error": bad[path]}))
+                print(f"error: {name}: {bad[path]}", file=sys.stderr)
+                continue
+            best = int(probs[path].argmax())
+            line = {"file": name, "class": classes[best], "probability": float(probs[path][best])}
+            print(json.dumps(line))
         sys.stdout.flush()
+        failed += len(bad)
         done = start + len(paths)
         if time.monotonic() - shown >= 5 or (done == len(image_paths) > batch):  # long folders
             shown = time.monotonic()
             print(f"{done}/{len(image_paths)} images", file=sys.stderr, flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    main(sys.argv[1], image_files(sys.argv[2:]))
+    sys.exit(main(sys.argv[1], image_files(sys.argv[2:])))

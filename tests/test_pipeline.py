@@ -145,6 +145,7 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
     wide = folder / "sixteen_bit.png"  # 16-bit: training scales it; the client clipped it
     x = np.load(reproduced / "data/prepared/test_x.npy")
     Image.fromarray(x[0, ..., 0].astype(np.uint16) * 257).save(wide)
+    (folder / "zz_broken.png").write_bytes(b"not a PNG")  # one line saying so; the rest go on
     import subprocess
 
     client = subprocess.run(
@@ -157,12 +158,14 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
         capture_output=True,
         text=True,
         env=env,
-        check=True,
     )
+    assert client.returncode == 1 and "error: " in client.stderr  # the broken file, named
     lines = [json.loads(line) for line in client.stdout.splitlines()]
     rows = [json.loads(line) for line in predict("--json", folder)[1].splitlines()]
     assert [line["file"] for line in lines] == [row["file"] for row in rows]  # one stable order
-    assert len(lines) == 81 and "81/81 images" in client.stderr
+    assert len(lines) == 82 and "82/82 images" in client.stderr
+    assert "error" in lines[-1] and "error" in rows[-1]
+    lines, rows = lines[:-1], rows[:-1]
     assert [line["class"] for line in lines] == [row["predictions"][0]["class"] for row in rows]
     probabilities = [row["predictions"][0]["probability"] for row in rows]
     assert [line["probability"] for line in lines] == pytest.approx(probabilities, abs=1e-6)
