@@ -56,6 +56,30 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
     return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
+FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
+
+
+def spec_problems(spec: dict) -> list[str]:
+    """The decoding keys a forged or mistaken file could get wrong, beyond sizes and statistics."""
+    found = []
+    if spec.get("resize") not in FILTERS:
+        found.append(f"resize must be one of {', '.join(FILTERS)}: {spec.get('resize')!r}")
+    for key in ("exif_transpose", "jpeg_draft"):
+        if not isinstance(spec[key], bool):
+            found.append(f"{key} must be true or false: {spec[key]!r}")
+    gap = spec["reducing_gap"]
+    if gap is not None and not (type(gap) in (int, float) and 1 < gap <= 1024):
+        found.append(f"reducing_gap must be null or a number over 1 (at most 1024): {gap!r}")
+    background = spec.get("background")
+    if not (
+        isinstance(background, list)
+        and len(background) == 3
+        and all(type(v) is int and 0 <= v <= 255 for v in background)
+    ):
+        found.append(f"background must be 3 whole numbers 0 to 255: {background!r}")
+    return found
+
+
 def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
     """The session, class names and preprocessing; metadata that is missing, malformed or does
     not fit the network is an error naming what is wrong (a model file may come from anyone;
@@ -71,13 +95,19 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
         classes = json.loads(meta["visionflow.classes"])
         spec = json.loads(meta["visionflow.preprocess"])
         channels = {"grayscale": 1, "rgb": 3}[spec["color"]]
-        size = int(spec["image_size"])
+        size = spec["image_size"]
         if not (len(spec["mean"]) == len(spec["std"]) == channels and min(spec["std"]) > 0):
             raise ValueError(f"mean/std need {channels} values, std > 0")
         if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
             raise ValueError("visionflow.classes is not a list of names")
-        if not (1 <= size <= 1024 and len(set(classes)) == len(classes) >= 2):
-            raise ValueError("image_size 1 to 1024 px, two or more distinct class names")
+        if not (type(size) is int and 1 <= size <= 1024 and len(set(classes)) == len(classes) >= 2):
+            raise ValueError("image_size a whole number 1 to 1024 px, two or more distinct names")
+        spec.setdefault("exif_transpose", True)  # keys a file made before them lacks: as trained
+        spec.setdefault("jpeg_draft", False)
+        spec.setdefault("reducing_gap", None)
+        problems = spec_problems(spec)
+        if problems:
+            raise ValueError("; ".join(problems))
     except (ValueError, KeyError, TypeError) as e:
         sys.exit(f"error: {model_path}: its visionflow metadata is malformed ({e!r})")
     try:  # the input the metadata describes, once: the network must take it
@@ -157,4 +187,8 @@ def main(model_path: str, image_paths: list[str], batch: int = 64) -> int:
 if __name__ == "__main__":
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    sys.exit(main(sys.argv[1], image_files(sys.argv[2:])))
+    files = image_files(sys.argv[2:])
+    if not files:
+        print(f"error: no image files in {', '.join(sys.argv[2:])}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], files))

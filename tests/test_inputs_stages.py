@@ -118,6 +118,9 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
             files.append(folder / label / f"{i}.{'png' if i % 3 == 2 else 'jpg'}")
             photo(i + 10 * (label == "b")).save(files[-1], quality=90)
     pngs = [f for f in files if f.suffix == ".png"]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: the camera was turned 90 degrees
+    photo(99, (240, 320)).save(files[0], quality=90, exif=exif)
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     prepare = {"source": "imagefolder", "path": str(folder), "image_size": 16, "color": "rgb"}
     write_params(tmp_path, {"prepare": {**prepare, "val_fraction": 0.25, "test_fraction": 0.25}})
@@ -139,6 +142,14 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
     for i, path in enumerate(files):
         expected = normalise(pixels[i : i + 1], spec)[0]
         assert np.allclose(client["preprocess"](str(path), spec), expected, atol=1e-6), path
+    # what a model file records is followed, by predict and the client alike (not assumed)
+    for change in ({"resize": "nearest"}, {"exif_transpose": False}):
+        other = {**spec, **change}
+        changed, _, _ = load_images(files, other)
+        assert rows(changed) != rows(pixels), change
+        for i, path in enumerate(files[:3]):
+            expected = normalise(changed[i : i + 1], other)[0]
+            assert np.allclose(client["preprocess"](str(path), other), expected, atol=1e-6)
 
 
 SPLITS = ("train", "val", "test")

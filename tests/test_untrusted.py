@@ -109,6 +109,10 @@ def test_forged_metadata_is_an_error_naming_what_disagrees(reproduced_base, digi
         "std": (dict(std=[0.0]), "std must be"),
         "color": (dict(color="cmyk"), "color must be grayscale or rgb"),
         "missing": (dict(classes=None), "lacks the visionflow.classes metadata"),
+        "gap": (dict(reducing_gap="x"), "reducing_gap must be null or a number over 1"),
+        "gap below 1": (dict(reducing_gap=0.5), "reducing_gap must be null or a number over 1"),
+        "draft": (dict(jpeg_draft="no"), "jpeg_draft must be true or false"),
+        "resize": (dict(resize="sinc"), "resize must be one of"),
     }
     client = [sys.executable, str(ROOT / "examples/onnx_client.py")]
     for name, (change, words) in cases.items():

@@ -623,9 +623,9 @@ def build_cache(
             {
                 "image_size": decode.size,
                 "color": decode.color,
-                "resize": RESIZE,
+                "resize": decode.resize,
                 "background": list(decode.background),
-                "exif_transpose": True,
+                "exif_transpose": decode.exif_transpose,
                 "jpeg_draft": decode.jpeg_draft,
                 "reducing_gap": decode.reducing_gap,
             },

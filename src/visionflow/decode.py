@@ -38,6 +38,8 @@ class Decode(NamedTuple):
     formats: tuple[str, ...] = ("PNG", "JPEG", "BMP", "GIF", "WEBP", "TIFF")  # PIL format names
     jpeg_draft: bool = True  # JPEGs decoded at a reduced DCT scale first (see `open_image`)
     reducing_gap: float | None = REDUCING_GAP  # None: one-step resize (models made before it)
+    resize: str = RESIZE  # PIL filter name; a model file says which it was trained with
+    exif_transpose: bool = True  # turned upright as the camera was held
 
 
 LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
@@ -92,7 +94,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                     # decodes at 128x96, about 3x faster; the resize below does the rest
                     opened.draft(opened.mode, (decode.size, decode.size))
                 opened.load()
-                ImageOps.exif_transpose(opened, in_place=True)  # upright, as the camera was held
+                if decode.exif_transpose:  # upright, as the camera was held
+                    ImageOps.exif_transpose(opened, in_place=True)
                 return opened
         except DataError:
             raise
@@ -111,7 +114,7 @@ def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
     """Normalise the mode and resize: one uint8 HxWxC image."""
     image = normalise_mode(image, decode.color, decode.background)
     if image.size != (decode.size, decode.size):
-        resample = Image.Resampling[RESIZE.upper()]
+        resample = Image.Resampling[decode.resize.upper()]
         image = image.resize((decode.size, decode.size), resample, reducing_gap=decode.reducing_gap)
     pixels = np.asarray(image, dtype=np.uint8)
     return pixels[..., None] if pixels.ndim == 2 else pixels

@@ -108,6 +108,8 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
         tuple(spec["background"]),
         jpeg_draft=spec.get("jpeg_draft", False),  # files exported before it: full decoding
         reducing_gap=spec.get("reducing_gap"),  # and a one-step resize
+        resize=spec["resize"],  # what the file says, checked against RESIZE_FILTERS
+        exif_transpose=spec.get("exif_transpose", True),
     )
     for path in paths:
         try:
