@@ -570,7 +570,7 @@ def main() -> None:
     run = run_of(params, args.data)
     run_fingerprint = checkpoint.fingerprint(run)
     folder = args.checkpoints / run_fingerprint
-    monitor = health.Monitor(t.health, d.meta.classes, say)
+    monitor = health.Monitor(health.Limits(**t.health.model_dump()), d.meta.classes, say)
     progress = resume(trainer, monitor, folder, run, args.out, say)
     parameters = sum(p.numel() for p in model.parameters())
     say(

@@ -15,6 +15,13 @@ from visionflow.models import build_model
 from visionflow.params import Health
 
 CLASSES = [str(i) for i in range(10)]
+
+
+def limits(**changes) -> health.Limits:
+    """The shipped train.health thresholds as the stage passes them, with `changes`."""
+    return health.Limits(**{**Health().model_dump(), **changes})
+
+
 STILL = {"crop_padding": 0, "rotation": 0.0}  # no augmentation: the runs below are about the data
 
 
@@ -79,7 +86,7 @@ def test_data_wait_over_the_limit_is_data_bound():
 
 def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     said = []
-    monitor = health.Monitor(Health(first_steps=4), CLASSES, said.append)
+    monitor = health.Monitor(limits(first_steps=4), CLASSES, said.append)
     metrics = {
         "data_seconds": 0.1,
         "seconds": 1.0,
@@ -96,7 +103,7 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     report = monitor.report()
     assert len(said) == 1 and report["findings"] == 1 and report["data_bound"] is True
     assert report["data_wait_fraction"] == 0.9
-    restored = health.Monitor(Health(first_steps=4), CLASSES)
+    restored = health.Monitor(limits(first_steps=4), CLASSES)
     restored.load_state_dict(monitor.state_dict())
     assert restored.report() == report
 
@@ -111,7 +118,7 @@ def test_a_run_shorter_than_first_steps_says_its_loss_was_not_judged():
         "layer_grad_norms": {"w": 1.0},
     }
     history = [{"train/loss": 2.3, "val/loss": 2.3}]
-    few = health.Monitor(Health(first_steps=50), CLASSES)
+    few = health.Monitor(limits(first_steps=50), CLASSES)
     few.epoch(1, {**metrics, "first_losses": [2.3, 2.3, 2.3]}, history, 1e-3, False)
     summary = few.summary("h")
     assert "not judged: the run took 3 steps (train.health.first_steps is 50" in summary

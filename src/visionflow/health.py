@@ -13,8 +13,6 @@ from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from statistics import fmean
 
-from visionflow.params import Health
-
 CHECKS = (
     "data_bound",
     "loss_not_falling",
@@ -223,10 +221,22 @@ def out_of_memory(
     )
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the checks judge by: plain values (train.health in params.yaml; the stage passes them)."""
+
+    first_steps: int  # the losses of this many first optimizer steps are judged
+    min_loss_drop: float  # share the loss must fall by over those steps
+    data_bound: float  # share of an epoch spent waiting for data that is a finding
+    max_grad_norm: float  # a layer's gradient L2 norm above this is exploding
+    min_grad_norm: float  # and below this vanishing
+    overfit_epochs: int  # epochs in a row of rising val loss, train loss falling, that are one
+
+
 class Monitor:
     """Runs the checks as training goes; reports each finding once, as it is found."""
 
-    def __init__(self, config: Health, classes: list[str], say=print):
+    def __init__(self, config: Limits, classes: list[str], say=print):
         self.config, self.classes, self.say = config, classes, say
         self.findings: list[Finding] = []
         self.losses: list[float] = []
