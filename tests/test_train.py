@@ -21,10 +21,10 @@ from visionflow.engine import (
     NonFiniteLoss,
     Step,
     amp_dtype,
-    groups,
     make_optimizer,
     make_scheduler,
     step_scheduler,
+    steps_of,
     train_one_epoch,
 )
 from visionflow.loading import normalise, to_unit
@@ -231,27 +231,28 @@ def test_an_epoch_without_one_finite_step_stops_the_run():
         )
 
 
-def test_accumulation_steps_the_last_short_group_with_its_true_size():
-    """40 images, batch 8, accumulate 2: groups of 2, 2 and 1 micro-batches, three steps; the last
-    one equals a plain step on that batch alone (a mean, not a half)."""
-    assert groups(5, 2) == [2, 2, 1] and groups(2, 8) == [2]
-    x, y = toy(40)
+def test_accumulation_weighs_each_micro_batch_by_its_images():
+    """44 images, batch 8, accumulate 2: steps over 16, 16 and 12 images, the last of batches of
+    8 and 4. Each step equals one plain step on all its images at once (the mean over them); the
+    old loop took the mean of the two batch means, weighing the 4 images' loss as the 8's."""
+    assert steps_of(44, 8, 2) == [(2, 16), (2, 16), (2, 12)]
+    assert steps_of(40, 8, 2) == [(2, 16), (2, 16), (1, 8)] and steps_of(16, 8, 8) == [(2, 16)]
+    x, y = toy(44)
     model = fresh_model()
     optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
     metrics = train_one_epoch(
         model.eval(), optimizer, x, y, MEAN, STD, Step(8, 2), torch.Generator().manual_seed(0)
     )
-    assert metrics["steps"] == 3 and metrics["images"] == 40
-    # the same epoch by hand: four batches in two groups of two, then the fifth alone
+    assert metrics["steps"] == 3 and metrics["images"] == 44
+    # the same epoch by hand: each step one batch of all its images
     reference = fresh_model()
     sgd = make_optimizer("sgd", reference, 0.1, 0, 0, False)
-    order = torch.randperm(40, generator=torch.Generator().manual_seed(0))
-    for group in ([0, 1], [2, 3], [4]):
+    order = torch.randperm(44, generator=torch.Generator().manual_seed(0))
+    for start, end in ((0, 16), (16, 32), (32, 44)):
         sgd.zero_grad()
-        for b in group:
-            idx = order[8 * b : 8 * b + 8]
-            loss = F.cross_entropy(reference.eval()(normalise(to_unit(x[idx]), MEAN, STD)), y[idx])
-            (loss / len(group)).backward()
+        idx = order[start:end]
+        logits = reference.eval()(normalise(to_unit(x[idx]), MEAN, STD))
+        F.cross_entropy(logits, y[idx]).backward()
         sgd.step()
     for a, b in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)

@@ -117,11 +117,14 @@ class Step:
     dtype: torch.dtype | None = None
 
 
-def groups(batches_per_epoch: int, accumulate: int) -> list[int]:
-    """The micro-batch count of each optimizer step of an epoch: full groups of `accumulate`, and
-    the last one with what is left (40 images, batch 8, accumulate 2: [2, 2, 1])."""
-    full, rest = divmod(batches_per_epoch, accumulate)
-    return [accumulate] * full + ([rest] if rest else [])
+def steps_of(images: int, batch_size: int, accumulate: int) -> list[tuple[int, int]]:
+    """(micro-batches, images) of each optimizer step of an epoch over `images` (a rank's
+    shard): full groups of `accumulate`, the last one with what is left (44 images, batch 8,
+    accumulate 2: [(2, 16), (2, 16), (2, 12)]: the last group's batches hold 8 and 4)."""
+    full, rest = divmod(images, batch_size)
+    sizes = [batch_size] * full + ([rest] if rest else [])
+    groups = [sizes[i : i + accumulate] for i in range(0, len(sizes), accumulate)]
+    return [(len(group), sum(group)) for group in groups]
 
 
 def train_one_epoch(
@@ -144,8 +147,10 @@ def train_one_epoch(
     """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
 
     zero_grad -> (forward -> loss -> backward) per micro-batch -> step, once per group of
-    `step.accumulate` micro-batches; each loss is divided by its group's true size, so the last,
-    shorter group of an epoch is stepped as a mean too, not dropped. Whether a group's losses were
+    `step.accumulate` micro-batches; each micro-batch's loss is weighted by its share of the
+    group's images, so a step is the mean over its images as one big batch would take it (an
+    epoch's last, short micro-batch weighs what its images weigh; under DDP every rank's shard is
+    the same size, so DDP's mean over ranks is the mean over all the step's images). Whether a group's losses were
     all finite is asked once per optimizer step (one host sync): a group with a non-finite loss is
     skipped whole, and `step.max_nonfinite` skipped steps in a row raise NonFiniteLoss.
     `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The losses
@@ -155,7 +160,7 @@ def train_one_epoch(
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     total = math.ceil(len(x) // world / step.batch_size)  # as `batches` shards them
-    sizes = iter(groups(total, step.accumulate))
+    plan = iter(steps_of(len(x) // world, step.batch_size, step.accumulate))
     stats = torch.zeros(3, device=mean.device)  # loss sum, correct, images: summed without syncs
     steps, skipped, in_a_row, norms, layers = 0, 0, 0, [], {}
     first_losses: list[float] = []
@@ -182,7 +187,7 @@ def train_one_epoch(
             faults.fault("train.batch", epoch=epoch, step=i)
         data_seconds += time.perf_counter() - wait
         if left == 0:
-            left = group = next(sizes)
+            left, images = next(plan)
             kept = [b.clone() for b in floating_buffers(model)]
         loss, logits = forward(model, xb, yb, mean, std, step, augment)
         if faults.ACTIVE:
@@ -192,7 +197,9 @@ def train_one_epoch(
             first_labels.update(yb.tolist())
         ok = torch.isfinite(loss.detach())
         finite = ok if finite is None else finite & ok
-        scaler.scale(loss / group).backward()
+        # loss x its share of the group's images; as a division, so that a group of equal
+        # micro-batches divides by their count exactly as before (bit for bit)
+        scaler.scale(loss / (images / len(yb))).backward()
         loss_sum = loss.detach().nan_to_num(0.0, 0.0, 0.0) * len(yb)
         counts = (
             loss_sum,
