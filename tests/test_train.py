@@ -367,6 +367,21 @@ def run_train(cwd, out):
     return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
 
 
+def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
+    """The train stage under `torchrun` with 2 gloo processes, as the README runs it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints"]
+    return subprocess.run(
+        [*command, "2", *stage, f"{out}-ckpt"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     """2 ranks x batch 16 (gloo, CPU) take the same steps as 1 process x batch 32.
@@ -394,30 +409,7 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
         f"{point}@rank=0:touch={point}.0;{point}@rank=1:raise"
         for point in ("stage.snapshot", "train.verify")
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": once}
-    ddp = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "pipeline.train",
-            "--data",
-            "prepared",
-            "--out",
-            "ddp",
-            "--checkpoints",
-            "ddp-ckpt",
-        ],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    ddp = torchrun_train(workdir, "ddp", fault=once)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert ddp.stdout.count("train: best val accuracy") == 1  # rank 0 alone reports and writes
     assert (workdir / "stage.snapshot.0").exists() and (workdir / "train.verify.0").exists()
@@ -430,6 +422,41 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     ]
     assert metrics[0]["val"]["accuracy"] == metrics[1]["val"]["accuracy"]
     assert metrics[0]["train"]["loss"] == pytest.approx(metrics[1]["train"]["loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_ddp_with_accumulation_and_a_short_last_micro_batch_matches_one_big_batch(workdir):
+    """2 ranks x batch 16 x accumulate 2 take the steps of 1 process x batch 64, on 560 images:
+    each epoch's last step holds 48 images, 16 + 8 per rank in two micro-batches, and weighs
+    them as one batch of 48 (SGD, no augmentation, no dropout)."""
+    cache = workdir / "prepared"
+    for part in ("x", "y"):  # 560 of the train split: 280 per rank = 17 x 16 + 8
+        array = np.load(cache / f"train_{part}.npy")[:560]
+        np.save(cache / f"train_{part}.npy", array)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    for part in ("x", "y"):
+        manifest["files"][f"train_{part}.npy"]["sha256"] = data.file_hash(
+            cache / f"train_{part}.npy"
+        )
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    plain = {
+        "epochs": 2,
+        "optimizer": "sgd",
+        "momentum": 0.0,
+        "lr": 0.05,
+        "dropout": 0.0,
+        "augment": {"crop_padding": 0, "rotation": 0.0},
+    }
+    write_params(workdir, {"train": {**plain, "batch_size": 64, "accumulate": 1}})
+    single = run_train(workdir, "single")
+    assert single.returncode == 0, single.stderr
+    write_params(workdir, {"train": {**plain, "batch_size": 16, "accumulate": 2}})
+    ddp = torchrun_train(workdir, "ddp")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    a = torch.load(workdir / "single/model.pt", weights_only=True)["state_dict"]
+    b = torch.load(workdir / "ddp/model.pt", weights_only=True)["state_dict"]
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
+    assert worst < 1e-5, worst  # the mean of micro-batch means was 1e-3 away here
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
