@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.conftest import ROOT, write_params
 from visionflow import checkpoint, data, loading
@@ -457,6 +458,54 @@ def test_ddp_with_accumulation_and_a_short_last_micro_batch_matches_one_big_batc
     b = torch.load(workdir / "ddp/model.pt", weights_only=True)["state_dict"]
     worst = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
     assert worst < 1e-5, worst  # the mean of micro-batch means was 1e-3 away here
+
+
+def count_gradient_all_reduces(rank: int, port: int, accumulate: int, out: Path) -> None:
+    """One epoch on a DDP rank of two (gloo) whose gradient all-reduces are counted by a
+    communication hook; writes (all-reduces, optimizer steps) to out/<rank>.json."""
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    model = DistributedDataParallel(fresh_model())
+    calls = []
+
+    def counted(state, bucket):
+        calls.append(1)
+        done = torch.distributed.all_reduce(bucket.buffer().div_(2), async_op=True)
+        return done.get_future().then(lambda future: future.value()[0])
+
+    model.register_comm_hook(None, counted)
+    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+    x, y = toy(128)
+    metrics = train_one_epoch(
+        model, optimizer, x, y, MEAN, STD, Step(8, accumulate), torch.Generator().manual_seed(0),
+        rank=rank, world=2,
+    )  # fmt: skip
+    (out / f"{rank}.json").write_text(json.dumps([len(calls), metrics["steps"]]))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
+    """64 images per rank, batch 8: 8 micro-batches. With accumulate 4 the gradients are
+    all-reduced on the last micro-batch of each step only (no_sync on the others): a quarter of
+    the all-reduces of accumulate 1, not as many."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    counts = {}
+    for accumulate in (1, 4):
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
+        out = tmp_path / str(accumulate)
+        out.mkdir()
+        mp.spawn(count_gradient_all_reduces, args=(port, accumulate, out), nprocs=2)
+        counts[accumulate] = [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)]
+    (plain, plain_steps), (accumulated, steps) = counts[1][0], counts[4][0]
+    assert (plain_steps, steps) == (8, 2) and counts[1][1] == counts[1][0]
+    per_step = plain // plain_steps  # all-reduces of one backward: one per gradient bucket
+    assert per_step >= 1 and accumulated == steps * per_step, counts
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):

@@ -8,12 +8,14 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from visionflow import faults
@@ -189,17 +191,18 @@ def train_one_epoch(
         if left == 0:
             left, images = next(plan)
             kept = [b.clone() for b in floating_buffers(model)]
-        loss, logits = forward(model, xb, yb, mean, std, step, augment)
-        if faults.ACTIVE:
-            loss = faults.fault("train.loss", loss, epoch=epoch, step=i, batch=len(yb))
-        if len(first_losses) < record_losses:  # a sync per micro-batch, for the first ones only
-            first_losses.append(loss.item())
-            first_labels.update(yb.tolist())
-        ok = torch.isfinite(loss.detach())
-        finite = ok if finite is None else finite & ok
-        # loss x its share of the group's images; as a division, so that a group of equal
-        # micro-batches divides by their count exactly as before (bit for bit)
-        scaler.scale(loss / (images / len(yb))).backward()
+        with sync_only_on_last(model, left == 1):  # DDP: one gradient all-reduce per step
+            loss, logits = forward(model, xb, yb, mean, std, step, augment)
+            if faults.ACTIVE:
+                loss = faults.fault("train.loss", loss, epoch=epoch, step=i, batch=len(yb))
+            if len(first_losses) < record_losses:  # a sync per micro-batch, the first ones only
+                first_losses.append(loss.item())
+                first_labels.update(yb.tolist())
+            ok = torch.isfinite(loss.detach())
+            finite = ok if finite is None else finite & ok
+            # loss x its share of the group's images; as a division, so that a group of equal
+            # micro-batches divides by their count exactly as before (bit for bit)
+            scaler.scale(loss / (images / len(yb))).backward()
         loss_sum = loss.detach().nan_to_num(0.0, 0.0, 0.0) * len(yb)
         counts = (
             loss_sum,
@@ -263,6 +266,15 @@ def forward(model, xb, yb, mean, std, step: Step, augment) -> tuple[torch.Tensor
         logits = model(normalise(images, mean, std))
         loss = F.cross_entropy(logits.float(), yb, label_smoothing=step.label_smoothing)
     return loss, logits
+
+
+def sync_only_on_last(model: nn.Module, last: bool):
+    """DDP's `no_sync()` but on a step's last micro-batch: the gradients of the others add up
+    on each rank, and the last backward all-reduces the sum once (not once per micro-batch)."""
+    ddp = getattr(model, "_orig_mod", model)  # under torch.compile, the DDP module it wraps
+    if last or not isinstance(ddp, DistributedDataParallel):
+        return nullcontext()
+    return ddp.no_sync()
 
 
 def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
