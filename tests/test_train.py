@@ -368,6 +368,18 @@ def run_train(cwd, out):
     return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
 
 
+# train params under which 2 ranks and 1 process must end with the same weights: plain SGD, no
+# augmentation or dropout (their draws differ per rank)
+PLAIN_SGD = {
+    "epochs": 2,
+    "optimizer": "sgd",
+    "momentum": 0.0,
+    "lr": 0.05,
+    "dropout": 0.0,
+    "augment": {"crop_padding": 0, "rotation": 0.0},
+}
+
+
 def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
     """The train stage under `torchrun` with 2 gloo processes, as the README runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
@@ -387,17 +399,10 @@ def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.Completed
 def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     """2 ranks x batch 16 (gloo, CPU) take the same steps as 1 process x batch 32.
 
-    Both train on the same 640 images (overfit_batches x batch_size), a multiple of 32, so no
-    step has a ragged last batch (which DDP weights per rank, not per image).
+    Both train on the same 640 images (overfit_batches x batch_size), a multiple of 32 (the next
+    test has a ragged last step).
     """
-    plain = {
-        "epochs": 2,
-        "optimizer": "sgd",
-        "momentum": 0.0,
-        "lr": 0.05,
-        "dropout": 0.0,
-        "augment": {"crop_padding": 0, "rotation": 0.0},
-    }
+    plain = PLAIN_SGD
     write_params(workdir, {"train": {**plain, "batch_size": 32, "overfit_batches": 20}})
     single = run_train(workdir, "single")
     assert single.returncode == 0, single.stderr
@@ -440,14 +445,7 @@ def test_ddp_with_accumulation_and_a_short_last_micro_batch_matches_one_big_batc
             cache / f"train_{part}.npy"
         )
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    plain = {
-        "epochs": 2,
-        "optimizer": "sgd",
-        "momentum": 0.0,
-        "lr": 0.05,
-        "dropout": 0.0,
-        "augment": {"crop_padding": 0, "rotation": 0.0},
-    }
+    plain = PLAIN_SGD
     write_params(workdir, {"train": {**plain, "batch_size": 64, "accumulate": 1}})
     single = run_train(workdir, "single")
     assert single.returncode == 0, single.stderr
