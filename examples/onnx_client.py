@@ -56,6 +56,8 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
     return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
+# visionflow's own lists (inference.RESIZE_FILTERS, decode.IMAGE_SUFFIXES), copied: this client
+# imports nothing of visionflow
 FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 
 
@@ -124,7 +126,7 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
     return session, classes, spec
 
 
-SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}  # copied, above
 
 
 def image_files(args: list[str]) -> list[str]:

@@ -130,10 +130,8 @@ class Snapshot:
         ]
         now = file_stats(self.deps)
         touched = [p for p in self.stats.keys() & now.keys() if now[p] != self.stats[p]]
-        started = {
-            p: (self.stats[p].inode, self.stats[p].mtime, self.stats[p].size) for p in touched
-        }
-        known = project.hashes_dvc_knew(started)
+        started = {p: self.stats[p] for p in touched}
+        known, unknown_because = project.hashes_dvc_knew(started)
         for path in sorted(self.stats.keys() | now.keys()):
             if path not in now:
                 found.append(f"{path} removed")
@@ -144,7 +142,7 @@ class Snapshot:
             elif path not in known:
                 found.append(
                     f"{path} changed (its stat did, and DVC has no hash from before the run "
-                    "to compare its content with: `dvc repro --force` hashes no dep first)"
+                    f"to compare its content with: {unknown_because})"
                 )
             elif file_hash(Path(path), "md5") != known[path]:
                 found.append(f"{path} modified")

@@ -152,17 +152,18 @@ def train_one_epoch(
     `step.accumulate` micro-batches; each micro-batch's loss is weighted by its share of the
     group's images, so a step is the mean over its images as one big batch would take it (an
     epoch's last, short micro-batch weighs what its images weigh; under DDP every rank's shard is
-    the same size, so DDP's mean over ranks is the mean over all the step's images). Whether a group's losses were
-    all finite is asked once per optimizer step (one host sync): a group with a non-finite loss is
-    skipped whole, and `step.max_nonfinite` skipped steps in a row raise NonFiniteLoss.
-    `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The losses
+    the same size, so DDP's mean over ranks is the mean over all the step's images), and under
+    DDP the gradients are all-reduced on a step's last micro-batch only. Whether a group's
+    losses were all finite is asked once per optimizer step (one host sync): a group with a
+    non-finite loss is skipped whole, and `step.max_nonfinite` skipped steps in a row raise
+    NonFiniteLoss. `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The losses
     and label counts of the first `record_losses` micro-batches are returned for the health
     checks, and the seconds spent waiting for batches (`data_seconds`) beside the epoch's.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
-    total = math.ceil(len(x) // world / step.batch_size)  # as `batches` shards them
-    plan = iter(steps_of(len(x) // world, step.batch_size, step.accumulate))
+    plan = steps_of(len(x) // world, step.batch_size, step.accumulate)  # as `batches` shards
+    total, upcoming = sum(micro_batches for micro_batches, _ in plan), iter(plan)
     stats = torch.zeros(3, device=mean.device)  # loss sum, correct, images: summed without syncs
     steps, skipped, in_a_row, norms, layers = 0, 0, 0, [], {}
     first_losses: list[float] = []
@@ -189,7 +190,7 @@ def train_one_epoch(
             faults.fault("train.batch", epoch=epoch, step=i)
         data_seconds += time.perf_counter() - wait
         if left == 0:
-            left, images = next(plan)
+            left, images = next(upcoming)
             kept = [b.clone() for b in floating_buffers(model)]
         with sync_only_on_last(model, left == 1):  # DDP: one gradient all-reduce per step
             loss, logits = forward(model, xb, yb, mean, std, step, augment)

@@ -7,6 +7,7 @@ import re
 import stat
 from pathlib import Path
 
+from visionflow.files import Stat
 from visionflow.params import ParamsError, overlap, read_file, read_yaml, refuse_link, stage_outputs
 
 
@@ -74,27 +75,27 @@ def dvc_root(start: Path) -> Path | None:
     return next((f for f in (start, *start.parents) if (f / ".dvc").is_dir()), None)
 
 
-def hashes_dvc_knew(paths: dict[str, tuple[int, float, int]]) -> dict[str, str]:
-    """{path: md5} of each file DVC's state database holds a hash for at exactly the given
-    (inode, mtime, size): what DVC hashed the file to when it last saw that stat (`dvc repro`
-    hashes a stage's deps before running it). Paths absent from the result DVC never hashed at
-    that stat. Outside a DVC project, or with DVC's state unreadable, nothing is known."""
+def hashes_dvc_knew(stats: dict[str, Stat]) -> tuple[dict[str, str], str]:
+    """({path: md5} of each file DVC's state database holds a hash for at exactly its given
+    stat (inode, mtime, size), why DVC knows nothing): what DVC hashed the file to when it last
+    saw that stat (`dvc repro` hashes a stage's deps before running it). A path absent from the
+    result DVC never hashed at that stat; outside a DVC project nothing is known."""
     root = dvc_root(Path.cwd())
-    if root is None or not paths:
-        return {}
+    if root is None or not stats:
+        return {}, "outside a DVC project"
     from dvc.repo import Repo  # imported on use: only a file whose stat changed mid-run needs it
 
     known = {}
     try:
         with Repo(str(root)) as repo:
-            for path, (inode, mtime, size) in paths.items():
-                info = {"ino": inode, "mtime": mtime, "size": size, "type": "file"}
+            for path, s in stats.items():
+                info = {"ino": s.inode, "mtime": s.mtime, "size": s.size, "type": "file"}
                 _, hash_info = repo.state.get(os.path.abspath(path), repo.fs, info=info)
                 if hash_info is not None and hash_info.name == "md5":
                     known[path] = hash_info.value
-    except Exception:  # a DVC that cannot open the project here knows nothing we can use
-        return known
-    return known
+    except Exception as e:  # DVC's own error (a broken config, a locked state database): said
+        return known, f"DVC's state could not be read: {type(e).__name__}: {e}"
+    return known, "`dvc repro --force` hashes no dep first"
 
 
 def cache_config(root: Path) -> tuple[Path, list[str]]:
