@@ -15,7 +15,7 @@ import time
 import torch
 
 from visionflow.augment import augment
-from visionflow.engine import Step, make_optimizer, train_one_epoch
+from visionflow.engine import Split, Step, make_optimizer, train_one_epoch
 from visionflow.models import build_model
 
 SETTINGS = {  # name: (autocast dtype, channels_last, compile)
@@ -41,7 +41,9 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
         return augment(images, g, crop_padding=4, hflip=True)
 
     def epoch():
-        train_one_epoch(net, optimizer, x, y, mean, std, Step(batch, dtype=dtype), g, augment=aug)
+        train_one_epoch(
+            net, optimizer, Split(x, y, mean, std, g, augment=aug), Step(batch, dtype=dtype)
+        )
 
     epoch()  # warm-up: cuDNN autotuning, compilation
     torch.cuda.synchronize()

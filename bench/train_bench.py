@@ -36,7 +36,7 @@ from torchvision import transforms
 
 from visionflow import data, loading
 from visionflow.augment import augment
-from visionflow.engine import Step, evaluate, make_optimizer, train_one_epoch
+from visionflow.engine import Split, Step, evaluate, make_optimizer, train_one_epoch
 from visionflow.models import build_model
 
 SIZE, BATCH = 32, 64
@@ -108,7 +108,7 @@ def stage(x, y, xv, yv, mean, std, epochs, target, seed):
         yv,
         mean,
         std,
-        lambda: train_one_epoch(model, optimizer, xt, yt, m, s, Step(BATCH), g, augment=aug),
+        lambda: train_one_epoch(model, optimizer, Split(xt, yt, m, s, g, augment=aug), Step(BATCH)),
     )
 
 

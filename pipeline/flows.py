@@ -25,11 +25,9 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,99 +43,44 @@ from prefect.states import Completed, Failed, State
 
 from visionflow import runner
 from visionflow.files import flatten
-from visionflow.params import read_yaml
-from visionflow.project import all_deps, preflight, special_files
+from visionflow.project import preflight
+from visionflow.repo import (
+    DvcBusy,
+    StageFailed,
+    dvc,
+    lock_refused,
+    locked,
+    readable,
+    stages_in_order,
+    unchanged,
+)
 from visionflow.runner import (
     BUSY_EXIT,
     NotAProject,
     Timeout,
     dvc_busy,
     dvc_command,
-    environment,
     find_root,
     restore,
     run_group,
-    stop_grace_s,
     wait_until_free,
     workspace_lock,
 )
+from visionflow.sweeps import (
+    ENDED,
+    exp_run_args,
+    guarded,
+    main_metrics,
+    metric_values,
+    results,
+    start_workers,
+    stop_queue,
+    sweep_table,
+)
+from visionflow.watching import settled_changes
 
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
-DVC_TIMEOUT_S = (
-    120.0  # a helper `dvc` call (status, metrics, exp show, queue) that takes longer hangs
-)
 POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing
-MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
-
-
-class StageFailed(RuntimeError):
-    """A stage or a dvc command failed; the message carries the end of its output."""
-
-
-class DvcHung(StageFailed):
-    """A helper dvc command ran past DVC_TIMEOUT_S."""
-
-
-class DvcBusy(RuntimeError):
-    """Another `dvc` process holds the repository's lock (a user's own `dvc` command, say)."""
-
-    @classmethod
-    def at(cls, workdir: Path, what: str) -> "DvcBusy":
-        return cls(f"{what}: another dvc process holds {workdir}/.dvc/tmp/lock")
-
-
-def dvc(workdir: Path, *args: str, doing: str) -> str:
-    """A short dvc command's output; a failure or a hang raises, naming what it was `doing`;
-    DvcBusy when another dvc holds the repository's lock (before, or when the command failed)."""
-    command = f"`dvc {' '.join(args)}` ({doing})"
-    if dvc_busy(workdir):
-        raise DvcBusy.at(workdir, command)
-    try:
-        result = subprocess.run(
-            [*dvc_command(), *args],
-            cwd=workdir,
-            env=environment(),
-            capture_output=True,
-            text=True,
-            timeout=DVC_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired:
-        raise DvcHung(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
-    if result.returncode != 0:
-        if dvc_busy(workdir):
-            raise DvcBusy.at(workdir, command)
-        raise StageFailed(f"{command} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
-    return result.stdout
-
-
-def stages_in_order(workdir: Path) -> list[str]:
-    """Every stage with a command, in the order of DVC's own graph (what `dvc repro` walks:
-    any order in dvc.yaml, foreach groups, templated stages, other dvc.yaml files), as DVC
-    addresses them (`train`, `sub/dvc.yaml:fit`, `many@x`); ties in a stable order."""
-    import networkx as nx
-    from dvc.repo import Repo
-
-    def address(stage) -> str:  # as `dvc repro` in the project's root takes it
-        path = stage.path_in_repo
-        return stage.name if path == "dvc.yaml" else f"{path}:{stage.name}"
-
-    with Repo(str(workdir)) as repo:
-        graph = repo.index.graph.reverse()  # DVC's edges go from a stage to what it depends on
-        order = nx.lexicographical_topological_sort(graph, key=address)
-        return [address(stage) for stage in order if stage.cmd]  # not `dvc add`ed data
-
-
-def dvcfile_and_name(workdir: Path, stage: str) -> tuple[Path, str]:
-    """`sub/dvc.yaml:fit` -> (workdir/sub/dvc.yaml, fit); `train` -> (workdir/dvc.yaml, train)."""
-    path, sep, name = stage.rpartition(":")
-    return workdir / (path if sep else "dvc.yaml"), name
-
-
-def locked(workdir: Path, stage: str) -> dict | None:
-    """The stage's entry in its dvc.lock: it changes exactly when DVC brings the stage up to date."""
-    dvcfile, name = dvcfile_and_name(workdir, stage)
-    lock = dvcfile.with_suffix(".lock")
-    return (read_yaml(lock).get("stages") or {}).get(name) if lock.exists() else None
 
 
 def only_when_busy(task, task_run, state) -> bool:
@@ -196,56 +139,6 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
         raise DvcBusy.at(workdir, stage)
     restore(workdir, logger.warning, stage)  # its previous results, from DVC's cache
     raise StageFailed(f"stage {stage} failed (exit {code}):\n{tail}")
-
-
-# DVC's advice after a stage or an experiment records its results, each followed by a blank
-# line and the command, indented with a tab: noise in a flow's log (the flow commits nothing).
-DVC_HINTS = ("To track the changes with git, run:", "To enable auto staging, run:")
-
-
-def readable(log: Callable[[str], None]) -> Callable[[str], None]:
-    """`log` for DVC's output, less what a person does not read there: blank lines and DVC's
-    git hints with their commands (`git add ...`, `dvc config core.autostage true`)."""
-    in_hint = False
-
-    def say(line: str) -> None:
-        nonlocal in_hint
-        if line.startswith(DVC_HINTS):
-            in_hint = True
-        elif line.strip() and not (in_hint and line.startswith("\t")):
-            in_hint = False
-            log(line)
-
-    return say
-
-
-def lock_refused(output: str, stage: str) -> bool:
-    """DVC's own line for a lock it could not take (the other `dvc` may have let go of it by
-    the time this process looks at the lock itself); not the stage command's own words."""
-    from dvc.lock import FAILED_TO_LOCK_MESSAGE
-
-    dvc_says = f"ERROR: failed to reproduce '{stage}': {FAILED_TO_LOCK_MESSAGE.split('.')[0]}"
-    return any(line.startswith(dvc_says) for line in output.splitlines())
-
-
-def unchanged(workdir: Path, stage: str) -> bool:
-    """Whether `dvc repro --single-item <stage>` would skip the stage, asked of DVC in this
-    process (`Stage.changed()`, the test `dvc repro` makes): a `dvc` process spends 0.4 s of CPU
-    to say so. False when unsure (DVC's lock taken, an output in use, no such single stage, a
-    FIFO among the deps or outputs, made during the run, which would block hashing here with no
-    timeout): the stage's own `dvc repro` then decides, under the stage timeout."""
-    from dvc.exceptions import DvcException
-    from dvc.repo import Repo
-
-    dvcfile, name = dvcfile_and_name(workdir, stage)
-    try:
-        with Repo(str(workdir)) as repo, repo.lock:
-            found = repo.stage.load_one(path=str(dvcfile), name=name)
-            files = [*found.deps, *found.outs]  # DVC hashes both
-            local = [Path(f.fs_path) for f in files if f.fs.protocol == "local"]
-            return not special_files(local) and not found.changed()
-    except DvcException:
-        return False
 
 
 def publish(workdir: Path) -> None:
@@ -382,10 +275,6 @@ def experiments(
     return rows
 
 
-def exp_run_args(name: str, sets: list[str]) -> list[str]:
-    return ["exp", "run", "--name", name, *(arg for s in sets for arg in ("--set-param", s))]
-
-
 def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
     stops = len(runner.FORWARDED)
     for name, sets in plan.items():  # a failed one is its task's state: the next one runs
@@ -454,23 +343,8 @@ def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: 
         for end in early:  # its task ends now, Failed
             end.set_result({"state": "stopped (the sweep ended first)"})
         if early:  # failed or cancelled: nothing of this sweep keeps running
-            stop_queue(root, plan)
+            stop_queue(root, plan, get_run_logger().warning)
     wait(list(followers.values()))
-
-
-def start_workers(root: Path, workers: int) -> None:
-    """`dvc queue start --jobs N`. The worker is a daemon: with our pipes it would hold them
-    until the queue is empty."""
-    subprocess.run(
-        [*dvc_command(), "queue", "start", "--jobs", str(workers)],
-        cwd=root,
-        env=environment(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        timeout=DVC_TIMEOUT_S,
-        check=True,
-    )
 
 
 @task(task_run_name="{name}", cache_policy=NONE)  # `end` is no input to cache on
@@ -478,155 +352,6 @@ def follow(name: str, end: Future) -> dict | State:
     """A queued experiment from when it left the queue to its end, both seen by the flow's
     poll: its state and main metrics, or a Failed state."""
     return ended(name, end.result(), f" (`dvc queue logs {name}` has its output)")
-
-
-ENDED = ("success", "failed")
-
-# A sweep's guard waits for EOF on stdin. Without "done" first, the flow process died (kill -9):
-# the guard becomes `python -m pipeline.flows ROOT --stop-sweep NAME...`, which stops this
-# sweep's experiments, holding the workspace lock it inherited until they are gone.
-SWEEP_GUARD = """
-import os, sys
-if b"done" not in sys.stdin.buffer.read():
-    os.execv(sys.executable, [sys.executable, "-m", "pipeline.flows", sys.argv[1], "--stop-sweep",
-                              *sys.argv[2:]])
-"""
-
-
-@contextmanager
-def guarded(root: Path, names) -> Iterator[None]:
-    """While a queued sweep runs, a guard process that stops it if this process dies (DVC's
-    queue worker is a daemon: nothing else would)."""
-    log = open(root / ".dvc" / "tmp" / "visionflow-sweep-guard.log", "a")  # not our stdout:
-    guard = subprocess.Popen(  # it may be a pipe that dies with this process
-        [sys.executable, "-c", SWEEP_GUARD, str(root), *names],
-        cwd=root,
-        env=environment(),
-        stdin=subprocess.PIPE,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        pass_fds=tuple(runner.HELD),  # the workspace stays held until the sweep is stopped
-        start_new_session=True,
-    )
-    log.close()
-    try:
-        yield
-    finally:
-        guard.communicate(b"done")  # ended here, stopped here if need be: the guard goes
-
-
-def stop_queue(root: Path, plan, say: Callable[[str], None] | None = None) -> None:
-    """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
-    the worker's process group, so training stops at a safe point), then, the grace period
-    (`stop_grace_s()`) later, SIGKILL to what is left of that group (DVC's forced kill would
-    orphan the stage's own process)."""
-    now = results(root, plan)
-    queued = [name for name, summary in now.items() if summary["state"] == "queued"]
-    running = {
-        name: summary["pid"] for name, summary in now.items() if summary["state"] == "running"
-    }
-    try:  # best effort: what DVC cannot stop, the SIGKILL below does
-        if queued:
-            dvc(root, "queue", "remove", *queued, doing="dropping the sweep's queued experiments")
-        if running:
-            dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
-    except (StageFailed, DvcBusy) as e:
-        (say or get_run_logger().warning)(str(e))
-    groups = set()
-    for pid in filter(None, running.values()):
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:  # ended meanwhile
-            pass
-    deadline = time.monotonic() + stop_grace_s()
-    while groups and time.monotonic() < deadline:
-        groups = {group for group in groups if alive(group)}
-        time.sleep(0.2)
-    for group in groups:
-        os.killpg(group, signal.SIGKILL)
-
-
-def alive(group: int) -> bool:
-    try:
-        os.killpg(group, 0)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-EXP_SHOW_RETRY_S = 60.0  # how long a failing `dvc exp show` is asked again
-
-
-def exp_show(root: Path) -> str:
-    """`dvc exp show --json`, asked again (every 2 s, for up to EXP_SHOW_RETRY_S) when it fails:
-    DVC's queue can list an experiment as active after its executor file is gone ("No such file
-    or directory: .dvc/tmp/exps/run/..."; seen to last more than a few seconds for an experiment
-    that failed while another ran), and a sweep must not be stopped for that. A hang is not
-    asked again."""
-    deadline = time.monotonic() + EXP_SHOW_RETRY_S
-    while True:
-        try:
-            return dvc(root, "exp", "show", "--json", doing="following experiments")
-        except DvcHung:
-            raise
-        except StageFailed:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-
-
-def results(root: Path, names) -> dict[str, dict]:
-    """For each experiment name: its state (queued, running, success, failed), params and
-    metrics, and the baseline's params, from `dvc exp show --json`."""
-    shown = json.loads(exp_show(root) or "[]")
-    found = {}
-    for baseline in shown:
-        for exp in baseline.get("experiments") or []:
-            if exp.get("name") in names:
-                data = exp["revs"][0].get("data") or {}
-                state = (exp.get("executor") or {}).get("state")
-                state = state or ("success" if data.get("metrics") else "failed")
-                found[exp["name"]] = {  # metrics of one not done are its baseline's: none
-                    "state": state,
-                    "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
-                    "params": data.get("params", {}),
-                    "metrics": data.get("metrics", {}) if state == "success" else {},
-                    "baseline": (baseline.get("data") or {}).get("params", {}),
-                }
-    return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
-
-
-def metric_values(summary: dict) -> dict:
-    """The main metrics of one experiment (None where it has none)."""
-    metrics = summary.get("metrics", {})
-    return {
-        name: (metrics.get(path) or {}).get("data", {}).get(name)
-        for path, names in MAIN_METRICS.items()
-        for name in names
-    }
-
-
-def main_metrics(summary: dict) -> str:
-    values = metric_values(summary)
-    return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
-
-
-def sweep_table(root: Path, plan: dict[str, list[str]]) -> list[dict]:
-    """One row per experiment of the sweep: name, state, the params that differ from its
-    baseline (the union over the sweep, so every row has the same columns), the main metrics."""
-    summaries = results(root, plan)
-    diffs = {}
-    for name, summary in summaries.items():
-        params = flatten((summary.get("params") or {}).get("params.yaml", {}).get("data", {}))
-        base = flatten((summary.get("baseline") or {}).get("params.yaml", {}).get("data", {}))
-        diffs[name] = {k: v for k, v in params.items() if base.get(k) != v}
-    keys = sorted({key for diff in diffs.values() for key in diff})
-    rows = []
-    for name, summary in summaries.items():
-        row = {"experiment": name, "state": summary["state"]}
-        row |= {key: diffs[name].get(key) for key in keys}
-        rows.append(row | metric_values(summary))
-    return rows
 
 
 def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None) -> None:
@@ -645,73 +370,21 @@ def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None)
 
 def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> None:
     """Start a run when anything the pipeline depends on (every dep in dvc.yaml, params.yaml,
-    dvc.yaml) changes, once the changes settle; filesystem events (inotify), no polling of files.
-
-    A burst of edits (an editor's save, a copy of many images) becomes one run: the run starts
-    after `settle_s` seconds without further change. With `deployment` the run is a flow run of
-    that served deployment (`prefect deployment run` semantics); otherwise `reproduce` runs here.
-    The flow itself asks `dvc status`, so a change DVC does not track runs no stage.
+    dvc.yaml) changes, once the changes settle (`watching.settled_changes`: filesystem events, no
+    polling of files). With `deployment` the run is a flow run of that served deployment
+    (`prefect deployment run` semantics); otherwise `reproduce` runs here. The flow itself asks
+    `dvc status`, so a change DVC does not track runs no stage.
     """
-    from watchdog.events import FileSystemEventHandler
-    from watchdog.observers import Observer
-
     root = root.resolve()
-    deps = all_deps(root)
-    changed_at: list[float] = []
-    rewatch = threading.Event()
-
-    class Changes(FileSystemEventHandler):
-        def on_any_event(self, event) -> None:
-            if event.event_type in ("opened", "closed_no_write"):
-                return
-            paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
-            if any(path == dep or path.is_relative_to(dep) for path in paths for dep in deps):
-                changed_at[:] = [time.monotonic()]
-            if event.event_type in ("created", "deleted", "moved") and any(
-                dep.is_relative_to(path) for path in paths for dep in deps
-            ):  # a dep folder, or one above a dep, came or went: its watch is gone or due
-                changed_at[:] = [time.monotonic()]
-                rewatch.set()
-
-    observer, handler = Observer(), Changes()
-
-    def schedule() -> None:
-        observer.unschedule_all()
-        for folder, recursive in sorted(watch_points(root, deps)):
-            observer.schedule(handler, str(folder), recursive=recursive)
-
-    schedule()
-    observer.start()
-    print(f"watching {len(deps)} deps of {root} (settle {settle_s} s)", flush=True)
-    try:
-        while True:
-            if rewatch.wait(0.2):
-                rewatch.clear()
-                schedule()
-            if changed_at and time.monotonic() - changed_at[0] >= settle_s:
-                changed_at.clear()
-                print("change settled: starting a run", flush=True)
-                if deployment:
-                    run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
-                else:  # a failed run is in its log; the watcher goes on
-                    reproduce(str(root), return_state=True)
-                    if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
-                        print("stopped: the run in progress was ended first", flush=True)
-                        raise SystemExit(128 + runner.FORWARDED[-1])
-    finally:
-        observer.stop()
-
-
-def watch_points(root: Path, deps: list[Path]) -> set[tuple[Path, bool]]:
-    """(folder, recursive) to watch: a folder dep whole, plus its parent (to see it go and come
-    back); a file dep, or a dep not there yet, through its nearest existing folder."""
-    points = set()
-    for dep in deps:
-        if dep.is_dir():
-            points.add((dep, True))
-        parent = next(p for p in dep.parents if p.is_dir())
-        points.add((parent, False))
-    return points
+    for _ in settled_changes(root, settle_s):
+        print("change settled: starting a run", flush=True)
+        if deployment:
+            run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
+        else:  # a failed run is in its log; the watcher goes on
+            reproduce(str(root), return_state=True)
+            if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
+                print("stopped: the run in progress was ended first", flush=True)
+                raise SystemExit(128 + runner.FORWARDED[-1])
 
 
 def main() -> None:

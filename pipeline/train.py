@@ -17,32 +17,21 @@ on the budget); a run that cannot resume says which key changed since the newest
 """
 
 import argparse
-import io
 import json
 import math
-import os
-import random
-import resource
 import shutil
-import signal
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from dvclive import Live
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
 from visionflow import checkpoint, data, faults, health, loading, project
-from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
     Step,
@@ -53,41 +42,24 @@ from visionflow.engine import (
     pick_device,
     step_scheduler,
     sync_buffers,
-    train_one_epoch,
 )
 from visionflow.errors import DataError, Unavailable
 from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
 from visionflow.params import Train, load_params
-
-
-def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    if compiled:  # also tells torch.compile's kernels
-        torch.use_deterministic_algorithms(deterministic)
-    else:  # the same switch, without importing the compiler for it (1.5 s at every start)
-        torch._C._set_deterministic_algorithms(deterministic)
-    torch.backends.cudnn.benchmark = not deterministic  # autotuning picks kernels by timing
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
-
-
-def start_distributed(device_name: str) -> tuple[int, int]:
-    """(rank, world size): under `torchrun` one process per rank joins the group, else (0, 1)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    cuda = torch.cuda.is_available() and device_name != "cpu"
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank(), world
+from visionflow.training import (
+    OutOfMemory,
+    Progress,
+    StopRequest,
+    Trainer,
+    cpu_copy,
+    epoch_line,
+    epoch_record,
+    live_curves,
+    log_epoch,
+    peak_memory_mb,
+    seed_everything,
+    start_distributed,
+)
 
 
 def run_of(params, cache: Path) -> dict:
@@ -109,70 +81,6 @@ def run_of(params, cache: Path) -> dict:
 
 # why a changed key starts training fresh, where that is not plain from its name
 FRESH_BECAUSE = {"train.epochs": "the cosine schedule's learning rate depends on it"}
-
-
-def cpu_copy(state_dict: dict) -> dict:
-    """A snapshot of the weights off the device (state_dict() holds live references)."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
-
-
-def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
-    """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
-    return {
-        "train/loss": train["loss"],
-        "train/accuracy": train["accuracy"],
-        "val/loss": val["loss"],
-        "val/accuracy": val["accuracy"],
-        "lr": lr,
-        "grad_norm": train["grad_norm"],
-        "skipped_steps": train["skipped_steps"],
-        "train/images_per_s": train["images"] / seconds,
-        "epoch_seconds": seconds,
-        "peak_memory_mb": peak_mb,
-        "data_wait_fraction": train["data_seconds"] / train["seconds"],
-        # "classifier.1.bias" -> "classifier_1_bias": Vega reads a dot in a field name as nesting
-        **{
-            f"grad_norm_layer/{k.replace('.', '_')}": v
-            for k, v in train["layer_grad_norms"].items()
-        },
-    }
-
-
-def epoch_line(r: dict) -> str:
-    """The log line's numbers for one epoch's record `r`."""
-    return (
-        f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
-        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
-        f"{r['train/images_per_s']:7.0f} img/s"
-        + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else "")
-    )
-
-
-class StopRequest:
-    """The first Ctrl-C or SIGTERM (a scheduler's stop, a cancelled flow run, a timeout, each
-    reaching the stage as SIGINT through the runner) asks the run to finish its epoch,
-    checkpoint it and stop; a second Ctrl-C after a first one stops at once (the previous
-    epoch's checkpoint is kept). Further SIGTERMs change nothing: a stop is under way."""
-
-    def __init__(self):
-        self.requested: int | None = None  # the signal that asked
-        signal.signal(signal.SIGINT, self.handle)
-        signal.signal(signal.SIGTERM, self.handle)
-
-    def handle(self, signum, frame):
-        if self.requested is not None:
-            if signum == signal.SIGINT == self.requested:
-                raise KeyboardInterrupt
-            return
-        self.requested = signum
-        print(
-            f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
-            "(Ctrl-C again stops at once)",
-            file=sys.stderr,
-            flush=True,
-        )
-        if faults.ACTIVE:
-            faults.fault("train.stop")
 
 
 def parse_args() -> argparse.Namespace:
@@ -300,164 +208,16 @@ def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
     }
 
 
-@dataclass
-class Trainer:
-    """What an optimizer step changes (the model, the optimizer, the scaler, the generators) and
-    the epoch of steps; `state()` is what a checkpoint saves and `restore()` puts back."""
-
-    model: nn.Module
-    net: nn.Module  # what steps: the model, wrapped in DDP and/or compiled
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    scaler: torch.amp.GradScaler
-    shuffle: torch.Generator  # the batch order (CPU: the same on any device)
-    augment_rng: torch.Generator  # each rank its own draws
-    step: Step
-    t: Train
-    rank: int = 0
-    world: int = 1
-    retried: bool = False  # train.auto_batch retries once per run
-
-    @classmethod
-    def create(cls, model: nn.Module, t: Train, seed: int, rank: int, world: int) -> "Trainer":
-        device = next(model.parameters()).device
-        net = DistributedDataParallel(model) if world > 1 else model
-        net = torch.compile(net) if t.compile else net
-        optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
-        scheduler = make_scheduler(
-            t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
-        )
-        dtype = amp_dtype(t.amp, device)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        step = Step(
-            t.batch_size, t.accumulate, t.grad_clip, t.label_smoothing, t.max_nonfinite_steps, dtype
-        )
-        shuffle = torch.Generator().manual_seed(seed)
-        augment_rng = torch.Generator().manual_seed(seed + rank)
-        return cls(
-            model, net, optimizer, scheduler, scaler, shuffle, augment_rng, step, t, rank, world
-        )
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
-
-    def state(self) -> dict:
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "shuffle": self.shuffle.get_state(),
-                "augment": self.augment_rng.get_state(),
-                # dropout on a GPU draws from each device's generator
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
-        }
-
-    def restore(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        self.shuffle.set_state(state["rng"]["shuffle"].cpu())
-        self.augment_rng.set_state(state["rng"]["augment"].cpu())
-        cuda = state["rng"].get("cuda") or []
-        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
-
-    def epoch(self, d: Data, mean, std, epoch: int, monitor: health.Monitor) -> dict:
-        """One epoch of `train_one_epoch`. On a GPU out-of-memory the health report gets the
-        numbers; with train.auto_batch the epoch is retried once from its start with half the
-        batch and twice the accumulation (the same effective batch), else OutOfMemory."""
-        saved = None
-        if self.t.auto_batch and not self.retried:
-            saved = io.BytesIO()  # a copy off the device: state_dict() holds references
-            torch.save(self.state(), saved)
-        while True:
-            augmentation = partial(
-                augment, generator=self.augment_rng, **self.t.augment.model_dump()
-            )
-            try:
-                return train_one_epoch(
-                    self.net,
-                    self.optimizer,
-                    d.x_train,
-                    d.y_train,
-                    mean,
-                    std,
-                    self.step,
-                    self.shuffle,
-                    augment=augmentation,
-                    scaler=self.scaler,
-                    epoch=epoch,
-                    rank=self.rank,
-                    world=self.world,
-                    record_losses=monitor.steps_wanted(),
-                )
-            except torch.OutOfMemoryError:
-                retry = saved is not None and self.step.batch_size > 1
-                parameters = sum(p.numel() for p in self.model.parameters())
-                device = next(self.model.parameters()).device
-                monitor.add(
-                    health.out_of_memory(
-                        epoch,
-                        self.step.batch_size,
-                        self.step.accumulate,
-                        parameters,
-                        peak_memory_mb(device),
-                        retry,
-                    )
-                )
-                if not retry:
-                    message = f"out of memory at epoch {epoch}; see the health line above"
-                    raise OutOfMemory(message) from None
-                saved.seek(0)
-                self.restore(torch.load(saved, weights_only=True))
-                self.step = replace(
-                    self.step,
-                    batch_size=self.step.batch_size // 2,
-                    accumulate=self.step.accumulate * 2,
-                )
-                self.retried, saved = True, None
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-
-
-class OutOfMemory(RuntimeError):
-    """The GPU ran out of memory and no retry was left; the health report has the numbers."""
-
-
-@dataclass
-class Progress:
-    """Where the run is: the epochs done (their records), the best one, epochs since it."""
-
-    history: list[dict] = field(default_factory=list)
-    best: dict = field(default_factory=lambda: {"accuracy": -1.0, "epoch": 0})
-    start: int = 1
-    stale: int = 0
-
-    def update(self, epoch: int, record: dict) -> bool:
-        """Add the epoch's record; True when its val accuracy is the best so far."""
-        self.history.append(record)
-        improved = record["val/accuracy"] > self.best["accuracy"]
-        self.stale = 0 if improved else self.stale + 1
-        if improved:
-            self.best = {"accuracy": record["val/accuracy"], "epoch": epoch}
-        return improved
-
-
 PUBLISHED = "published.json"  # in a state folder: the md5 of the model.pt its run published
 
 
 def resume(
-    trainer: Trainer, monitor: health.Monitor, folder: Path, run: dict, out: Path, say
+    trainer: Trainer, monitor: health.Monitor, folder: Path, run: dict, out: Path, epochs: int, say
 ) -> Progress:
     """The state of this fingerprint only, from its own folder (`state_to_resume`); a fresh
     start otherwise (other configurations' folders beyond the newest few are pruned)."""
     device = next(trainer.model.parameters()).device
-    state, why, extending = state_to_resume(folder, run, out, trainer.t.epochs, device)
+    state, why, extending = state_to_resume(folder, run, out, epochs, device)
     best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
     if state and not checkpoint.readable(best):  # half-deleted or corrupt
         state, extending = None, False
@@ -539,14 +299,61 @@ def mark_published(folder: Path, out: Path) -> None:
     data.write_json(folder / PUBLISHED, {"model.pt": data.file_hash(out / "model.pt", "md5")})
 
 
-def failed(out: Path, monitor: health.Monitor, rank: int, message: str) -> GateError:
-    """The run stops: the health report goes beside the (untouched) previous results; the
-    resumable state stays (the next run resumes from its last good epoch)."""
+def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int) -> GateError:
+    """The run stops (out of memory, or of finite losses): the health report goes beside the
+    (untouched) previous results; the resumable state stays (the next run resumes from its last
+    good epoch)."""
+    message = str(error)
+    if isinstance(error, NonFiniteLoss):
+        hint = f"train.lr is {t.lr:g}: divide it by 10, or set train.grad_clip"
+        finding = health.Finding("diverging", epoch, f"diverging: {error}; {hint}", {"lr": t.lr})
+        monitor.add(finding)
+        message = f"{error}; the last good checkpoint is kept in {args.checkpoints}"
     if rank == 0:
-        report = out.with_name(out.name + ".health.json")
+        report = args.out.with_name(args.out.name + ".health.json")
         data.write_json(report, monitor.report())
         print(monitor.summary(str(report)))
     return GateError(message)
+
+
+def trainer_for(model: nn.Module, t: Train, seed: int, rank: int, world: int) -> Trainer:
+    """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
+    the generators of the batch order and the augmentation, as train.* says."""
+    device = next(model.parameters()).device
+    net = DistributedDataParallel(model) if world > 1 else model
+    net = torch.compile(net) if t.compile else net
+    optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
+    scheduler = make_scheduler(
+        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
+    )
+    dtype = amp_dtype(t.amp, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    step = Step(
+        t.batch_size,
+        t.accumulate,
+        t.grad_clip,
+        t.label_smoothing,
+        t.max_nonfinite_steps,
+        dtype,
+        agree_on_memory=t.auto_batch and world > 1,  # every rank retries, or none
+    )
+    shuffle = torch.Generator().manual_seed(seed)
+    augment_rng = torch.Generator().manual_seed(seed + rank)
+    augment = t.augment.model_dump()
+    return Trainer(
+        model,
+        net,
+        optimizer,
+        scheduler,
+        scaler,
+        shuffle,
+        augment_rng,
+        step,
+        augment,
+        t.auto_batch,
+        rank,
+        world,
+    )
 
 
 def main() -> None:
@@ -562,22 +369,16 @@ def main() -> None:
     verify_once(args.data, rank, world)
     d = load_data(args.data, t, device)
     model, norm_mean, norm_std = model_for(t, d, device, say)
-    mean, std = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
-    trainer = Trainer.create(model, t, params.seed, rank, world)
+    norm = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
+    trainer = trainer_for(model, t, params.seed, rank, world)
     model_meta = describe(t, params.seed, d, norm_mean, norm_std)
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
     run = run_of(params, args.data)
-    run_fingerprint = checkpoint.fingerprint(run)
-    folder = args.checkpoints / run_fingerprint
+    folder = args.checkpoints / checkpoint.fingerprint(run)
     monitor = health.Monitor(health.Limits(**t.health.model_dump()), d.meta.classes, say)
-    progress = resume(trainer, monitor, folder, run, args.out, say)
-    parameters = sum(p.numel() for p in model.parameters())
-    say(
-        f"train: {t.model} on {device} x {world} (amp {trainer.step.dtype or 'off'}), "
-        f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
-        f"{len(d.y_val)} val images, {parameters} parameters"
-    )
+    progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
+    say(starting(t, trainer, d, device))
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
 
@@ -589,39 +390,23 @@ def main() -> None:
             if t.early_stop and progress.stale >= t.early_stop:
                 say(f"train: early stop, no better val accuracy for {progress.stale} epochs")
                 break
-            started = time.perf_counter()
             try:
-                train_metrics = trainer.epoch(d, mean, std, epoch, monitor)
-            except OutOfMemory as e:
-                raise failed(args.out, monitor, rank, str(e)) from None
-            except NonFiniteLoss as e:
-                hint = f"train.lr is {t.lr:g}: divide it by 10, or set train.grad_clip"
-                monitor.add(
-                    health.Finding("diverging", epoch, f"diverging: {e}; {hint}", {"lr": t.lr})
-                )
-                message = f"{e}; the last good checkpoint is kept in {args.checkpoints}"
-                raise failed(args.out, monitor, rank, message) from None
-            seconds = time.perf_counter() - started
-            sync_buffers(model, world)  # every rank evaluates rank 0's model: the same answer
-            val_metrics, _ = evaluate(model, d.x_val, d.y_val, mean, std, 1024)
-            lr = trainer.lr
-            step_scheduler(trainer.scheduler, val_metrics["loss"])
-            record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(device))
+                train_metrics, record = train_and_validate(trainer, d, norm, epoch, monitor)
+            except (OutOfMemory, NonFiniteLoss) as e:
+                raise failed(args, t, monitor, rank, e, epoch) from None
             improved = progress.update(epoch, record)
-            monitor.epoch(epoch, train_metrics, progress.history, lr, d.mapped)
+            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped)
             if live:
                 log_epoch(live, epoch, record)
                 if improved:  # kept in memory too: the best file is for a resumed run
                     meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
                     save_atomic(best_state, checkpoint.best_file(folder, epoch))
-                save_epoch(trainer, progress, monitor, folder, run_fingerprint, epoch)
+                save_epoch(trainer, progress, monitor, folder, epoch, t.epochs)
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
-            say(
-                f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}"
-                + ("  (best)" if improved else "")
-            )
+            best = "  (best)" if improved else ""
+            say(f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}{best}")
             if stop.requested:
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
@@ -635,34 +420,44 @@ def main() -> None:
         write_outputs(out, args.out, best_state, folder, progress, monitor, model_meta)
 
 
-@contextmanager
-def live_curves(out: Path | None, history: list[dict]) -> Iterator[Live | None]:
-    """DVCLive in the staging folder (rank 0; None elsewhere), with the curves of the epochs a
-    resumed run already did (the checkpoint kept them)."""
-    if out is None:
-        yield None
-        return
-    with Live(str(out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
-        for epoch, record in enumerate(history, 1):
-            log_epoch(live, epoch, record)
-        yield live
+def starting(t: Train, trainer: Trainer, d: Data, device: torch.device) -> str:
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    return (
+        f"train: {t.model} on {device} x {trainer.world} (amp {trainer.step.dtype or 'off'}), "
+        f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
+        f"{len(d.y_val)} val images, {parameters} parameters"
+    )
 
 
-def log_epoch(live: Live, epoch: int, record: dict) -> None:
-    live.step = epoch  # the curves' x is the epoch
-    for name, value in record.items():
-        live.log_metric(name, value)
-    live.next_step()
+def train_and_validate(
+    trainer: Trainer, d: Data, norm: tuple, epoch: int, monitor: health.Monitor
+) -> tuple[dict, dict]:
+    """One epoch of training, then validation (every rank evaluates rank 0's model: the same
+    answer) and the scheduler's step: (the training numbers, the epoch's record)."""
+    mean, std = norm
+    started = time.perf_counter()
+    train_metrics = trainer.epoch(d.x_train, d.y_train, mean, std, epoch, monitor)
+    seconds = time.perf_counter() - started
+    sync_buffers(trainer.model, trainer.world)
+    val_metrics, _ = evaluate(trainer.model, d.x_val, d.y_val, mean, std, 1024)
+    lr = trainer.lr
+    step_scheduler(trainer.scheduler, val_metrics["loss"])
+    device = mean.device
+    return train_metrics, epoch_record(
+        train_metrics, val_metrics, lr, seconds, peak_memory_mb(device)
+    )
 
 
-def save_epoch(trainer: Trainer, progress: Progress, monitor, folder: Path, run: str, epoch: int):
+def save_epoch(
+    trainer: Trainer, progress: Progress, monitor, folder: Path, epoch: int, epochs: int
+):
     checkpoint.save_checkpoint(
         folder,
         {
             **trainer.state(),
             "epoch": epoch,
-            "fingerprint": run,
-            "epochs": trainer.t.epochs,  # the budget: a larger one extends this run
+            "fingerprint": folder.name,  # the folder is named by it (`main`)
+            "epochs": epochs,  # the budget: a larger one extends this run
             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
             "best": progress.best,
             "stale": progress.stale,

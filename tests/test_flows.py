@@ -415,14 +415,14 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
 def test_a_queued_sweep_outlives_the_helper_timeout_and_reports_only_itself(
     project, monkeypatch, tmp_path
 ):
-    import pipeline.flows
+    import visionflow.repo
     from pipeline.flows import experiments
 
     # What used to cut sweeps at 120 s: a helper timeout the sweep must outlive. One `dvc exp
     # show` took over 10 s on a loaded CI machine, and over 30 s beside the rest of the suite
     # (3 workers on 2 cores, 2026-12-02); 60 s is twice that.
     helper_s = 60.0
-    monkeypatch.setattr(pipeline.flows, "DVC_TIMEOUT_S", helper_s)
+    monkeypatch.setattr(visionflow.repo, "DVC_TIMEOUT_S", helper_s)
     go = tmp_path / "go"  # the sweep lasts longer than any helper call may
     monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=sanity:pause={go}")
     started = time.monotonic()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from visionflow.engine import Step, evaluate, pick_device, train_one_epoch
+from visionflow.engine import Split, Step, evaluate, pick_device, train_one_epoch
 from visionflow.models import build_model, load_model, save_model
 
 
@@ -26,9 +26,9 @@ def test_training_drives_loss_down_and_evaluate_scores_it():
     model = build_model("simple_cnn", 1, 2, 8)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
-    first = train_one_epoch(model, optimizer, x, y, mean, std, Step(16), g)
+    first = train_one_epoch(model, optimizer, Split(x, y, mean, std, g), Step(16))
     for _ in range(15):
-        last = train_one_epoch(model, optimizer, x, y, mean, std, Step(16), g)
+        last = train_one_epoch(model, optimizer, Split(x, y, mean, std, g), Step(16))
     assert last["loss"] < first["loss"] / 5
     metrics, logits = evaluate(model, x, y, mean, std, 32)
     assert not model.training and metrics["accuracy"] == 1.0

@@ -4,8 +4,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,14 +20,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.conftest import ROOT, write_params
 from visionflow import checkpoint, data, loading
+from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
+    Split,
     Step,
     amp_dtype,
     make_optimizer,
     make_scheduler,
     step_scheduler,
-    steps_of,
     train_one_epoch,
 )
 from visionflow.loading import normalise, to_unit
@@ -59,12 +62,8 @@ def test_each_optimiser_and_amp_mode_lowers_the_loss(name, amp):
         metrics = train_one_epoch(
             model,
             optimizer,
-            x,
-            y,
-            MEAN,
-            STD,
+            Split(x, y, MEAN, STD, torch.Generator()),
             Step(64, grad_clip=1.0, dtype=dtype),
-            torch.Generator(),
         )
         assert metrics["steps"] == 1 and metrics["skipped_steps"] == 0
     assert batch_loss(model, x, y) < before  # the same batch, better predicted
@@ -88,7 +87,11 @@ def test_fp16_steps_go_through_the_grad_scaler():
     scaler = torch.amp.GradScaler("cpu", enabled=True)
     step = Step(16, dtype=torch.float16)
     metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, step, torch.Generator().manual_seed(0), scaler=scaler
+        model,
+        optimizer,
+        Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)),
+        step,
+        scaler=scaler,
     )
     assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
     assert scaler.state_dict()["_growth_tracker"] == 4  # four steps went through the scaler
@@ -100,7 +103,7 @@ def test_overfitting_a_small_batch_drives_the_loss_to_zero():
     optimizer = make_optimizer("adam", model, 3e-3, 0, 0, False)
     g = torch.Generator().manual_seed(0)
     for _ in range(60):
-        metrics = train_one_epoch(model, optimizer, x, y, MEAN, STD, Step(32), g)
+        metrics = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, g), Step(32))
     assert metrics["loss"] < 0.01 and metrics["accuracy"] == 1.0
 
 
@@ -113,12 +116,8 @@ def test_accumulation_equals_one_big_batch():
         train_one_epoch(
             model.eval(),
             optimizer,
-            x,
-            y,
-            MEAN,
-            STD,
+            Split(x, y, MEAN, STD, torch.Generator().manual_seed(3)),
             Step(batch, accumulate),
-            torch.Generator().manual_seed(3),
         )
     for a, b in zip(small.parameters(), big.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6)
@@ -149,7 +148,7 @@ def test_nan_loss_is_skipped_and_a_run_of_them_stops():
     model = SometimesNaN(fresh_model(), bad_calls={2})
     optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
     metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+        model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)), Step(16)
     )
     assert metrics["skipped_steps"] == 1 and metrics["steps"] == 3
     assert metrics["images"] == 48  # the NaN batch is not counted in the epoch's loss
@@ -161,12 +160,8 @@ def test_nan_loss_is_skipped_and_a_run_of_them_stops():
         train_one_epoch(
             model,
             optimizer,
-            x,
-            y,
-            MEAN,
-            STD,
+            Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)),
             Step(16, max_nonfinite=3),
-            torch.Generator().manual_seed(0),
             epoch=7,
         )
 
@@ -179,7 +174,10 @@ def test_a_nan_in_a_group_skips_that_optimizer_step_whole_and_counts_one():
     model = SometimesNaN(fresh_model(), bad_calls={3})
     optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
     metrics = train_one_epoch(
-        model.eval(), optimizer, x, y, MEAN, STD, Step(16, 2), torch.Generator().manual_seed(0)
+        model.eval(),
+        optimizer,
+        Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)),
+        Step(16, 2),
     )
     assert metrics["steps"] == 1 and metrics["skipped_steps"] == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -205,7 +203,7 @@ def test_a_skipped_step_leaves_batchnorm_statistics_as_they_were():
     model = NaNInput(build_model("small_resnet", 1, 2, 8), bad_calls={2})
     optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
     metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+        model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)), Step(16)
     )
     assert metrics["skipped_steps"] == 1 and metrics["steps"] == 3
     assert all(torch.isfinite(b).all() for b in model.buffers())
@@ -222,12 +220,8 @@ def test_an_epoch_without_one_finite_step_stops_the_run():
         train_one_epoch(
             model,
             optimizer,
-            x,
-            y,
-            MEAN,
-            STD,
+            Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)),
             Step(16, max_nonfinite=5),
-            torch.Generator().manual_seed(0),
             epoch=3,
         )
 
@@ -236,13 +230,14 @@ def test_accumulation_weighs_each_micro_batch_by_its_images():
     """44 images, batch 8, accumulate 2: steps over 16, 16 and 12 images, the last of batches of
     8 and 4. Each step equals one plain step on all its images at once (the mean over them); the
     old loop took the mean of the two batch means, weighing the 4 images' loss as the 8's."""
-    assert steps_of(44, 8, 2) == [(2, 16), (2, 16), (2, 12)]
-    assert steps_of(40, 8, 2) == [(2, 16), (2, 16), (1, 8)] and steps_of(16, 8, 8) == [(2, 16)]
     x, y = toy(44)
     model = fresh_model()
     optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
     metrics = train_one_epoch(
-        model.eval(), optimizer, x, y, MEAN, STD, Step(8, 2), torch.Generator().manual_seed(0)
+        model.eval(),
+        optimizer,
+        Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)),
+        Step(8, 2),
     )
     assert metrics["steps"] == 3 and metrics["images"] == 44
     # the same epoch by hand: each step one batch of all its images
@@ -259,12 +254,42 @@ def test_accumulation_weighs_each_micro_batch_by_its_images():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+# recorded with the loop before its rewrite as two nested loops (#28): three epochs of each
+# configuration, all of whose steps have micro-batches of one size
+RECORDED = ROOT / "tests/data/steps_before_28.pt"
+RECORDED_CASES = {  # name: (optimizer, Step, augmentation)
+    "adam_b16": ("adam", Step(16), False),
+    "sgd_b8_acc2_augment": ("sgd", Step(8, 2, grad_clip=1.0), True),
+    "adamw_b16_acc2_bf16": ("adamw", Step(16, 2, label_smoothing=0.1, dtype=torch.bfloat16), False),
+}
+
+
+@pytest.mark.parametrize("name", RECORDED_CASES)
+def test_the_loop_takes_the_steps_it_took_before_its_rewrite(name):
+    """Where every micro-batch of a step has the same size, the two-loop step gives the weights
+    the old countdown loop gave (bit for bit on the machine that recorded them; 1e-6 allows
+    another CPU's kernels to round differently, while the old weighting of a short micro-batch
+    was 1e-4 away)."""
+    optimizer_name, step, augmented = RECORDED_CASES[name]
+    x, y = toy(64)
+    model = fresh_model()
+    optimizer = make_optimizer(optimizer_name, model, 1e-2, 1e-4, 0.9, optimizer_name == "sgd")
+    shuffle, draws = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    augmentation = partial(augment, generator=draws, crop_padding=1, rotation=10.0)
+    split = Split(x, y, MEAN, STD, shuffle, augmentation if augmented else None)
+    for epoch in range(3):
+        train_one_epoch(model, optimizer, split, step, epoch=epoch)
+    recorded = torch.load(RECORDED, weights_only=True)[name]
+    for key, value in model.state_dict().items():
+        assert torch.allclose(value.float(), recorded[key].float(), rtol=0, atol=1e-6), key
+
+
 def test_accumulation_beyond_the_batches_still_steps_once_per_epoch():
     x, y = toy(40)
     model, start = fresh_model(), fresh_model()
     optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
     metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, Step(8, 16), torch.Generator().manual_seed(0)
+        model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)), Step(8, 16)
     )
     assert metrics["steps"] == 1  # not zero: the weights moved off the initialisation
     assert any(
@@ -385,14 +410,21 @@ def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.Completed
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints"]
-    return subprocess.run(
+    process = subprocess.Popen(
         [*command, "2", *stage, f"{out}-ckpt"],
         cwd=cwd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
+        start_new_session=True,  # a hung rank goes with the rest: nothing outlives the test
     )
+    try:
+        stdout, stderr = process.communicate(timeout=300)  # a hang is a failure, not a wait
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
@@ -458,6 +490,30 @@ def test_ddp_with_accumulation_and_a_short_last_micro_batch_matches_one_big_batc
     assert worst < 1e-5, worst  # the mean of micro-batch means was 1e-3 away here
 
 
+@pytest.mark.slow
+def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_with_half_the_batch(workdir):
+    """train.auto_batch under DDP: rank 1 alone runs out of memory (batches over 8 images do not
+    fit there). Every rank learns it at the step's one all-reduce, so both retry the epoch at
+    batch 8 x accumulate 2 and end with the weights of one process at batch 32. (Before, rank 1
+    retried alone while rank 0 went on: their collectives no longer paired, and the run hung.)"""
+    write_params(workdir, {"train": {**PLAIN_SGD, "batch_size": 32, "overfit_batches": 20}})
+    single = run_train(workdir, "single")
+    assert single.returncode == 0, single.stderr
+    change = {**PLAIN_SGD, "batch_size": 16, "overfit_batches": 40, "auto_batch": True}
+    write_params(workdir, {"train": change})
+    ddp = torchrun_train(workdir, "ddp", fault="train.loss@rank=1:oom=8")
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "fault: oom at train.loss {'epoch': 1, 'step': 1, 'batch': 16, 'rank': 1}" in ddp.stderr
+    assert "'rank': 0}" not in ddp.stderr  # rank 0 had the memory: it retried on rank 1's word
+    assert "retrying once with batch_size 8 and accumulate 2" in ddp.stdout  # rank 0's log
+    report = json.loads((workdir / "ddp/health.json").read_text())
+    assert report["details"][0]["evidence"]["retried"] is True, report
+    a = torch.load(workdir / "single/model.pt", weights_only=True)["state_dict"]
+    b = torch.load(workdir / "ddp/model.pt", weights_only=True)["state_dict"]
+    worst = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
+    assert worst < 1e-5, worst
+
+
 def count_gradient_all_reduces(rank: int, port: int, accumulate: int, out: Path) -> None:
     """One epoch on a DDP rank of two (gloo) whose gradient all-reduces are counted by a
     communication hook; writes (all-reduces, optimizer steps) to out/<rank>.json."""
@@ -474,10 +530,7 @@ def count_gradient_all_reduces(rank: int, port: int, accumulate: int, out: Path)
     model.register_comm_hook(None, counted)
     optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
     x, y = toy(128)
-    metrics = train_one_epoch(
-        model, optimizer, x, y, MEAN, STD, Step(8, accumulate), torch.Generator().manual_seed(0),
-        rank=rank, world=2,
-    )  # fmt: skip
+    metrics = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0), rank=rank, world=2), Step(8, accumulate))  # fmt: skip
     (out / f"{rank}.json").write_text(json.dumps([len(calls), metrics["steps"]]))
     torch.distributed.destroy_process_group()
 
@@ -522,7 +575,7 @@ def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
         optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
         g = torch.Generator().manual_seed(0)
         metrics = train_one_epoch(
-            model, optimizer, x, y, MEAN, STD, Step(64), g, augment=lambda im: im
+            model, optimizer, Split(x, y, MEAN, STD, g, augment=lambda im: im), Step(64)
         )
         models.append(model)
         assert metrics["images"] == len(y)
@@ -555,12 +608,8 @@ def test_fp16_on_the_gpu_scales_and_steps():
     metrics = train_one_epoch(
         model,
         optimizer,
-        x,
-        y,
-        MEAN.cuda(),
-        STD.cuda(),
+        Split(x, y, MEAN.cuda(), STD.cuda(), torch.Generator().manual_seed(0)),
         Step(16, dtype=torch.float16),
-        torch.Generator().manual_seed(0),
         scaler=scaler,
     )
     assert (
@@ -578,7 +627,7 @@ def test_a_compiled_model_trains_like_the_eager_one():
         net = torch.compile(model) if compiled else model
         optimizer = make_optimizer("sgd", model, 0.05, 0, 0.9, False)
         metrics = train_one_epoch(
-            net, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+            net, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)), Step(16)
         )
         losses.append(metrics["loss"])
         assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
@@ -650,7 +699,7 @@ def test_a_checkpointed_model_trains_and_evaluates_exactly_like_the_plain_one():
         model = build_model("small_resnet", 1, 2, 8, checkpointing=checkpointing)
         optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
         train_one_epoch(
-            model, optimizer, x, y, MEAN, STD, Step(16), torch.Generator().manual_seed(0)
+            model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0)), Step(16)
         )
         models.append(model)
     plain, checkpointed = (m.state_dict() for m in models)

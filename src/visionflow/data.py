@@ -579,32 +579,9 @@ def build_cache(
             scratch, source.images, decode, workers or os.cpu_count()
         )
         pixels = np.load(scratch, mmap_mode="r")
-        rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
-        total = len(source.images) + len(source.skipped)
-        report = {
-            "total_files": total,
-            "rejected": len(rejects),
-            "fraction": len(rejects) / max(total, 1),
-            "files": rejects,
-        }
-        write_json(out / "rejects.json", report)
-        if report["fraction"] > max_bad_fraction:
-            listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
-            raise DataError(
-                f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
-                f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
-                setting="max_bad_fraction",
-            )
+        rejects = check_rejects(out, source, rejected, max_bad_fraction)
         good = np.flatnonzero(ok)
-        good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
-        small = {
-            c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < min_per_class
-        }
-        if small:
-            raise DataError(
-                f"classes below the minimum of {min_per_class} images: {small}",
-                setting="min_per_class",
-            )
+        check_class_sizes(source, good, min_per_class)
         is_test = source.is_test[good] if source.is_test is not None else None
         local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
         splits, duplicates = find_duplicates(
@@ -618,24 +595,60 @@ def build_cache(
                 "duplicates (duplicates.json); add images or keep duplicates",
                 setting="dedupe",
             )
-        write_json(
-            out / "decode.json",
-            {
-                "image_size": decode.size,
-                "color": decode.color,
-                "resize": decode.resize,
-                "background": list(decode.background),
-                "exif_transpose": decode.exif_transpose,
-                "jpeg_draft": decode.jpeg_draft,
-                "reducing_gap": decode.reducing_gap,
-            },
-        )
+        write_json(out / "decode.json", decode_record(decode))
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
         manifest = write_cache(out, pixels, source, splits, {**(origin or {}), **split})
     finally:
         pixels = None  # drop the memmap before removing its file
         scratch.unlink(missing_ok=True)
     return {**manifest, "rejected": len(rejects), "duplicates": duplicates["across_splits"]}
+
+
+def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: float) -> dict:
+    """Every rejected file and why (rejects.json); DataError, listing them, when their share is
+    over `max_bad_fraction`."""
+    rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
+    total = len(source.images) + len(source.skipped)
+    report = {
+        "total_files": total,
+        "rejected": len(rejects),
+        "fraction": len(rejects) / max(total, 1),
+        "files": rejects,
+    }
+    write_json(out / "rejects.json", report)
+    if report["fraction"] > max_bad_fraction:
+        listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
+        raise DataError(
+            f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
+            f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
+            setting="max_bad_fraction",
+        )
+    return rejects
+
+
+def check_class_sizes(source: Source, good: np.ndarray, min_per_class: int) -> None:
+    good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
+    small = {
+        c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < min_per_class
+    }
+    if small:
+        raise DataError(
+            f"classes below the minimum of {min_per_class} images: {small}",
+            setting="min_per_class",
+        )
+
+
+def decode_record(decode: Decode) -> dict:
+    """decode.json: how every image of the cache was decoded; predict and the exports follow it."""
+    return {
+        "image_size": decode.size,
+        "color": decode.color,
+        "resize": decode.resize,
+        "background": list(decode.background),
+        "exif_transpose": decode.exif_transpose,
+        "jpeg_draft": decode.jpeg_draft,
+        "reducing_gap": decode.reducing_gap,
+    }
 
 
 class Cache(NamedTuple):

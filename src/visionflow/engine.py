@@ -7,10 +7,11 @@ path: `torch.autocast(..., enabled=...)` and a `GradScaler(enabled=...)` that is
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -117,178 +118,258 @@ class Step:
     label_smoothing: float = 0.0
     max_nonfinite: int = 5  # optimizer steps in a row with a non-finite loss before stopping
     dtype: torch.dtype | None = None
+    # DDP with train.auto_batch: every backward under no_sync() and the gradients all-reduced by
+    # hand once every rank has said it had the memory, so that an out-of-memory on one rank is
+    # seen by all and they retry together (a rank that fails inside DDP's own all-reduce leaves
+    # the others waiting there). The price: the all-reduce no longer overlaps the backward.
+    agree_on_memory: bool = False
 
 
-def steps_of(images: int, batch_size: int, accumulate: int) -> list[tuple[int, int]]:
-    """(micro-batches, images) of each optimizer step of an epoch over `images` (a rank's
-    shard): full groups of `accumulate`, the last one with what is left (44 images, batch 8,
-    accumulate 2: [(2, 16), (2, 16), (2, 12)]: the last group's batches hold 8 and 4)."""
-    full, rest = divmod(images, batch_size)
-    sizes = [batch_size] * full + ([rest] if rest else [])
-    groups = [sizes[i : i + accumulate] for i in range(0, len(sizes), accumulate)]
-    return [(len(group), sum(group)) for group in groups]
+@dataclass(frozen=True)
+class Split:
+    """A rank's shard of the training split as the loop reads it: uint8 NHWC images and labels
+    (on the device, or memory-mapped), the normalisation, the shuffle (the same generator state on
+    every rank), the augmentation (float NCHW in 0..1 -> augmented, before normalisation) and the
+    shard (`batches` says how ranks share a split)."""
+
+    x: torch.Tensor | np.ndarray
+    y: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    shuffle: torch.Generator
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rank: int = 0
+    world: int = 1
+
+    def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        device = self.mean.device
+        return batches(self.x, self.y, batch_size, self.shuffle, self.rank, self.world, device)
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 NHWC -> 0..1 -> augmented -> normalised: what the model is fed."""
+        images = to_unit(x)
+        if self.augment is not None:
+            images = self.augment(images)
+        return normalise(images, self.mean, self.std)
 
 
 def train_one_epoch(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    mean: torch.Tensor,
-    std: torch.Tensor,
+    split: Split,
     step: Step,
-    generator: torch.Generator,
     *,
-    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     epoch: int = 0,
-    rank: int = 0,
-    world: int = 1,
     record_losses: int = 0,
 ) -> dict:
-    """One shuffled pass; returns mean train loss and accuracy, gradient norms and counts.
+    """One shuffled pass: for each optimizer step, for each of its micro-batches, forward, loss,
+    backward; then unscale, clip, step, zero. Returns the epoch's numbers (`EpochStats.result`).
 
-    zero_grad -> (forward -> loss -> backward) per micro-batch -> step, once per group of
-    `step.accumulate` micro-batches; each micro-batch's loss is weighted by its share of the
-    group's images, so a step is the mean over its images as one big batch would take it (an
-    epoch's last, short micro-batch weighs what its images weigh; under DDP every rank's shard is
-    the same size, so DDP's mean over ranks is the mean over all the step's images), and under
-    DDP the gradients are all-reduced on a step's last micro-batch only. Whether a group's
-    losses were all finite is asked once per optimizer step (one host sync): a group with a
-    non-finite loss is skipped whole, and `step.max_nonfinite` skipped steps in a row raise
-    NonFiniteLoss. `augment` maps float NCHW images in 0..1 to augmented ones, before normalisation. The losses
-    and label counts of the first `record_losses` micro-batches are returned for the health
-    checks, and the seconds spent waiting for batches (`data_seconds`) beside the epoch's.
+    Each micro-batch's loss is weighted by its share of the step's images, so a step is the mean
+    over its images as one big batch would take it (an epoch's last, short micro-batch weighs
+    what its images weigh; every rank's shard is the same size, so DDP's mean over ranks is the
+    mean over all the step's images). Under DDP the gradients are all-reduced once per step, on
+    its last micro-batch (with `step.agree_on_memory`, by hand once every rank had the memory:
+    see Step). A step with a non-finite loss on any rank is skipped whole on every
+    rank; the losses and labels of the first `record_losses` micro-batches are kept for the
+    health checks.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
-    plan = steps_of(len(x) // world, step.batch_size, step.accumulate)  # as `batches` shards
-    total, upcoming = sum(micro_batches for micro_batches, _ in plan), iter(plan)
-    stats = torch.zeros(3, device=mean.device)  # loss sum, correct, images: summed without syncs
-    steps, skipped, in_a_row, norms, layers = 0, 0, 0, [], {}
-    first_losses: list[float] = []
-    first_labels: Counter[int] = Counter()
-    data_seconds, started = 0.0, time.perf_counter()
-    progress = tqdm(
-        batches(x, y, step.batch_size, generator, rank, world, mean.device),
-        total=total,
-        desc=f"epoch {epoch}",
-        unit="batch",
-        leave=False,
-        disable=None,
-    )
-    source, i, left, finite = iter(progress), 0, 0, None
+    stats = EpochStats(model, step, split, epoch, record_losses)
     optimizer.zero_grad(set_to_none=True)
-    while True:
-        wait = time.perf_counter()
+    for group in stats.groups(split.batches(step.batch_size), step.accumulate):  # a step each
+        images = sum(len(y) for _, y in group)  # this rank's; every rank has as many
         try:
-            xb, yb = next(source)
-        except StopIteration:
-            break
-        i += 1
-        if faults.ACTIVE:  # `sleep` here stands for a slow loader
-            faults.fault("train.batch", epoch=epoch, step=i)
-        data_seconds += time.perf_counter() - wait
-        if left == 0:
-            left, images = next(upcoming)
-            kept = [b.clone() for b in floating_buffers(model)]
-        with sync_only_on_last(model, left == 1):  # DDP: one gradient all-reduce per step
-            loss, logits = forward(model, xb, yb, mean, std, step, augment)
-            if faults.ACTIVE:
-                loss = faults.fault("train.loss", loss, epoch=epoch, step=i, batch=len(yb))
-            if len(first_losses) < record_losses:  # a sync per micro-batch, the first ones only
-                first_losses.append(loss.item())
-                first_labels.update(yb.tolist())
-            ok = torch.isfinite(loss.detach())
-            finite = ok if finite is None else finite & ok
-            # loss x its share of the group's images; as a division, so that a group of equal
-            # micro-batches divides by their count exactly as before (bit for bit)
-            scaler.scale(loss / (images / len(yb))).backward()
-        loss_sum = loss.detach().nan_to_num(0.0, 0.0, 0.0) * len(yb)
-        counts = (
-            loss_sum,
-            (logits.argmax(1) == yb).sum(),
-            torch.full((), len(yb), device=yb.device),
-        )
-        stats += ok * torch.stack([c.to(stats) for c in counts])  # a non-finite batch counts 0
-        left -= 1
-        if left:
-            continue
-        if not all_ranks_finite(finite, world):  # the one sync of the step
-            for buffer, saved in zip(floating_buffers(model), kept, strict=True):
-                buffer.copy_(saved)  # BatchNorm saw the NaN in forward: as before the group
-            skipped, in_a_row = skipped + 1, in_a_row + 1
-            if in_a_row >= step.max_nonfinite:
-                raise NonFiniteLoss(
-                    f"loss was not finite in {in_a_row} optimizer steps in a row "
-                    f"(epoch {epoch}, micro-batch {i}); stopping"
-                )
-        else:
-            in_a_row = 0
-            sample = steps % LAYER_NORM_EVERY == 0  # norms cost a pass over the gradients
-            norm, sampled, overflowed = optimizer_step(model, optimizer, scaler, step, sample)
-            layers = sampled or layers
-            norms += [norm] if norm is not None else []
-            skipped += overflowed
-            steps += 1
+            for i, (x, y) in enumerate(group):
+                with sync_on(model, i == len(group) - 1 and not step.agree_on_memory):
+                    loss, logits = forward(model, split.inputs(x), y, step)
+                    loss = stats.micro_batch(loss, logits, y)
+                    # as a division, so that equal micro-batches divide by their count, as before
+                    scaler.scale(loss / (images / len(y))).backward()
+        except torch.OutOfMemoryError:
+            if not step.agree_on_memory:
+                raise
+            stats.out_of_memory = True  # said to the other ranks; all raise it together
+        if stats.all_ranks_ok():  # the one sync of the step: finite, in memory, on every rank
+            if step.agree_on_memory:
+                all_reduce_gradients(model, split.world)  # what no_sync held back
+            stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample_layers))
         optimizer.zero_grad(set_to_none=True)
-        finite = None
-    if skipped and not steps:
-        raise NonFiniteLoss(f"no optimizer step of epoch {epoch} had a finite loss; stopping")
-    if world > 1:  # sums over all ranks' shards
-        dist.all_reduce(stats)
-    loss_sum, correct, seen = stats.tolist()
-    return {
-        "loss": loss_sum / max(seen, 1),
-        "accuracy": correct / max(seen, 1),
-        "grad_norm": sum(norms) / max(len(norms), 1),
-        "steps": steps,
-        "skipped_steps": skipped,
-        "images": int(seen),
-        "layer_grad_norms": layers,
-        "first_losses": first_losses,
-        "first_labels": dict(sorted(first_labels.items())),
-        "data_seconds": data_seconds,
-        "seconds": time.perf_counter() - started,
-    }
+    return stats.result()
 
 
 LAYER_NORM_EVERY = 50  # optimizer steps between samples of the per-layer gradient norms
 
 
-def forward(model, xb, yb, mean, std, step: Step, augment) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, logits) of one micro-batch: uint8 -> 0..1 -> augmented -> normalised -> model."""
-    images = to_unit(xb)
-    if augment is not None:
-        images = augment(images)
+class EpochStats:
+    """What the loop measures, kept out of the loop: the loss, accuracy and image sums (summed on
+    the device, without syncs), the first losses and labels, gradient norms, skipped steps, the
+    seconds spent waiting for batches, and the finiteness and memory of each step (`all_ranks_ok`,
+    which also puts BatchNorm's statistics back when a step is skipped)."""
+
+    def __init__(self, model: nn.Module, step: Step, split: Split, epoch: int, record: int):
+        self.model, self.step, self.epoch, self.record = model, step, epoch, record
+        self.rank, self.world = split.rank, split.world
+        self.sums = torch.zeros(3, device=split.mean.device)  # loss sum, correct, images
+        self.steps = self.skipped = self.in_a_row = self.micro_batches = 0
+        self.norms: list[float] = []
+        self.layers: dict[str, float] = {}
+        self.first_losses: list[float] = []
+        self.first_labels: Counter[int] = Counter()
+        self.finite: torch.Tensor | None = None  # the step's losses so far, all finite
+        self.out_of_memory = False
+        self.kept: list[torch.Tensor] = []  # BatchNorm's buffers as the step found them
+        self.data_seconds, self.started = 0.0, time.perf_counter()
+
+    def groups(self, batches: Iterable, accumulate: int) -> Iterator[list]:
+        """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
+        is left. The wait for each counts as data time, shown as progress in a terminal."""
+        group = []
+        for batch in self.timed(batches):
+            group.append(batch)
+            if len(group) == accumulate:
+                yield self.begin(group)
+                group = []
+        if group:
+            yield self.begin(group)
+
+    def timed(self, batches: Iterable) -> Iterator:
+        progress = tqdm(
+            batches, desc=f"epoch {self.epoch}", unit="batch", leave=False, disable=None
+        )
+        source, fetched = iter(progress), 0
+        while True:
+            wait = time.perf_counter()
+            batch = next(source, None)
+            if batch is None:
+                return
+            fetched += 1
+            if faults.ACTIVE:  # `sleep` here stands for a slow loader
+                faults.fault("train.batch", epoch=self.epoch, step=fetched)
+            self.data_seconds += time.perf_counter() - wait
+            yield batch
+
+    def begin(self, group: list) -> list:
+        self.kept = [b.clone() for b in floating_buffers(self.model)]
+        return group
+
+    def micro_batch(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor):
+        """Counts one micro-batch's loss and correct answers (a non-finite one counts 0)."""
+        self.micro_batches += 1
+        if faults.ACTIVE:
+            where = {"epoch": self.epoch, "step": self.micro_batches, "batch": len(y)}
+            loss = faults.fault("train.loss", loss, **where, rank=self.rank)
+        if len(self.first_losses) < self.record:  # a sync per micro-batch, the first ones only
+            self.first_losses.append(loss.item())
+            self.first_labels.update(y.tolist())
+        ok = torch.isfinite(loss.detach())
+        self.finite = ok if self.finite is None else self.finite & ok
+        counts = (
+            loss.detach().nan_to_num(0.0, 0.0, 0.0) * len(y),
+            (logits.argmax(1) == y).sum(),
+            torch.full((), len(y), device=y.device),
+        )
+        self.sums += ok * torch.stack([c.to(self.sums) for c in counts])
+        return loss
+
+    def all_ranks_ok(self) -> bool:
+        """Whether every rank's step was finite and in memory: one all-reduce of both flags, so
+        all ranks decide alike (DDP's next all-reduce would hang if one stepped and one did
+        not). Out of memory anywhere raises torch.OutOfMemoryError on every rank; a non-finite
+        step is skipped (BatchNorm's statistics, which saw it in forward, put back), and
+        `max_nonfinite` in a row raise NonFiniteLoss."""
+        finite = self.finite if self.finite is not None else torch.tensor(True)
+        flags = torch.stack([~finite.cpu(), torch.tensor(self.out_of_memory)]).to(self.sums.device)
+        flags = flags.to(torch.int32)
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        nonfinite, out_of_memory = flags.tolist()
+        self.finite, self.out_of_memory = None, False
+        if out_of_memory:
+            raise torch.OutOfMemoryError(
+                f"out of memory at epoch {self.epoch}, micro-batch {self.micro_batches} of a rank"
+            )
+        if not nonfinite:
+            self.in_a_row = 0
+            return True
+        for buffer, saved in zip(floating_buffers(self.model), self.kept, strict=True):
+            buffer.copy_(saved)  # BatchNorm saw the NaN in forward: as before the step
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        if self.in_a_row >= self.step.max_nonfinite:
+            raise NonFiniteLoss(
+                f"loss was not finite in {self.in_a_row} optimizer steps in a row "
+                f"(epoch {self.epoch}, micro-batch {self.micro_batches}); stopping"
+            )
+        return False
+
+    @property
+    def sample_layers(self) -> bool:
+        return self.steps % LAYER_NORM_EVERY == 0  # norms cost a pass over the gradients
+
+    def stepped(self, norm: float | None, layers: dict[str, float], overflowed: bool) -> None:
+        self.layers = layers or self.layers
+        self.norms += [norm] if norm is not None else []
+        self.skipped += overflowed
+        self.steps += 1
+
+    def result(self) -> dict:
+        """Mean train loss and accuracy over every rank's images, gradient norms, counts, the
+        first losses and labels, and the seconds waiting for data (`data_seconds`) beside the
+        epoch's."""
+        if self.skipped and not self.steps:
+            raise NonFiniteLoss(
+                f"no optimizer step of epoch {self.epoch} had a finite loss; stopping"
+            )
+        if self.world > 1:  # sums over all ranks' shards
+            dist.all_reduce(self.sums)
+        loss_sum, correct, seen = self.sums.tolist()
+        return {
+            "loss": loss_sum / max(seen, 1),
+            "accuracy": correct / max(seen, 1),
+            "grad_norm": sum(self.norms) / max(len(self.norms), 1),
+            "steps": self.steps,
+            "skipped_steps": self.skipped,
+            "images": int(seen),
+            "layer_grad_norms": self.layers,
+            "first_losses": self.first_losses,
+            "first_labels": dict(sorted(self.first_labels.items())),
+            "data_seconds": self.data_seconds,
+            "seconds": time.perf_counter() - self.started,
+        }
+
+
+def forward(model, inputs, y, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, logits) of one micro-batch, under the step's autocast."""
     with torch.autocast(
-        mean.device.type, dtype=step.dtype or torch.float32, enabled=step.dtype is not None
+        inputs.device.type, dtype=step.dtype or torch.float32, enabled=step.dtype is not None
     ):
-        logits = model(normalise(images, mean, std))
-        loss = F.cross_entropy(logits.float(), yb, label_smoothing=step.label_smoothing)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=step.label_smoothing)
     return loss, logits
 
 
-def sync_only_on_last(model: nn.Module, last: bool):
-    """DDP's `no_sync()` but on a step's last micro-batch: the gradients of the others add up
-    on each rank, and the last backward all-reduces the sum once (not once per micro-batch)."""
+def sync_on(model: nn.Module, sync: bool):
+    """DDP's `no_sync()` unless `sync`: the gradients of a step's other micro-batches add up on
+    each rank, and its last backward all-reduces the sum once (not once per micro-batch)."""
     ddp = getattr(model, "_orig_mod", model)  # under torch.compile, the DDP module it wraps
-    if last or not isinstance(ddp, DistributedDataParallel):
+    if sync or not isinstance(ddp, DistributedDataParallel):
         return nullcontext()
     return ddp.no_sync()
 
 
+def all_reduce_gradients(model: nn.Module, world: int) -> None:
+    """DDP's mean of the gradients over the ranks, by hand, in one flat all-reduce."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
+    dist.all_reduce(flat)
+    for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
+
+
 def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
-
-
-def all_ranks_finite(finite: torch.Tensor, world: int) -> bool:
-    """True when every rank's group was finite: ranks must skip together, or DDP's next gradient
-    all-reduce would hang."""
-    flag = finite.to(torch.int32)
-    if world > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag)
 
 
 def optimizer_step(

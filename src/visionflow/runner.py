@@ -185,20 +185,9 @@ class Group:
         self.signal(signal.SIGKILL)
 
 
-def run_group(
-    cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
-) -> tuple[int, str]:
-    """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
-    goes through `Group.end`: SIGINT, a grace period for the stage's safe point
-    (`stop_grace_s()`), then SIGKILL. SIGINT or SIGTERM sent to this process ask the group to
-    stop (recorded in `FORWARDED`; a second SIGINT is passed on: Ctrl-C twice stops at once); so
-    does `timeout_s`, printing or silent (then `Timeout` is raised), and an early end of this call
-    (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
-    its own, whatever is left of its group is killed at once; when it was stopped or killed, the
-    rest of the group gets the grace period.
-
-    Returns the exit code and the output's last 4,000 characters.
-    """
+def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]:
+    """`cmd` started in its own process group, its output piped, and the reaper that stops the
+    group if this process dies."""
     process = subprocess.Popen(
         cmd,
         cwd=workdir,
@@ -215,9 +204,15 @@ def run_group(
         pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone
         start_new_session=True,  # not killed with this process's group
     )
-    group = Group(process.pid, grace_s, reaper)
+    return process, Group(process.pid, grace_s, reaper)
 
-    def reap() -> None:  # the moment `dvc` ends, its orphans go too (they hold our pipe open)
+
+def watch(process: subprocess.Popen, group: Group, timeout_s: float):
+    """Two threads: one ends the group's orphans the moment `cmd` ends (they hold our pipe
+    open), one stops the group at the deadline, whether or not it prints. Returns the first,
+    the event to set when the call ends, and the event set when the deadline passed."""
+
+    def reap() -> None:
         process.wait()
         if group.deadline is not None or process.returncode < 0:
             group.end()  # stopped, or DVC itself killed: the stage may be checkpointing
@@ -226,7 +221,7 @@ def run_group(
 
     ended, timed_out = threading.Event(), threading.Event()
 
-    def expire() -> None:  # the deadline, whether or not the command prints
+    def expire() -> None:
         if faults.ACTIVE:
             faults.fault("runner.timer")  # tests: start counting once a stage is at work
         if not ended.wait(timeout_s):
@@ -236,6 +231,39 @@ def run_group(
     watcher = threading.Thread(target=reap, daemon=True)
     watcher.start()
     threading.Thread(target=expire, daemon=True).start()
+    return watcher, ended, timed_out
+
+
+def finish(process: subprocess.Popen, group: Group, watcher: threading.Thread) -> None:
+    """Nothing of the group survives: a command still running (the call ended early, by a
+    cancellation or an error) is stopped the usual way, then whatever is left is killed."""
+    if process.poll() is None:
+        drain = threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True)
+        drain.start()  # a stage that cannot print cannot reach its safe point
+        group.end()
+    group.signal(signal.SIGKILL)  # nothing may survive this call
+    watcher.join()
+    group.tell_reaper(b"done")
+    group.tell_reaper(None)
+    group.reaper.wait()
+
+
+def run_group(
+    cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
+) -> tuple[int, str]:
+    """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
+    goes through `Group.end`: SIGINT, a grace period for the stage's safe point
+    (`stop_grace_s()`), then SIGKILL. SIGINT or SIGTERM sent to this process ask the group to
+    stop (recorded in `FORWARDED`; a second SIGINT is passed on: Ctrl-C twice stops at once); so
+    does `timeout_s`, printing or silent (then `Timeout` is raised), and an early end of this call
+    (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
+    its own, whatever is left of its group is killed at once; when it was stopped or killed, the
+    rest of the group gets the grace period.
+
+    Returns the exit code and the output's last 4,000 characters.
+    """
+    process, group = start_group(cmd, workdir)
+    watcher, ended, timed_out = watch(process, group, timeout_s)
     handlers = (
         (signal.SIGINT, signal.SIGTERM)
         if threading.current_thread() is threading.main_thread()
@@ -265,15 +293,7 @@ def run_group(
         ended.set()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if process.poll() is None:  # ended early (cancellation, an error): the same stop
-            drain = threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True)
-            drain.start()  # a stage that cannot print cannot reach its safe point
-            group.end()
-        group.signal(signal.SIGKILL)  # nothing may survive this call
-        watcher.join()
-        group.tell_reaper(b"done")
-        group.tell_reaper(None)
-        reaper.wait()
+        finish(process, group, watcher)
 
 
 def dvc_busy(workdir: Path) -> bool:

@@ -1,0 +1,190 @@
+"""A sweep's DVC side, for the `experiments` flow: `dvc exp run` arguments, DVC's queue
+(workers, a guard process that stops the sweep if the flow's process dies, stopping it), and what
+`dvc exp show` says of each experiment (its state, the params that differ from the baseline, the
+main metrics). No Prefect here (shared/STYLE.md): the flow makes the tasks and the table artifact.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from visionflow import runner
+from visionflow.files import flatten
+from visionflow.repo import DVC_TIMEOUT_S, DvcBusy, DvcHung, StageFailed, dvc
+from visionflow.runner import dvc_command, environment, stop_grace_s
+
+MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
+
+
+def exp_run_args(name: str, sets: list[str]) -> list[str]:
+    return ["exp", "run", "--name", name, *(arg for s in sets for arg in ("--set-param", s))]
+
+
+def start_workers(root: Path, workers: int) -> None:
+    """`dvc queue start --jobs N`. The worker is a daemon: with our pipes it would hold them
+    until the queue is empty."""
+    subprocess.run(
+        [*dvc_command(), "queue", "start", "--jobs", str(workers)],
+        cwd=root,
+        env=environment(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=DVC_TIMEOUT_S,
+        check=True,
+    )
+
+
+ENDED = ("success", "failed")
+
+# A sweep's guard waits for EOF on stdin. Without "done" first, the flow process died (kill -9):
+# the guard becomes `python -m pipeline.flows ROOT --stop-sweep NAME...`, which stops this
+# sweep's experiments, holding the workspace lock it inherited until they are gone.
+SWEEP_GUARD = """
+import os, sys
+if b"done" not in sys.stdin.buffer.read():
+    os.execv(sys.executable, [sys.executable, "-m", "pipeline.flows", sys.argv[1], "--stop-sweep",
+                              *sys.argv[2:]])
+"""
+
+
+@contextmanager
+def guarded(root: Path, names) -> Iterator[None]:
+    """While a queued sweep runs, a guard process that stops it if this process dies (DVC's
+    queue worker is a daemon: nothing else would)."""
+    log = open(root / ".dvc" / "tmp" / "visionflow-sweep-guard.log", "a")  # not our stdout:
+    guard = subprocess.Popen(  # it may be a pipe that dies with this process
+        [sys.executable, "-c", SWEEP_GUARD, str(root), *names],
+        cwd=root,
+        env=environment(),
+        stdin=subprocess.PIPE,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        pass_fds=tuple(runner.HELD),  # the workspace stays held until the sweep is stopped
+        start_new_session=True,
+    )
+    log.close()
+    try:
+        yield
+    finally:
+        guard.communicate(b"done")  # ended here, stopped here if need be: the guard goes
+
+
+def stop_queue(root: Path, plan, say: Callable[[str], None]) -> None:
+    """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
+    the worker's process group, so training stops at a safe point), then, the grace period
+    (`stop_grace_s()`) later, SIGKILL to what is left of that group (DVC's forced kill would
+    orphan the stage's own process)."""
+    now = results(root, plan)
+    queued = [name for name, summary in now.items() if summary["state"] == "queued"]
+    running = {
+        name: summary["pid"] for name, summary in now.items() if summary["state"] == "running"
+    }
+    try:  # best effort: what DVC cannot stop, the SIGKILL below does
+        if queued:
+            dvc(root, "queue", "remove", *queued, doing="dropping the sweep's queued experiments")
+        if running:
+            dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
+    except (StageFailed, DvcBusy) as e:
+        say(str(e))
+    groups = set()
+    for pid in filter(None, running.values()):
+        try:
+            groups.add(os.getpgid(pid))
+        except ProcessLookupError:  # ended meanwhile
+            pass
+    deadline = time.monotonic() + stop_grace_s()
+    while groups and time.monotonic() < deadline:
+        groups = {group for group in groups if alive(group)}
+        time.sleep(0.2)
+    for group in groups:
+        os.killpg(group, signal.SIGKILL)
+
+
+def alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+EXP_SHOW_RETRY_S = 60.0  # how long a failing `dvc exp show` is asked again
+
+
+def exp_show(root: Path) -> str:
+    """`dvc exp show --json`, asked again (every 2 s, for up to EXP_SHOW_RETRY_S) when it fails:
+    DVC's queue can list an experiment as active after its executor file is gone ("No such file
+    or directory: .dvc/tmp/exps/run/..."; seen to last more than a few seconds for an experiment
+    that failed while another ran), and a sweep must not be stopped for that. A hang is not
+    asked again."""
+    deadline = time.monotonic() + EXP_SHOW_RETRY_S
+    while True:
+        try:
+            return dvc(root, "exp", "show", "--json", doing="following experiments")
+        except DvcHung:
+            raise
+        except StageFailed:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+
+
+def results(root: Path, names) -> dict[str, dict]:
+    """For each experiment name: its state (queued, running, success, failed), params and
+    metrics, and the baseline's params, from `dvc exp show --json`."""
+    shown = json.loads(exp_show(root) or "[]")
+    found = {}
+    for baseline in shown:
+        for exp in baseline.get("experiments") or []:
+            if exp.get("name") in names:
+                data = exp["revs"][0].get("data") or {}
+                state = (exp.get("executor") or {}).get("state")
+                state = state or ("success" if data.get("metrics") else "failed")
+                found[exp["name"]] = {  # metrics of one not done are its baseline's: none
+                    "state": state,
+                    "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
+                    "params": data.get("params", {}),
+                    "metrics": data.get("metrics", {}) if state == "success" else {},
+                    "baseline": (baseline.get("data") or {}).get("params", {}),
+                }
+    return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
+
+
+def metric_values(summary: dict) -> dict:
+    """The main metrics of one experiment (None where it has none)."""
+    metrics = summary.get("metrics", {})
+    return {
+        name: (metrics.get(path) or {}).get("data", {}).get(name)
+        for path, names in MAIN_METRICS.items()
+        for name in names
+    }
+
+
+def main_metrics(summary: dict) -> str:
+    values = metric_values(summary)
+    return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
+
+
+def sweep_table(root: Path, plan: dict[str, list[str]]) -> list[dict]:
+    """One row per experiment of the sweep: name, state, the params that differ from its
+    baseline (the union over the sweep, so every row has the same columns), the main metrics."""
+    summaries = results(root, plan)
+    diffs = {}
+    for name, summary in summaries.items():
+        params = flatten((summary.get("params") or {}).get("params.yaml", {}).get("data", {}))
+        base = flatten((summary.get("baseline") or {}).get("params.yaml", {}).get("data", {}))
+        diffs[name] = {k: v for k, v in params.items() if base.get(k) != v}
+    keys = sorted({key for diff in diffs.values() for key in diff})
+    rows = []
+    for name, summary in summaries.items():
+        row = {"experiment": name, "state": summary["state"]}
+        row |= {key: diffs[name].get(key) for key in keys}
+        rows.append(row | metric_values(summary))
+    return rows

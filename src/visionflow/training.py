@@ -1,0 +1,258 @@
+"""What the train stage keeps between epochs: the Trainer (what a step changes, saved and restored
+whole), the Progress of the run, the stop a signal asks for, and the per-epoch record.
+
+Takes values, never the params models: the stage (pipeline/train.py) builds these from
+`train.*` and owns the folders. The step itself is `engine.train_one_epoch`.
+"""
+
+import io
+import os
+import random
+import resource
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from dvclive import Live
+from torch import nn
+
+from visionflow import faults, health
+from visionflow.augment import augment
+from visionflow.engine import Split, Step, train_one_epoch
+
+
+def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    if compiled:  # also tells torch.compile's kernels
+        torch.use_deterministic_algorithms(deterministic)
+    else:  # the same switch, without importing the compiler for it (1.5 s at every start)
+        torch._C._set_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark = not deterministic  # autotuning picks kernels by timing
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+
+
+def start_distributed(device_name: str) -> tuple[int, int]:
+    """(rank, world size): under `torchrun` one process per rank joins the group, else (0, 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    cuda = torch.cuda.is_available() and device_name != "cpu"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank(), world
+
+
+def cpu_copy(state_dict: dict) -> dict:
+    """A snapshot of the weights off the device (state_dict() holds live references)."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
+
+class OutOfMemory(RuntimeError):
+    """The GPU ran out of memory and no retry was left; the health report has the numbers."""
+
+
+@dataclass
+class Trainer:
+    """What an optimizer step changes (the model, the optimizer, the scaler, the generators) and
+    the epoch of steps; `state()` is what a checkpoint saves and `restore()` puts back."""
+
+    model: nn.Module
+    net: nn.Module  # what steps: the model, wrapped in DDP and/or compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    shuffle: torch.Generator  # the batch order (CPU: the same on any device)
+    augment_rng: torch.Generator  # each rank its own draws
+    step: Step
+    augment: dict  # the keywords of `augment.augment` (train.augment)
+    auto_batch: bool = False  # retry an out-of-memory epoch once, with half the batch
+    rank: int = 0
+    world: int = 1
+    retried: bool = False  # auto_batch retries once per run
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def state(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "shuffle": self.shuffle.get_state(),
+                "augment": self.augment_rng.get_state(),
+                # dropout on a GPU draws from each device's generator
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+        }
+
+    def restore(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())
+        self.shuffle.set_state(state["rng"]["shuffle"].cpu())
+        self.augment_rng.set_state(state["rng"]["augment"].cpu())
+        cuda = state["rng"].get("cuda") or []
+        if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+
+    def epoch(self, x, y, mean, std, epoch: int, monitor: health.Monitor) -> dict:
+        """One epoch of `train_one_epoch` over the split `x`, `y`. On a GPU out-of-memory the
+        health report gets the numbers; with auto_batch the epoch is retried once from its start
+        with half the batch and twice the accumulation (the same effective batch), else
+        OutOfMemory. Under DDP every rank learns of an out-of-memory on any rank
+        (`Step.agree_on_memory`), so all retry, or all fail, together."""
+        saved = None
+        if self.auto_batch and not self.retried:
+            saved = io.BytesIO()  # a copy off the device: state_dict() holds references
+            torch.save(self.state(), saved)
+        while True:
+            draws = partial(augment, generator=self.augment_rng, **self.augment)
+            split = Split(x, y, mean, std, self.shuffle, draws, self.rank, self.world)
+            try:
+                return train_one_epoch(
+                    self.net,
+                    self.optimizer,
+                    split,
+                    self.step,
+                    scaler=self.scaler,
+                    epoch=epoch,
+                    record_losses=monitor.steps_wanted(),
+                )
+            except torch.OutOfMemoryError:
+                self.out_of_memory(epoch, monitor, retry=saved is not None)
+            saved.seek(0)
+            self.restore(torch.load(saved, weights_only=True))
+            self.retried, saved = True, None
+
+    def out_of_memory(self, epoch: int, monitor: health.Monitor, retry: bool) -> None:
+        """Report it; raise OutOfMemory without a retry, else halve the batch for the retry."""
+        retry = retry and self.step.batch_size > 1
+        device = next(self.model.parameters()).device
+        parameters = sum(p.numel() for p in self.model.parameters())
+        batch, accumulate, peak = self.step.batch_size, self.step.accumulate, peak_memory_mb(device)
+        monitor.add(health.out_of_memory(epoch, batch, accumulate, parameters, peak, retry))
+        if not retry:
+            raise OutOfMemory(
+                f"out of memory at epoch {epoch}; see the health line above"
+            ) from None
+        self.step = replace(self.step, batch_size=batch // 2, accumulate=accumulate * 2)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@dataclass
+class Progress:
+    """Where the run is: the epochs done (their records), the best one, epochs since it."""
+
+    history: list[dict] = field(default_factory=list)
+    best: dict = field(default_factory=lambda: {"accuracy": -1.0, "epoch": 0})
+    start: int = 1
+    stale: int = 0
+
+    def update(self, epoch: int, record: dict) -> bool:
+        """Add the epoch's record; True when its val accuracy is the best so far."""
+        self.history.append(record)
+        improved = record["val/accuracy"] > self.best["accuracy"]
+        self.stale = 0 if improved else self.stale + 1
+        if improved:
+            self.best = {"accuracy": record["val/accuracy"], "epoch": epoch}
+        return improved
+
+
+class StopRequest:
+    """The first Ctrl-C or SIGTERM (a scheduler's stop, a cancelled flow run, a timeout, each
+    reaching the stage as SIGINT through the runner) asks the run to finish its epoch,
+    checkpoint it and stop; a second Ctrl-C after a first one stops at once (the previous
+    epoch's checkpoint is kept). Further SIGTERMs change nothing: a stop is under way."""
+
+    def __init__(self):
+        self.requested: int | None = None  # the signal that asked
+        signal.signal(signal.SIGINT, self.handle)
+        signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame):
+        if self.requested is not None:
+            if signum == signal.SIGINT == self.requested:
+                raise KeyboardInterrupt
+            return
+        self.requested = signum
+        print(
+            f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
+            "(Ctrl-C again stops at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if faults.ACTIVE:
+            faults.fault("train.stop")
+
+
+def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
+    """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
+    return {
+        "train/loss": train["loss"],
+        "train/accuracy": train["accuracy"],
+        "val/loss": val["loss"],
+        "val/accuracy": val["accuracy"],
+        "lr": lr,
+        "grad_norm": train["grad_norm"],
+        "skipped_steps": train["skipped_steps"],
+        "train/images_per_s": train["images"] / seconds,
+        "epoch_seconds": seconds,
+        "peak_memory_mb": peak_mb,
+        "data_wait_fraction": train["data_seconds"] / train["seconds"],
+        # "classifier.1.bias" -> "classifier_1_bias": Vega reads a dot in a field name as nesting
+        **{
+            f"grad_norm_layer/{k.replace('.', '_')}": v
+            for k, v in train["layer_grad_norms"].items()
+        },
+    }
+
+
+def epoch_line(r: dict) -> str:
+    """The log line's numbers for one epoch's record `r`."""
+    return (
+        f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
+        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
+        f"{r['train/images_per_s']:7.0f} img/s"
+        + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else "")
+    )
+
+
+@contextmanager
+def live_curves(out: Path | None, history: list[dict]) -> Iterator[Live | None]:
+    """DVCLive in `out` (rank 0; None elsewhere), with the curves of the epochs a resumed run
+    already did (the checkpoint kept them)."""
+    if out is None:
+        yield None
+        return
+    with Live(str(out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
+        for epoch, record in enumerate(history, 1):
+            log_epoch(live, epoch, record)
+        yield live
+
+
+def log_epoch(live: Live, epoch: int, record: dict) -> None:
+    live.step = epoch  # the curves' x is the epoch
+    for name, value in record.items():
+        live.log_metric(name, value)
+    live.next_step()
