@@ -512,6 +512,10 @@ def test_an_out_of_memory_on_one_rank_makes_every_rank_retry_with_half_the_batch
     b = torch.load(workdir / "ddp/model.pt", weights_only=True)["state_dict"]
     worst = max((a[k] - b[k]).abs().max().item() for k in a if a[k].is_floating_point())
     assert worst < 1e-5, worst
+    # no memory for any batch on rank 1: after the one retry, every rank fails, none waits
+    failed = torchrun_train(workdir, "ddp-again", fault="train.loss@rank=1:oom")
+    assert failed.returncode != 0 and "out of memory at epoch 1" in failed.stderr
+    assert not (workdir / "ddp-again").exists()
 
 
 def count_gradient_all_reduces(rank: int, port: int, accumulate: int, out: Path) -> None:

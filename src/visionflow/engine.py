@@ -280,9 +280,10 @@ class EpochStats:
         not). Out of memory anywhere raises torch.OutOfMemoryError on every rank; a non-finite
         step is skipped (BatchNorm's statistics, which saw it in forward, put back), and
         `max_nonfinite` in a row raise NonFiniteLoss."""
-        finite = self.finite if self.finite is not None else torch.tensor(True)
-        flags = torch.stack([~finite.cpu(), torch.tensor(self.out_of_memory)]).to(self.sums.device)
-        flags = flags.to(torch.int32)
+        device = self.sums.device  # made there: the all-reduce's .tolist() is the one sync
+        finite = self.finite if self.finite is not None else torch.ones((), dtype=torch.bool)
+        memory = torch.full((), self.out_of_memory, device=device)
+        flags = torch.stack([~finite.to(device), memory]).to(torch.int32)
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, out_of_memory = flags.tolist()
