@@ -343,7 +343,7 @@ def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: 
         for end in early:  # its task ends now, Failed
             end.set_result({"state": "stopped (the sweep ended first)"})
         if early:  # failed or cancelled: nothing of this sweep keeps running
-            stop_queue(root, plan, get_run_logger().warning)
+            stop_queue(root, plan, logger.warning)
     wait(list(followers.values()))
 
 

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
 from visionflow import checkpoint, data, faults, health, loading, project
@@ -59,6 +58,7 @@ from visionflow.training import (
     peak_memory_mb,
     seed_everything,
     start_distributed,
+    stepping,
 )
 
 
@@ -320,8 +320,7 @@ def trainer_for(model: nn.Module, t: Train, seed: int, rank: int, world: int) ->
     """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
     the generators of the batch order and the augmentation, as train.* says."""
     device = next(model.parameters()).device
-    net = DistributedDataParallel(model) if world > 1 else model
-    net = torch.compile(net) if t.compile else net
+    net = stepping(model, world, t.compile)
     optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step

@@ -1,4 +1,5 @@
-"""The training loop, by hand: `train_one_epoch` and `evaluate` over in-memory uint8 tensors.
+"""The training loop, by hand: `train_one_epoch` and `evaluate` over uint8 splits (held on the
+device, or memory-mapped).
 
 Batches are sliced from the cache held on the device, then augmented and normalised there. One AMP
 path: `torch.autocast(..., enabled=...)` and a `GradScaler(enabled=...)` that is a no-op unless fp16.
@@ -8,7 +9,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,10 +119,11 @@ class Step:
     label_smoothing: float = 0.0
     max_nonfinite: int = 5  # optimizer steps in a row with a non-finite loss before stopping
     dtype: torch.dtype | None = None
-    # DDP with train.auto_batch: every backward under no_sync() and the gradients all-reduced by
-    # hand once every rank has said it had the memory, so that an out-of-memory on one rank is
-    # seen by all and they retry together (a rank that fails inside DDP's own all-reduce leaves
-    # the others waiting there). The price: the all-reduce no longer overlaps the backward.
+    # DDP with train.auto_batch: every backward under no_sync(), the gradients all-reduced by
+    # hand once every rank has said it had the memory, and an out-of-memory anywhere in a step
+    # (forward, backward, the step) said to every rank at the next sync, so that all retry
+    # together (a rank that raised it alone would leave the others waiting in a collective).
+    # The price: the all-reduce no longer overlaps the backward.
     agree_on_memory: bool = False
 
 
@@ -181,21 +183,20 @@ def train_one_epoch(
     optimizer.zero_grad(set_to_none=True)
     for group in stats.groups(split.batches(step.batch_size), step.accumulate):  # a step each
         images = sum(len(y) for _, y in group)  # this rank's; every rank has as many
-        try:
+        with stats.memory_said():  # DDP + auto_batch: an out-of-memory goes to every rank
             for i, (x, y) in enumerate(group):
-                with sync_on(model, i == len(group) - 1 and not step.agree_on_memory):
+                last = i == len(group) - 1 and not step.agree_on_memory
+                with sync_only_on_last(model, last):
                     loss, logits = forward(model, split.inputs(x), y, step)
                     loss = stats.micro_batch(loss, logits, y)
                     # as a division, so that equal micro-batches divide by their count, as before
                     scaler.scale(loss / (images / len(y))).backward()
-        except torch.OutOfMemoryError:
-            if not step.agree_on_memory:
-                raise
-            stats.out_of_memory = True  # said to the other ranks; all raise it together
+            flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
         if stats.all_ranks_ok():  # the one sync of the step: finite, in memory, on every rank
-            if step.agree_on_memory:
-                all_reduce_gradients(model, split.world)  # what no_sync held back
-            stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample_layers))
+            with stats.memory_said():  # said at the next step's sync, or the epoch's end
+                if flat is not None:
+                    all_reduce_gradients(model, flat, split.world)  # what no_sync held back
+                stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample_layers))
         optimizer.zero_grad(set_to_none=True)
     return stats.result()
 
@@ -212,6 +213,7 @@ class EpochStats:
     def __init__(self, model: nn.Module, step: Step, split: Split, epoch: int, record: int):
         self.model, self.step, self.epoch, self.record = model, step, epoch, record
         self.rank, self.world = split.rank, split.world
+        self.images = len(split.y) // split.world  # this rank's shard (`batches`)
         self.sums = torch.zeros(3, device=split.mean.device)  # loss sum, correct, images
         self.steps = self.skipped = self.in_a_row = self.micro_batches = 0
         self.norms: list[float] = []
@@ -225,7 +227,8 @@ class EpochStats:
 
     def groups(self, batches: Iterable, accumulate: int) -> Iterator[list]:
         """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
-        is left. The wait for each counts as data time, shown as progress in a terminal."""
+        is left. The wait for each counts as data time, shown as progress in a terminal. (An
+        out-of-memory while a batch is sliced, a small share of a step's memory, is raised.)"""
         group = []
         for batch in self.timed(batches):
             group.append(batch)
@@ -236,8 +239,14 @@ class EpochStats:
             yield self.begin(group)
 
     def timed(self, batches: Iterable) -> Iterator:
+        total = math.ceil(self.images / self.step.batch_size)  # micro-batches in the epoch
         progress = tqdm(
-            batches, desc=f"epoch {self.epoch}", unit="batch", leave=False, disable=None
+            batches,
+            total=total,
+            desc=f"epoch {self.epoch}",
+            unit="batch",
+            leave=False,
+            disable=None,
         )
         source, fetched = iter(progress), 0
         while True:
@@ -274,6 +283,19 @@ class EpochStats:
         self.sums += ok * torch.stack([c.to(self.sums) for c in counts])
         return loss
 
+    @contextmanager
+    def memory_said(self):
+        """Under `step.agree_on_memory`, an out-of-memory in the block is not raised here but
+        said to every rank at the next sync (the step's flags, or the epoch's sums), where all
+        raise it together: a rank that raised it alone would retry while the others wait in a
+        collective. Otherwise it is raised as it is."""
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if not self.step.agree_on_memory:
+                raise
+            self.out_of_memory = True
+
     def all_ranks_ok(self) -> bool:
         """Whether every rank's step was finite and in memory: one all-reduce of both flags, so
         all ranks decide alike (DDP's next all-reduce would hang if one stepped and one did
@@ -282,15 +304,16 @@ class EpochStats:
         `max_nonfinite` in a row raise NonFiniteLoss."""
         device = self.sums.device  # made there: the all-reduce's .tolist() is the one sync
         finite = self.finite if self.finite is not None else torch.ones((), dtype=torch.bool)
-        memory = torch.full((), self.out_of_memory, device=device)
+        memory = torch.full((), (self.rank + 1) * self.out_of_memory, device=device)
         flags = torch.stack([~finite.to(device), memory]).to(torch.int32)
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         nonfinite, out_of_memory = flags.tolist()
-        self.finite, self.out_of_memory = None, False
+        self.finite = None
         if out_of_memory:
             raise torch.OutOfMemoryError(
-                f"out of memory at epoch {self.epoch}, micro-batch {self.micro_batches} of a rank"
+                f"out of memory on rank {out_of_memory - 1} at epoch {self.epoch}, "
+                f"micro-batch {self.micro_batches}"
             )
         if not nonfinite:
             self.in_a_row = 0
@@ -323,9 +346,13 @@ class EpochStats:
             raise NonFiniteLoss(
                 f"no optimizer step of epoch {self.epoch} had a finite loss; stopping"
             )
+        memory = torch.full((1,), float(self.out_of_memory), device=self.sums.device)
+        totals = torch.cat([self.sums, memory])  # a last step's out-of-memory goes with them
         if self.world > 1:  # sums over all ranks' shards
-            dist.all_reduce(self.sums)
-        loss_sum, correct, seen = self.sums.tolist()
+            dist.all_reduce(totals)
+        loss_sum, correct, seen, out_of_memory = totals.tolist()
+        if out_of_memory:
+            raise torch.OutOfMemoryError(f"out of memory in epoch {self.epoch}'s last step")
         return {
             "loss": loss_sum / max(seen, 1),
             "accuracy": correct / max(seen, 1),
@@ -351,20 +378,25 @@ def forward(model, inputs, y, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
     return loss, logits
 
 
-def sync_on(model: nn.Module, sync: bool):
-    """DDP's `no_sync()` unless `sync`: the gradients of a step's other micro-batches add up on
-    each rank, and its last backward all-reduces the sum once (not once per micro-batch)."""
+def sync_only_on_last(model: nn.Module, last: bool):
+    """DDP's `no_sync()` but on a step's last micro-batch: the gradients of the others add up
+    on each rank, and the last backward all-reduces the sum once (not once per micro-batch)."""
     ddp = getattr(model, "_orig_mod", model)  # under torch.compile, the DDP module it wraps
-    if sync or not isinstance(ddp, DistributedDataParallel):
+    if last or not isinstance(ddp, DistributedDataParallel):
         return nullcontext()
     return ddp.no_sync()
 
 
-def all_reduce_gradients(model: nn.Module, world: int) -> None:
-    """DDP's mean of the gradients over the ranks, by hand, in one flat all-reduce."""
+def flat_gradients(model: nn.Module) -> torch.Tensor:
+    """Every gradient in one flat tensor, for `all_reduce_gradients`."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+
+
+def all_reduce_gradients(model: nn.Module, flat: torch.Tensor, world: int) -> None:
+    """DDP's mean of the gradients over the ranks, by hand: one all-reduce of `flat`, copied
+    back into the gradients."""
+    dist.all_reduce(flat.div_(world))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(world)
-    dist.all_reduce(flat)
     for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         grad.copy_(part.view_as(grad))
 

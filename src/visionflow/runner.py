@@ -207,7 +207,7 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
     return process, Group(process.pid, grace_s, reaper)
 
 
-def watch(process: subprocess.Popen, group: Group, timeout_s: float):
+def supervise(process: subprocess.Popen, group: Group, timeout_s: float):
     """Two threads: one ends the group's orphans the moment `cmd` ends (they hold our pipe
     open), one stops the group at the deadline, whether or not it prints. Returns the first,
     the event to set when the call ends, and the event set when the deadline passed."""
@@ -263,7 +263,7 @@ def run_group(
     Returns the exit code and the output's last 4,000 characters.
     """
     process, group = start_group(cmd, workdir)
-    watcher, ended, timed_out = watch(process, group, timeout_s)
+    watcher, ended, timed_out = supervise(process, group, timeout_s)
     handlers = (
         (signal.SIGINT, signal.SIGTERM)
         if threading.current_thread() is threading.main_thread()

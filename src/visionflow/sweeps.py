@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from visionflow import runner
+from visionflow import repo, runner
 from visionflow.files import flatten
-from visionflow.repo import DVC_TIMEOUT_S, DvcBusy, DvcHung, StageFailed, dvc
+from visionflow.repo import DvcBusy, DvcHung, StageFailed, dvc
 from visionflow.runner import dvc_command, environment, stop_grace_s
 
 MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
@@ -36,7 +36,7 @@ def start_workers(root: Path, workers: int) -> None:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        timeout=DVC_TIMEOUT_S,
+        timeout=repo.DVC_TIMEOUT_S,
         check=True,
     )
 

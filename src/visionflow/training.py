@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from dvclive import Live
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from visionflow import faults, health
 from visionflow.augment import augment
@@ -61,6 +62,14 @@ def start_distributed(device_name: str) -> tuple[int, int]:
 def cpu_copy(state_dict: dict) -> dict:
     """A snapshot of the weights off the device (state_dict() holds live references)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+
+
+def stepping(model: nn.Module, world: int, compiled: bool) -> nn.Module:
+    """What takes the steps: the model, in DDP under `torchrun`, compiled if asked. DDP does not
+    broadcast buffers in forward: every rank takes rank 0's after each epoch (`sync_buffers`),
+    and a collective inside forward is one that an out-of-memory there would leave unpaired."""
+    net = DistributedDataParallel(model, broadcast_buffers=False) if world > 1 else model
+    return torch.compile(net) if compiled else net
 
 
 class OutOfMemory(RuntimeError):
@@ -107,6 +116,10 @@ class Trainer:
     def restore(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        # a fresh scaler: a step stopped after unscale_() (an out-of-memory) leaves the old one
+        # refusing the next unscale_(), and load_state_dict() does not clear that
+        device = next(self.model.parameters()).device.type
+        self.scaler = torch.amp.GradScaler(device, enabled=self.scaler.is_enabled())
         self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"]["torch"].cpu())
         self.shuffle.set_state(state["rng"]["shuffle"].cpu())
@@ -119,7 +132,7 @@ class Trainer:
         """One epoch of `train_one_epoch` over the split `x`, `y`. On a GPU out-of-memory the
         health report gets the numbers; with auto_batch the epoch is retried once from its start
         with half the batch and twice the accumulation (the same effective batch), else
-        OutOfMemory. Under DDP every rank learns of an out-of-memory on any rank
+        OutOfMemory. Under DDP every rank learns of an out-of-memory in any rank's step
         (`Step.agree_on_memory`), so all retry, or all fail, together."""
         saved = None
         if self.auto_batch and not self.retried:
