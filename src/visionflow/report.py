@@ -58,6 +58,32 @@ def training_line(meta: dict) -> str:
     )
 
 
+def int8_section(int8: dict, latency: dict) -> str:
+    """fp32 against INT8 ONNX: test accuracy, agreement, size and latency, side by side."""
+    sizes = int8["size_bytes"]
+    rows = [
+        ["test accuracy", f"{int8['fp32_accuracy']:.4f}", f"{int8['int8_accuracy']:.4f}"],
+        ["top-1 agreement with fp32", "1", f"{int8['top1_agreement']:.4f}"],
+        ["size (KB)", f"{sizes['onnx'] / 1024:.1f}", f"{sizes['onnx_int8'] / 1024:.1f}"],
+    ] + [
+        [
+            f"ms at {b.replace('_', ' ')}",
+            f"{latency[b]['onnx']:.3f}",
+            f"{latency[b]['onnx_int8']:.3f}",
+        ]
+        for b in latency
+        if "onnx_int8" in latency[b]
+    ]
+    return f"""## INT8 ONNX (`model.int8.onnx`)
+Static quantization in {int8["format"]} form (ONNX Runtime), activations {int8["activations"]},
+weights {int8["weights"]}, ranges from {int8["calibration"]} calibration on
+{int8["calibration_images"]} {int8["calibration_split"]} images; scored on all {int8["images"]}
+test images (the gate: at most {int8["max_accuracy_drop"]} below fp32).
+
+{table(["", "fp32 `model.onnx`", "INT8 `model.int8.onnx`"], rows)}
+"""
+
+
 def model_card(
     meta: dict, manifest: dict, metrics: dict, parity: dict, latency: dict, spec: dict
 ) -> str:
@@ -111,6 +137,7 @@ ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
 {table(["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], parity_rows)}
 
+{int8_section(parity["int8"], latency) if "int8" in parity else ""}
 ## Latency (median ms per call, this machine)
 {table(["runtime", *latency], latency_rows)}
 
