@@ -85,10 +85,16 @@ test images (the gate: at most {int8["max_accuracy_drop"]} below fp32).
 
 
 def model_card(
-    meta: dict, manifest: dict, metrics: dict, parity: dict, latency: dict, spec: dict
+    meta: dict,
+    manifest: dict,
+    metrics: dict,
+    parity: dict,
+    latency: dict,
+    spec: dict,
+    int8: dict | None = None,
 ) -> str:
-    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity` and `latency` are
-    the export stage's reports, `spec` the preprocessing every exported file carries."""
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
+    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
     parity_rows = [
         [
             runtime,
@@ -137,7 +143,7 @@ ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
 {table(["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], parity_rows)}
 
-{int8_section(parity["int8"], latency) if "int8" in parity else ""}
+{int8_section(int8, latency) if int8 else ""}
 ## Latency (median ms per call, this machine)
 {table(["runtime", *latency], latency_rows)}
 
