@@ -74,11 +74,15 @@ def int8_section(int8: dict, latency: dict) -> str:
         for b in latency
         if "onnx_int8" in latency[b]
     ]
+    how = (
+        f"Static quantization in {int8['format']} form by ONNX Runtime (activations "
+        f"{int8['activations']}, weights {int8['weights']}), its ranges from "
+        f"{int8['calibration']} calibration on {int8['calibration_images']} "
+        f"{int8['calibration_split']} images; both files scored on all {int8['images']} test "
+        f"images, and INT8 may lose at most {int8['max_accuracy_drop']} of fp32's accuracy."
+    )
     return f"""## INT8 ONNX (`model.int8.onnx`)
-Static quantization in {int8["format"]} form (ONNX Runtime), activations {int8["activations"]},
-weights {int8["weights"]}, ranges from {int8["calibration"]} calibration on
-{int8["calibration_images"]} {int8["calibration_split"]} images; scored on all {int8["images"]}
-test images (the gate: at most {int8["max_accuracy_drop"]} below fp32).
+{how}
 
 {table(["", "fp32 `model.onnx`", "INT8 `model.int8.onnx`"], rows)}
 """
