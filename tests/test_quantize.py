@@ -129,3 +129,17 @@ def test_int8_check_reports_both_accuracies_and_fails_past_the_allowed_drop():
 def test_an_unknown_calibration_method_is_refused(fp32, pixels, tmp_path):
     with pytest.raises(ValueError, match="minmax, entropy: 'percentile'"):
         quantize_onnx(fp32, tmp_path / "m.onnx", pixels, SPEC, "percentile", META)
+
+
+def test_a_drop_of_exactly_the_allowed_amount_passes():
+    """0.99 - 0.98 is 0.010000000000000009 in floating point: still a drop of 0.01."""
+    labels = np.zeros(100, np.int64)
+    pixels = np.arange(100, dtype=np.uint8).reshape(100, 1, 1, 1)
+    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index
+
+    def wrong_below(k):  # class 1 for the first k images, class 0 (right) for the others
+        return lambda x: np.stack([x[:, 0, 0, 0] >= k, x[:, 0, 0, 0] < k], 1).astype(np.float32)
+
+    r = int8_check(wrong_below(1), wrong_below(2), pixels, labels, spec, max_drop=0.01)
+    assert (r["fp32_accuracy"], r["int8_accuracy"]) == (0.99, 0.98) and r["passed"]
+    assert not int8_check(wrong_below(1), wrong_below(3), pixels, labels, spec, 0.01)["passed"]
