@@ -145,7 +145,7 @@ def main() -> None:
     pixels = data.read_split(args.data, "test")[0][: e.batch_size]  # real test images, uint8
     example = torch.from_numpy(normalise(pixels, spec))
 
-    out = staged(args.out)  # moved to args.out only when every parity check passes
+    out = staged(args.out)  # moved to args.out only when parity and the INT8 gate pass
     # three formats of about the model's size, the quantizer's copy and INT8 file, and the
     # reports; checked first, because torch.jit.save aborts the whole process on a full disk
     needed = 6 * args.model.stat().st_size + 2**20
