@@ -1,15 +1,20 @@
-"""Stage export: ONNX, torch.export and TorchScript files, each proven to match eager PyTorch.
+"""Stage export: ONNX, torch.export and TorchScript files, each proven to match eager PyTorch,
+and an INT8 ONNX file proven to keep the fp32 model's test accuracy.
 
-Reads:  params.yaml (export.*); the model from train; real test images from the cache; evaluate's
-        metrics (for the model card)
-Writes: <out>/model.onnx, model.pt2, model.torchscript.pt (each carrying its class names and
-        preprocessing), parity.json (every check), latency.json, MODEL_CARD.md, metrics.json
-        (what `dvc metrics` compares: parity passed, the worst logit difference of any format in
-        units of 1e-6, which DVC's 5-decimal rounding keeps, and ONNX latency at batch 1).
+Reads:  params.yaml (export.*); the model from train; real test images from the cache, and
+        training images to calibrate INT8; evaluate's metrics (for the model card)
+Writes: <out>/model.onnx, model.int8.onnx, model.pt2, model.torchscript.pt (each carrying its
+        class names and preprocessing), parity.json (every check), int8.json (the INT8 gate:
+        test accuracy of both, top-1 agreement, sizes, calibration), latency.json (and file
+        sizes), MODEL_CARD.md, metrics.json (what `dvc metrics` compares: parity passed, the
+        worst logit difference of any format in units of 1e-6, which DVC's 5-decimal rounding
+        keeps, and the INT8 file's test accuracy; the rest of int8.json is not among the declared
+        metrics, whose columns `dvc exp show --only-changed` fits in 160).
         Files are written to a staging folder and moved into <out> only when every parity check
-        passes; on a miss the stage fails with the numbers and <out>.miss.json holds the failed
-        report; DVC deleted <out> before the stage ran, and the last good export stays in its
-        cache (`dvc checkout export` puts it back; `visionflow repro` and the flows do it).
+        and the INT8 gate pass; on a miss the stage fails with the numbers and <out>.miss.json
+        holds the failed report; DVC deleted <out> before the stage ran, and the last good
+        export stays in its cache (`dvc checkout export` puts it back; `visionflow repro` and
+        the flows do it).
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
             --metrics results/evaluate/metrics.json --out results/export
 """
@@ -19,16 +24,27 @@ import json
 import shutil
 from pathlib import Path
 
+import onnx
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow import data
+from visionflow import data, faults
 from visionflow.errors import DiskFull
 from visionflow.export import check_formats, export_all, latency_table, onnx_opset
-from visionflow.inference import describe, module_predictor, normalise, spec_of
+from visionflow.inference import (
+    Predictor,
+    describe,
+    load_predictor,
+    module_predictor,
+    normalise,
+    spec_of,
+)
 from visionflow.models import load_model
-from visionflow.params import load_params
+from visionflow.params import Export, load_params
+from visionflow.quantize import calibration_sample, int8_check, quantize_onnx
 from visionflow.report import model_card
+
+INT8_FILE = "model.int8.onnx"
 
 
 def print_parity(parity: dict) -> None:
@@ -44,9 +60,64 @@ def print_parity(parity: dict) -> None:
             )
 
 
-def summary(report: dict, latency: dict) -> dict:
+def print_int8(r: dict) -> None:
+    print(
+        f"int8   onnx QDQ, {r['calibration']} on {r['calibration_images']} training images: "
+        f"test accuracy {r['int8_accuracy']:.4f} (fp32 {r['fp32_accuracy']:.4f}, may drop "
+        f"{r['max_accuracy_drop']}), top-1 agreement {r['top1_agreement']:.4f}  "
+        + ("ok" if r["passed"] else "MISS")
+    )
+
+
+def int8_miss(r: dict) -> str:
+    if "metadata" in r:
+        return f"INT8 file refused: {r['metadata']}"
+    return (
+        f"INT8 test accuracy {r['int8_accuracy']:.4f} is {r['accuracy_drop']:.4f} below fp32's "
+        f"{r['fp32_accuracy']:.4f}, more than export.int8_max_accuracy_drop "
+        f"{r['max_accuracy_drop']} (top-1 agreement with fp32 {r['top1_agreement']:.4f})"
+    )
+
+
+def refuse(report: dict, out: Path, why: str) -> None:
+    """Fail the stage, nothing promoted; the failed report goes beside `out`."""
+    miss = out.with_name(out.name + ".miss.json")
+    data.write_json(miss, report)
+    raise GateError(f"{why}; nothing promoted; the failed report is {miss}")
+
+
+def faulty(predictor: Predictor) -> Predictor:
+    return lambda x: faults.fault("export.int8", predictor(x))
+
+
+def int8_gate(
+    onnx_path: Path, folder: Path, cache: Path, classes: list, spec: dict, e: Export
+) -> tuple[dict, Predictor]:
+    """model.int8.onnx, calibrated on training images (never test images); both ONNX files are
+    then loaded as a client loads them (the preprocessing read from each) and scored on the
+    whole test split. Returns the gate's report and the INT8 predictor."""
+    metadata = {p.key: p.value for p in onnx.load(str(onnx_path)).metadata_props}
+    calibration = calibration_sample(
+        data.read_split(cache, "train", mmap=True)[0], e.int8_calibration_images
+    )
+    int8_path = folder / INT8_FILE
+    record = quantize_onnx(onnx_path, int8_path, calibration, spec, e.int8_calibration, metadata)
+    fp32, _, _ = load_predictor("onnx", onnx_path)
+    int8, file_classes, file_spec = load_predictor("onnx", int8_path)
+    if faults.ACTIVE:  # tests: an INT8 model that lost its accuracy (export.int8:nan)
+        int8 = faulty(int8)
+    test_x, test_y = data.read_split(cache, "test", mmap=True)
+    check = int8_check(fp32, int8, test_x, test_y, file_spec, e.int8_max_accuracy_drop)
+    if (file_classes, file_spec) != (classes, spec):
+        check.update(passed=False, metadata="the INT8 file's classes or preprocessing differ")
+    sizes = {"onnx": onnx_path.stat().st_size, "onnx_int8": int8_path.stat().st_size}
+    return {**record, **check, "size_bytes": sizes}, int8
+
+
+def summary(report: dict, int8: dict) -> dict:
     """metrics.json: a few numbers to compare across runs; short names, so that
-    `dvc exp show --only-changed` fits 160 columns with the params beside them."""
+    `dvc exp show --only-changed` fits 160 columns with the params beside them. Latency is not
+    among them (latency.json): it differs on every run, so it was a column in every comparison."""
     worst = max(
         r["max_abs_diff"]
         for runtime in ("onnx", "pt2", "torchscript")
@@ -56,7 +127,7 @@ def summary(report: dict, latency: dict) -> dict:
     return {
         "parity_passed": report["passed"],
         "diff_e6": round(worst * 1e6, 4),  # the worst |logit difference| of any format, x 1e6
-        "onnx_ms": round(latency["batch_1"]["onnx"], 4),  # ONNX Runtime at batch 1, median ms
+        "int8_acc": int8["int8_accuracy"],  # test accuracy of model.int8.onnx (int8.json: more)
     }
 
 
@@ -75,10 +146,10 @@ def main() -> None:
     pixels = data.read_split(args.data, "test")[0][: e.batch_size]  # real test images, uint8
     example = torch.from_numpy(normalise(pixels, spec))
 
-    out = staged(args.out)  # moved to args.out only when every parity check passes
-    # three formats of about the model's size, and the reports; checked first, because
-    # torch.jit.save aborts the whole process on a full disk
-    needed = 4 * args.model.stat().st_size + 2**20
+    out = staged(args.out)  # moved to args.out only when parity and the INT8 gate pass
+    # three formats of about the model's size, the quantizer's copy and INT8 file, and the
+    # reports; checked first, because torch.jit.save aborts the whole process on a full disk
+    needed = 6 * args.model.stat().st_size + 2**20
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
     metadata = describe(meta["classes"], spec)
@@ -100,26 +171,32 @@ def main() -> None:
     )
     passed = all(r["passed"] for results in parity.values() for r in results.values())
     report = {"exporter": exporter, "opset": opset, "passed": passed, **parity}
-    data.write_json(out / "parity.json", report)
     print_parity(parity)
     if not passed:
-        miss = args.out.with_name(args.out.name + ".miss.json")
-        data.write_json(miss, report)
-        raise GateError(
+        refuse(
+            report,
+            args.out,
             f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol {e.rtol} "
-            f"atol {e.atol}); nothing promoted; the failed report is {miss}"
+            f"atol {e.atol})",
         )
+    data.write_json(out / "parity.json", report)
+    int8, int8_predictor = int8_gate(paths["onnx"], out, args.data, meta["classes"], spec, e)
+    data.write_json(out / "int8.json", int8)
+    print_int8(int8)
+    if not int8["passed"]:
+        refuse({**report, "int8": int8}, args.out, int8_miss(int8))
 
-    predictors = {"eager": module_predictor(model), **predictors}
+    predictors = {"eager": module_predictor(model), **predictors, "onnx_int8": int8_predictor}
     latency = latency_table(predictors, example.numpy(), (1, 64), e.latency_repeats)
-    data.write_json(out / "latency.json", {"unit": "ms (median)", **latency})
-    data.write_json(out / "metrics.json", summary(report, latency))
+    sizes = int8["size_bytes"]
+    data.write_json(out / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes})
+    data.write_json(out / "metrics.json", summary(report, int8))
     metrics = json.loads(args.metrics.read_text())
     manifest = json.loads((args.data / "manifest.json").read_text())  # the source and split
-    card = model_card(meta, manifest, metrics, report, latency, spec)
+    card = model_card(meta, manifest, metrics, report, latency, spec, int8)
     (out / "MODEL_CARD.md").write_text(card)
     print(
-        f"export: {', '.join(p.name for p in paths.values())} in {args.out} "
+        f"export: {', '.join(p.name for p in paths.values())}, {INT8_FILE} in {args.out} "
         f"(ONNX via the {exporter} exporter)"
     )
 

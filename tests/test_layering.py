@@ -16,6 +16,7 @@ MODEL = (
     "inference",
     "loading",
     "models",
+    "quantize",
     "report",
     "scores",
     "training",

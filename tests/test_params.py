@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from tests.conftest import ROOT
 from visionflow.params import (
     Augment,
+    Export,
     Health,
     ParamsError,
     Prepare,
@@ -59,6 +60,23 @@ def test_wrong_type_names_the_key_and_value():
 def test_out_of_range_is_rejected():
     with pytest.raises(ParamsError, match=r"prepare.val_fraction"):
         parse_params(params_with(prepare={"val_fraction": 0.9}))
+
+
+@pytest.mark.parametrize(
+    "key, value, problem",
+    [
+        ("int8_max_accuracy_drop", 1.5, "less than or equal to 1"),
+        ("int8_max_accuracy_drop", -0.01, "greater than or equal to 0"),
+        ("int8_max_accuracy_drop", "1%", "number"),
+        ("int8_calibration_images", 0, "greater than or equal to 1"),
+        ("int8_calibration", "percentile", "'minmax' or 'entropy'"),
+    ],
+)
+def test_a_bad_int8_setting_is_refused_naming_the_key(key, value, problem):
+    with pytest.raises(ParamsError) as e:
+        parse_params(params_with(export={key: value}))
+    line = str(e.value).splitlines()[-1]
+    assert line.startswith(f"  export.{key}: ") and problem in line, str(e.value)
 
 
 def test_an_opset_the_exporter_cannot_write_is_refused_naming_the_key():
@@ -137,6 +155,8 @@ def test_defaults_match_the_shipped_file():
     shipped = load_params(ROOT / "params.yaml")
     assert Prepare.model_fields["workers"].default == shipped.prepare.workers
     assert Augment() == shipped.train.augment and Health() == shipped.train.health
+    int8 = [k for k in Export.model_fields if k.startswith("int8_")]  # for a params.yaml before it
+    assert int8 and all(Export.model_fields[k].default == getattr(shipped.export, k) for k in int8)
 
 
 def test_check_command_exits_nonzero_naming_file_and_key(tmp_path):

@@ -10,13 +10,15 @@
     train.batch:sleep=0.05                every batch arrives 50 ms late (a slow loader)
     train.loss:oom=64                     torch.OutOfMemoryError for batches over 64 images, as
                                           on a GPU too small for more (no number: every batch)
+    export.int8:nan                       the INT8 model's logits become NaN (its accuracy falls)
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
 
 The points: stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
 taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
 re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
-asked), checkpoint.write (epoch), prepare.decode (index, in the decoding workers), runner.timer
+asked), checkpoint.write (epoch), export.int8 (the INT8 model's logits as the gate scores them),
+prepare.decode (index, in the decoding workers), runner.timer
 (before a timeout starts counting). Unset, the normal case, a point costs one test of `ACTIVE`.
 """
 

@@ -180,6 +180,10 @@ class Export(Section):
     atol: float = Field(ge=0)
     min_top1_agreement: float = Field(ge=0, le=1)
     latency_repeats: int = Field(ge=1)
+    # INT8 ONNX (model.int8.onnx): defaults so that a params.yaml written before it still works
+    int8_max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # a fraction of the test images
+    int8_calibration_images: int = Field(512, ge=1)  # training images, evenly spaced
+    int8_calibration: Literal["minmax", "entropy"] = "minmax"
 
     @field_validator("opset")
     @classmethod

@@ -58,11 +58,47 @@ def training_line(meta: dict) -> str:
     )
 
 
+def int8_section(int8: dict, latency: dict) -> str:
+    """fp32 against INT8 ONNX: test accuracy, agreement, size and latency, side by side."""
+    sizes = int8["size_bytes"]
+    rows = [
+        ["test accuracy", f"{int8['fp32_accuracy']:.4f}", f"{int8['int8_accuracy']:.4f}"],
+        ["top-1 agreement with fp32", "1", f"{int8['top1_agreement']:.4f}"],
+        ["size (KB)", f"{sizes['onnx'] / 1024:.1f}", f"{sizes['onnx_int8'] / 1024:.1f}"],
+    ] + [
+        [
+            f"ms at {b.replace('_', ' ')}",
+            f"{latency[b]['onnx']:.3f}",
+            f"{latency[b]['onnx_int8']:.3f}",
+        ]
+        for b in latency
+        if "onnx_int8" in latency[b]
+    ]
+    how = (
+        f"Static quantization in {int8['format']} form by ONNX Runtime (activations "
+        f"{int8['activations']}, weights {int8['weights']}), its ranges from "
+        f"{int8['calibration']} calibration on {int8['calibration_images']} "
+        f"{int8['calibration_split']} images; both files scored on all {int8['images']} test "
+        f"images, and INT8 may lose at most {int8['max_accuracy_drop']} of fp32's accuracy."
+    )
+    return f"""## INT8 ONNX (`model.int8.onnx`)
+{how}
+
+{table(["", "fp32 `model.onnx`", "INT8 `model.int8.onnx`"], rows)}
+"""
+
+
 def model_card(
-    meta: dict, manifest: dict, metrics: dict, parity: dict, latency: dict, spec: dict
+    meta: dict,
+    manifest: dict,
+    metrics: dict,
+    parity: dict,
+    latency: dict,
+    spec: dict,
+    int8: dict | None = None,
 ) -> str:
-    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity` and `latency` are
-    the export stage's reports, `spec` the preprocessing every exported file carries."""
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
+    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
     parity_rows = [
         [
             runtime,
@@ -111,6 +147,7 @@ ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
 {table(["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], parity_rows)}
 
+{int8_section(int8, latency) if int8 else ""}
 ## Latency (median ms per call, this machine)
 {table(["runtime", *latency], latency_rows)}
 

@@ -1,0 +1,149 @@
+"""INT8 ONNX: static quantization in QDQ form with ONNX Runtime's quantizer, and its accuracy gate.
+
+Activations uint8 and weights int8 per output channel (U8S8), in QDQ form (QuantizeLinear /
+DequantizeLinear pairs around float operators, which ONNX Runtime fuses into integer kernels).
+U8S8 because it is what ORT's x86 integer kernels are fast at: an untrained resnet18 at 64 px ran
+in 0.81 ms at batch 1 and 20.7 ms at batch 64 (fp32: 1.56 and 79.2 ms), while int8 activations
+(S8S8) took 2.99 and 94.3 ms, slower than fp32 (this workplace's 2 shared cores, ORT 1.32).
+ORT's QOperator form lost 12 points of test accuracy on the digits model on this workplace's CPU;
+QDQ kept it (shared/DESIGN.md). The ranges are calibrated on training images only
+(never test images), preprocessed exactly as the model's own metadata says; the input stays
+float32 NCHW and the output float logits, so any client of the fp32 file runs this one unchanged.
+The file carries the fp32 file's metadata (`visionflow.classes`, `visionflow.preprocess`) plus
+`visionflow.quantization`, what was done.
+
+No torch here: ONNX, ONNX Runtime and NumPy.
+"""
+
+import json
+import logging
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_static,
+)
+from onnxruntime.quantization.shape_inference import quant_pre_process
+
+from visionflow.inference import Predictor, normalise
+
+METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy}
+QUANTIZATION_KEY = "visionflow.quantization"
+EVAL_BATCH = 256  # test images per ONNX Runtime call while scoring: bounded memory at any size
+
+
+def calibration_sample(pixels: np.ndarray, n: int) -> np.ndarray:
+    """`n` images evenly spaced over a split (all of them when it has fewer): deterministic,
+    and spread over the whole split whatever its order. Read row by row from a memory map."""
+    index = np.unique(np.linspace(0, len(pixels) - 1, min(n, len(pixels))).round().astype(int))
+    return np.ascontiguousarray(pixels[index])
+
+
+class CalibrationImages(CalibrationDataReader):
+    """uint8 NHWC images for ORT's calibrator, one normalised image per call: the Entropy
+    calibrator stacks the calls' outputs and fails on a ragged last batch, and one image at a
+    time holds one image in memory whatever the sample size."""
+
+    def __init__(self, input_name: str, pixels: np.ndarray, spec: dict):
+        self.input_name, self.pixels, self.spec, self.next = input_name, pixels, spec, 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.next >= len(self.pixels):
+            return None
+        self.next += 1
+        return {self.input_name: normalise(self.pixels[self.next - 1 : self.next], self.spec)}
+
+
+@contextmanager
+def quiet_root_logger():
+    """The quantizer gives its advice at WARNING on the root logger ("Please consider to run
+    pre-processing", which is done here): kept out of the stage's log."""
+    level = logging.root.level
+    logging.root.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.root.setLevel(level)
+
+
+def quantize_onnx(
+    fp32: Path, out: Path, calibration: np.ndarray, spec: dict, method: str, metadata: dict
+) -> dict:
+    """Write the INT8 (QDQ) version of the ONNX file `fp32` to `out`, its ranges calibrated on
+    `calibration` (uint8 NHWC training images) by `method` (minmax | entropy); `metadata` is
+    written into it as into the fp32 file. Returns what `visionflow.quantization` records."""
+    if method not in METHODS:
+        raise ValueError(f"calibration method must be one of {', '.join(METHODS)}: {method!r}")
+    record = {
+        "format": "QDQ",
+        "activations": "uint8",
+        "weights": "int8, per output channel",
+        "calibration": method,
+        "calibration_images": len(calibration),
+        "calibration_split": "train",
+    }
+    name = onnx.load(str(fp32), load_external_data=False).graph.input[0].name
+    # the pre-processed model goes beside the output, not into the system's temp folder (often
+    # a small tmpfs); ORT puts its augmented calibration model there itself
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp, quiet_root_logger():
+        pre = Path(tmp) / "pre.onnx"
+        quant_pre_process(str(fp32), str(pre))  # symbolic shape inference, basic graph fusions
+        quantize_static(
+            str(pre),
+            str(out),
+            CalibrationImages(name, calibration, spec),
+            quant_format=QuantFormat.QDQ,
+            per_channel=True,  # a scale per output channel: filters' ranges differ widely
+            activation_type=QuantType.QUInt8,  # U8S8: see the docstring
+            weight_type=QuantType.QInt8,
+            calibrate_method=METHODS[method],
+            calibration_providers=["CPUExecutionProvider"],
+        )
+    proto = onnx.load(str(out))
+    del proto.metadata_props[:]  # ORT's own notes ("onnx.infer", ...) out; ours in
+    onnx.helper.set_model_props(proto, {**metadata, QUANTIZATION_KEY: json.dumps(record)})
+    onnx.checker.check_model(proto, full_check=True)
+    onnx.save(proto, str(out))
+    return record
+
+
+def top1(predictor: Predictor, pixels: np.ndarray, spec: dict) -> np.ndarray:
+    """The top-1 class index per image, in batches of EVAL_BATCH (pixels may be memory-mapped)."""
+    return np.concatenate(
+        [
+            predictor(normalise(np.asarray(pixels[s : s + EVAL_BATCH]), spec)).argmax(1)
+            for s in range(0, len(pixels), EVAL_BATCH)
+        ]
+    )
+
+
+def int8_check(
+    fp32: Predictor,
+    int8: Predictor,
+    pixels: np.ndarray,
+    labels: np.ndarray,
+    spec: dict,
+    max_drop: float,
+) -> dict:
+    """Test accuracy of both models, their top-1 agreement, and whether INT8 lost at most
+    `max_drop` (a fraction of the test images) against fp32."""
+    fp32_top1, int8_top1 = top1(fp32, pixels, spec), top1(int8, pixels, spec)
+    fp32_acc = float((fp32_top1 == labels).mean())
+    int8_acc = float((int8_top1 == labels).mean())
+    return {
+        "images": len(labels),
+        "fp32_accuracy": fp32_acc,
+        "int8_accuracy": int8_acc,
+        "accuracy_drop": fp32_acc - int8_acc,
+        "max_accuracy_drop": max_drop,
+        "top1_agreement": float((fp32_top1 == int8_top1).mean()),
+        # so that a drop of exactly max_drop passes: 0.99 - 0.98 is 0.010000000000000009
+        "passed": bool(fp32_acc - int8_acc <= max_drop + 1e-12),
+    }

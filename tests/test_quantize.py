@@ -1,0 +1,145 @@
+"""INT8 ONNX (visionflow.quantize): a real ONNX Runtime quantizer on a real exported model."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from visionflow import loading
+from visionflow.export import export_onnx
+from visionflow.inference import describe, load_predictor, normalise, preprocess_spec
+from visionflow.models import build_model
+from visionflow.quantize import (
+    QUANTIZATION_KEY,
+    calibration_sample,
+    int8_check,
+    quantize_onnx,
+)
+
+MEAN, STD = [0.3], [0.25]
+SPEC = preprocess_spec(8, 1, MEAN, STD)
+CLASSES = ["a", "b", "c", "d"]
+META = describe(CLASSES, SPEC)
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """A small CNN exported as the export stage exports it (dynamic batch, metadata)."""
+    torch.manual_seed(0)
+    model = build_model("simple_cnn", 1, 4, 8).eval()
+    pixels = np.random.default_rng(0).integers(0, 256, (4, 8, 8, 1), dtype=np.uint8)
+    x = loading.to_model_input(torch.from_numpy(pixels), torch.tensor(MEAN), torch.tensor(STD))
+    path = tmp_path_factory.mktemp("fp32") / "model.onnx"
+    export_onnx(model, x, path, 18, META)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pixels():
+    return np.random.default_rng(1).integers(0, 256, (64, 8, 8, 1), dtype=np.uint8)
+
+
+def ops(path) -> set[str]:
+    return {node.op_type for node in onnx.load(str(path)).graph.node}
+
+
+def input_range(path) -> tuple[float, float]:
+    """The float range the INT8 file's first QuantizeLinear (on the image) maps to uint8."""
+    model = onnx.load(str(path))
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    first = next(n for n in model.graph.node if n.input and n.input[0] == "image")
+    assert first.op_type == "QuantizeLinear"
+    scale, zero = float(values[first.input[1]]), int(values[first.input[2]])
+    return -zero * scale, (255 - zero) * scale
+
+
+@pytest.mark.parametrize("method", ["minmax", "entropy"])
+def test_int8_file_is_qdq_carries_the_metadata_and_runs_as_the_fp32_file(
+    fp32, pixels, tmp_path, method
+):
+    path = tmp_path / "model.int8.onnx"
+    record = quantize_onnx(fp32, path, pixels[:32], SPEC, method, META)
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= ops(path)
+    assert not ops(path) & {"QLinearConv", "ConvInteger", "MatMulInteger"}  # not QOperator
+    onnx.checker.check_model(onnx.load(str(path)), full_check=True)
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert {k: props[k] for k in META} == META  # the same description as the fp32 file
+    assert json.loads(props[QUANTIZATION_KEY]) == record
+    assert record["calibration"] == method and record["calibration_images"] == 32
+    # a client loads it as it loads model.onnx: float32 NCHW in, logits out, any batch
+    predictor, classes, spec = load_predictor("onnx", path)
+    assert (classes, spec) == (CLASSES, SPEC)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].type == "tensor(float)"
+    for n in (1, 5):
+        assert session.run(None, {"image": np.zeros((n, 1, 8, 8), np.float32)})[0].shape == (n, 4)
+    reference, _, _ = load_predictor("onnx", fp32)
+    x = normalise(pixels, SPEC)
+    expected, actual = reference(x), predictor(x)
+    # close, not equal (an untrained model: its logits are small and near each other)
+    assert 0 < np.abs(actual - expected).max() < 0.2 * np.abs(expected).max()
+    assert (actual.argmax(1) == expected.argmax(1)).mean() >= 0.9
+
+
+def test_the_ranges_come_from_the_calibration_images(fp32, tmp_path):
+    """The image's range in the INT8 file is the calibration images' range (MinMax): dark
+    images give a narrow one. Calibrated on other images than these, it would not match."""
+    dark = np.random.default_rng(2).integers(0, 51, (16, 8, 8, 1), dtype=np.uint8)
+    low, high = float(normalise(dark, SPEC).min()), float(normalise(dark, SPEC).max())
+    quantize_onnx(fp32, tmp_path / "dark.onnx", dark, SPEC, "minmax", META)
+    got = input_range(tmp_path / "dark.onnx")
+    assert got == pytest.approx((min(low, 0), max(high, 0)), abs=0.02)
+    assert got[1] < (1 - MEAN[0]) / STD[0] - 0.5  # far below a full-range image's maximum
+
+
+def test_calibration_sample_is_deterministic_spread_and_bounded():
+    x = np.arange(100).reshape(100, 1, 1, 1).astype(np.uint8)
+    sample = calibration_sample(x, 5)
+    assert sample[:, 0, 0, 0].tolist() == [0, 25, 50, 74, 99]  # the whole split, evenly
+    assert np.array_equal(calibration_sample(x, 5), sample)
+    assert len(calibration_sample(x, 1000)) == 100  # never more than the split has
+    assert calibration_sample(x, 1)[:, 0, 0, 0].tolist() == [0]
+
+
+def test_int8_check_reports_both_accuracies_and_fails_past_the_allowed_drop():
+    labels = np.arange(20) % 4
+    right = np.eye(4, dtype=np.float32)[labels]
+
+    def fp32(x):  # right on every image (x carries the image index in its first pixel)
+        return right[x[:, 0, 0, 0].round().astype(int)]
+
+    def int8(x):  # wrong on images 0 and 1
+        logits, wrong = fp32(x).copy(), np.isin(x[:, 0, 0, 0].round(), [0, 1])
+        logits[wrong] = np.roll(logits[wrong], 1, axis=1)  # the next class instead
+        return logits
+
+    pixels = np.arange(20, dtype=np.uint8).reshape(20, 1, 1, 1)
+    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index
+    r = int8_check(fp32, int8, pixels, labels, spec, max_drop=0.05)
+    assert r["fp32_accuracy"] == 1.0 and r["int8_accuracy"] == 0.9
+    assert r["top1_agreement"] == 0.9 and r["accuracy_drop"] == pytest.approx(0.1)
+    assert not r["passed"] and r["images"] == 20
+    assert int8_check(fp32, int8, pixels, labels, spec, max_drop=0.1)["passed"]
+    assert int8_check(int8, fp32, pixels, labels, spec, max_drop=0.0)["passed"]  # a gain
+
+
+def test_an_unknown_calibration_method_is_refused(fp32, pixels, tmp_path):
+    with pytest.raises(ValueError, match="minmax, entropy: 'percentile'"):
+        quantize_onnx(fp32, tmp_path / "m.onnx", pixels, SPEC, "percentile", META)
+
+
+def test_a_drop_of_exactly_the_allowed_amount_passes():
+    """0.99 - 0.98 is 0.010000000000000009 in floating point: still a drop of 0.01."""
+    labels = np.zeros(100, np.int64)
+    pixels = np.arange(100, dtype=np.uint8).reshape(100, 1, 1, 1)
+    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index
+
+    def wrong_below(k):  # class 1 for the first k images, class 0 (right) for the others
+        return lambda x: np.stack([x[:, 0, 0, 0] >= k, x[:, 0, 0, 0] < k], 1).astype(np.float32)
+
+    r = int8_check(wrong_below(1), wrong_below(2), pixels, labels, spec, max_drop=0.01)
+    assert (r["fp32_accuracy"], r["int8_accuracy"]) == (0.99, 0.98) and r["passed"]
+    assert not int8_check(wrong_below(1), wrong_below(3), pixels, labels, spec, 0.01)["passed"]
