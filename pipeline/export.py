@@ -127,7 +127,7 @@ def summary(report: dict, int8: dict) -> dict:
     return {
         "parity_passed": report["passed"],
         "diff_e6": round(worst * 1e6, 4),  # the worst |logit difference| of any format, x 1e6
-        "int8_acc": int8["int8_accuracy"],  # test accuracy of model.int8.onnx (int8.json: more)
+        "int8acc": int8["int8_accuracy"],  # test accuracy of model.int8.onnx (int8.json: more)
     }
 
 
