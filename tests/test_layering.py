@@ -20,7 +20,7 @@ MODEL = (
     "scores",
     "viz",
 )
-APP = ("cli", "doctor", "verify", "runner", "project")
+APP = ("cli", "doctor", "verify", "runner", "project", "serve")
 
 
 def imported(module: str, at_import: bool = False) -> set[str]:
