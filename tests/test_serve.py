@@ -245,13 +245,9 @@ def test_answers_equal_visionflow_predict_for_the_same_files(server, model, imag
         for answer in (raw, form):
             assert answer.status_code == 200, answer.text
             got = answer.json()["predictions"]
-            assert [r["class"] for r in got] == [r["class"] for r in wanted], name
-            np.testing.assert_allclose(
-                [r["probability"] for r in got],
-                [r["probability"] for r in wanted],
-                rtol=1e-6,
-                atol=1e-9,
-            )
+            # the same pixels through the same ONNX Runtime: the same bits, though predict ran
+            # the 8 images as one batch and serve one at a time
+            assert got == wanted, name
     default = post(server, images / "digit0.png").json()["predictions"]
     assert len(default) == 3  # --top-k's default
 

@@ -8,7 +8,7 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
                                                  tab-separated; --json: a JSON object each)
 visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32]
                  [--batch-window-ms 2] [--top-k 3] [--max-body-mb 20] [--max-pixels N]
-                 [--reload-interval 2] [--decode-threads N]
+                 [--reload-interval 2] [--decode-workers N]
                                                  the ONNX model over HTTP (POST /predict, GET
                                                  /health, GET /metadata), batching requests
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
@@ -218,7 +218,9 @@ def add_serve(commands) -> None:
         default=2.0,
         help="seconds between looks at the model file for a new one to load (default 2; 0: never)",
     )
-    s.add_argument("--decode-threads", type=int, help="images decoded at once (default: cores)")
+    s.add_argument(
+        "--decode-workers", type=int, help="threads that decode images (default: one per core)"
+    )
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -235,7 +237,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             1 <= max_pixels <= MAX_PIXELS
         ),
         "--reload-interval must be 0 or more": not args.reload_interval >= 0,
-        "--decode-threads must be at least 1": (args.decode_threads or 1) < 1,
+        "--decode-workers must be at least 1": (args.decode_workers or 1) < 1,
         "--port must be 0 to 65535": not 0 <= args.port <= 65535,
     }
     for message, wrong in checks.items():
@@ -248,7 +250,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_body=int(args.max_body_mb * MB),
         max_pixels=max_pixels,
         reload_interval_s=args.reload_interval,
-        decode_threads=args.decode_threads or Settings().decode_threads,
+        decode_workers=args.decode_workers or Settings().decode_workers,
     )
     return run(args.model or default_model("onnx"), args.host, args.port, settings)
 
