@@ -77,14 +77,7 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        if model.is_dir():
-            raise ValueError(f"{model} is a folder: name the model file in it with --model")
-        if not model.exists():
-            from visionflow.project import missing_output
-
-            raise FileNotFoundError(missing_output(model, "model file"))
-        if not model.is_file():
-            raise ValueError(f"{model} is not a regular file (a FIFO or a device): not read")
+        check_model_path(model)
         predictor, classes, spec = load_predictor(args.runtime, model, args.trust_code)
     except (FileNotFoundError, ModelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -119,6 +112,19 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: cannot write the predictions: {e.strerror or e}", file=sys.stderr)
         return 2
     return 1 if errors else 0
+
+
+def check_model_path(model: Path) -> None:
+    """A model path that names no regular file is a ValueError or FileNotFoundError saying so
+    (and how to get a missing pipeline output back)."""
+    if model.is_dir():
+        raise ValueError(f"{model} is a folder: name the model file in it with --model")
+    if not model.exists():
+        from visionflow.project import missing_output
+
+        raise FileNotFoundError(missing_output(model, "model file"))
+    if not model.is_file():
+        raise ValueError(f"{model} is not a regular file (a FIFO or a device): not read")
 
 
 def progress_for(total: int):
@@ -252,7 +258,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         reload_interval_s=args.reload_interval,
         decode_workers=args.decode_workers or Settings().decode_workers,
     )
-    return run(args.model or default_model("onnx"), args.host, args.port, settings)
+    model = args.model or default_model("onnx")
+    try:
+        check_model_path(model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run(model, args.host, args.port, settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FI
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import itertools
 import os
@@ -143,7 +144,8 @@ def load_model(path: Path, scratch: Path) -> Model:
     except Changing:
         raise
     except Exception as e:  # ONNX Runtime's own words for a corrupt or truncated file
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        first = first.replace(str(snapshot), str(path))
         raise ModelError(f"{path} could not be loaded ({type(e).__name__}: {first})") from None
     finally:
         snapshot.unlink(missing_ok=True)
@@ -421,6 +423,7 @@ class Service:
         # Pillow and ONNX Runtime release the GIL while they work (bench/serve_bench.py)
         self.decoders = ThreadPoolExecutor(settings.decode_workers, "serve-decode")
         self.seen = model.stat  # the model file's stat when last looked at
+        self.settling = None  # a new stat, loaded once a look later finds it unchanged
         self.reloads, self.refused, self.missing = 0, None, False
         self.numbers = itertools.count()  # names of the request files in scratch
 
@@ -499,8 +502,8 @@ class Service:
                 log(f"model file check failed: {type(e).__name__}: {e}")
 
     async def check_model_file(self) -> None:
-        """Reload a changed model file once it has been validated fully; keep the old one on
-        any problem, and say so (stderr and /health)."""
+        """Reload a changed model file, once it has stayed unchanged for a look and has been
+        validated fully; keep the old one on any problem, and say so (stderr and /health)."""
         path, stat = self.model.path, file_stat(self.model.path)
         if stat == self.seen:
             return
@@ -509,6 +512,9 @@ class Service:
             log(f"{path} is gone; still serving sha256 {self.model.sha256[:12]}")
             return
         self.missing = False
+        if stat != self.settling:  # changed since the last look: a copy may be under way
+            self.settling = stat
+            return
         loop = asyncio.get_running_loop()
         try:
             model = await loop.run_in_executor(None, load_model, path, self.scratch)
@@ -606,10 +612,10 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except OSError as e:
+            hint = " (another server there? choose another --port)"
+            hint = hint if e.errno == errno.EADDRINUSE else ""
             print(
-                f"error: cannot listen on {host}:{port}: {e.strerror or e} (another server "
-                "there? choose another --port)",
-                file=sys.stderr,
+                f"error: cannot listen on {host}:{port}: {e.strerror or e}{hint}", file=sys.stderr
             )
             return 2
         service = Service(model, settings, scratch)
