@@ -293,7 +293,12 @@ def test_bad_input_is_a_400_or_413_with_one_line_and_the_server_goes_on(server, 
     for what, (kwargs, status, words) in forms.items():
         answer = httpx.post(f"{server}/predict", timeout=60, **kwargs)
         assert answer.status_code == status and words in answer.json()["error"], (what, answer.text)
-    for query, words in (("0", "top_k must be"), ("x", "top_k must be")):
+    for query, words in (
+        ("0", "top_k must be"),
+        ("x", "top_k must be"),
+        ("²", "top_k"),
+        ("9" * 5000, "top_k"),
+    ):
         answer = post(server, images / "digit0.png", top_k=query)
         assert answer.status_code == 400 and words in answer.json()["error"]
     assert post(server, images / "digit0.png").status_code == 200  # still serving

@@ -32,6 +32,7 @@ import contextlib
 import errno
 import hashlib
 import itertools
+import mmap
 import os
 import shutil
 import signal
@@ -136,9 +137,8 @@ def load_model(path: Path, scratch: Path) -> Model:
             )
         if file_stat(path) != before:
             raise Changing(f"{path} changed while it was read")
-        data = snapshot.read_bytes()
+        sha, opset = digest_and_opset(snapshot)
         predictor, classes, spec = load_predictor("onnx", snapshot, onnx_options=session_options())
-        shape = predictor_input_shape(predictor, spec)
     except (ModelError, ValueError, FileNotFoundError) as e:
         raise ModelError(str(e).replace(str(snapshot), str(path))) from None
     except Changing:
@@ -149,10 +149,19 @@ def load_model(path: Path, scratch: Path) -> Model:
         raise ModelError(f"{path} could not be loaded ({type(e).__name__}: {first})") from None
     finally:
         snapshot.unlink(missing_ok=True)
-    sha = hashlib.sha256(data).hexdigest()
-    return Model(
-        Path(path), predictor, classes, spec, sha, onnx_opset(data), shape, before, time.time()
-    )
+    shape = input_shape(spec)
+    return Model(Path(path), predictor, classes, spec, sha, opset, shape, before, time.time())
+
+
+def digest_and_opset(path: Path) -> tuple[str, int | None]:
+    """The file's sha256 and opset, read through a memory map: a large model is neither held
+    twice in memory nor copied."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            return hashlib.sha256(view).hexdigest(), onnx_opset(view)
+        finally:
+            view.release()
 
 
 def session_options():
@@ -165,27 +174,28 @@ def session_options():
     return options
 
 
-def predictor_input_shape(predictor: Predictor, spec: dict) -> list:
-    """The input one image takes, N x C x H x W (load_predictor has run it once already)."""
+def input_shape(spec: dict) -> list:
+    """The input the model takes, N x C x H x W (load_predictor has checked it)."""
     channels = 1 if spec["color"] == "grayscale" else 3
     return ["N", channels, spec["image_size"], spec["image_size"]]
 
 
-def onnx_opset(data: bytes) -> int | None:
+def onnx_opset(data: bytes | memoryview) -> int | None:
     """The default-domain opset an ONNX file imports, read from the protobuf's top level
     (ModelProto field 8, OperatorSetIdProto {1: domain, 2: version}): importing the onnx
     package for it would cost 0.65 s of start-up."""
     for field, value in protobuf_fields(data):
-        if field == 8 and isinstance(value, bytes):
+        if field == 8 and not isinstance(value, int):
             entry = dict(protobuf_fields(value))
             if entry.get(1, b"") in (b"", b"ai.onnx") and isinstance(entry.get(2), int):
                 return entry[2]
     return None
 
 
-def protobuf_fields(data: bytes):
+def protobuf_fields(data: bytes | memoryview):
     """(field number, value) of a protobuf message's top level: ints for varints, bytes for
-    length-delimited fields; fixed-width fields are skipped. Stops at malformed data."""
+    length-delimited fields (slices of `data`: a memoryview is not copied); fixed-width fields
+    are skipped. Stops at malformed data."""
     i, n = 0, len(data)
     while i < n:
         key, i = varint(data, i)
@@ -205,7 +215,7 @@ def protobuf_fields(data: bytes):
             return
 
 
-def varint(data: bytes, i: int) -> tuple[int, int]:
+def varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
     value = shift = 0
     while i < len(data):
         byte = data[i]
@@ -343,8 +353,8 @@ def top_k_of(request, default: int) -> int:
     raw = request.query_params.get("top_k")
     if raw is None:
         return default
-    if not raw.isdigit() or int(raw) < 1:
-        raise Refused(400, f"top_k must be a whole number, 1 or more: {raw!r}")
+    if not (raw.isascii() and raw.isdigit() and len(raw) < 10) or int(raw) < 1:
+        raise Refused(400, f"top_k must be a whole number, 1 or more: {raw[:20]!r}")
     return int(raw)
 
 
