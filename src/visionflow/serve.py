@@ -127,6 +127,7 @@ def load_model(path: Path, scratch: Path) -> Model:
         raise ModelError(f"no model file at {path} (run `dvc repro` first?)")
     snapshot = scratch / f"model-{uuid.uuid4().hex}.onnx"
     try:
+        scratch.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
         shutil.copyfile(path, snapshot)
         kind = file_format(snapshot)
         if kind != "onnx":
@@ -445,7 +446,7 @@ class Service:
         dest = self.scratch / f"request-{next(self.numbers)}"
         self.batcher.coming += 1
         try:
-            await spool(request, dest, self.settings.max_body)
+            await self.spool(request, dest)
             x = await self.decode(dest, model.spec)
             done = self.batcher.put(model, x)
         finally:
@@ -455,6 +456,14 @@ class Service:
         ranked = top_k(logits[None], model.classes, k)[0]
         rows = [{"class": c, "probability": p} for c, p in ranked]
         return JSONResponse({"predictions": rows, "model": model.sha256, "batch_size": size})
+
+    async def spool(self, request, dest: Path) -> None:
+        """The body into `dest`; the server's own trouble storing it is a 503, not a 500."""
+        try:
+            dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
+            await spool(request, dest, self.settings.max_body)
+        except OSError as e:
+            raise Refused(503, f"the server cannot store the upload: {e.strerror or e}") from None
 
     async def decode(self, path: Path, spec: dict) -> np.ndarray:
         loop = asyncio.get_running_loop()
