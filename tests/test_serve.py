@@ -4,6 +4,7 @@ and the server goes on, concurrent requests share batches, a replaced model file
 before it is served, SIGTERM lets requests in flight finish. Tests wait on events the server
 reports (/health), never on the clock."""
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -166,6 +167,52 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
         check=True,
     ).stdout.splitlines()
     assert out == ["(2, 2)", "[]"]
+
+
+def fake_model(scale: float):
+    """A Model whose network multiplies its input's first two pixels by `scale`."""
+    from visionflow.serve import Model
+
+    def predictor(x):
+        return x.reshape(len(x), -1)[:, :2] * scale
+
+    return Model(Path("m"), predictor, ["a", "b"], {}, str(scale), 17, [], None, 0.0)
+
+
+def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
+    """Images queued for two models (a reload between them) run as one batch per model, each
+    answer is its own image's row, and at most max_batch images are taken at once."""
+    from visionflow.serve import Batcher
+
+    async def scenario():
+        batcher = Batcher(max_batch=4, window_s=3600)  # an hour: a wait would hang the test
+        old, new = fake_model(1.0), fake_model(10.0)
+        models = [old, old, new, new, old]
+        answers = [
+            batcher.put(m, np.full((1, 1, 2, 2), i, np.float32)) for i, m in enumerate(models)
+        ]
+        runner = asyncio.create_task(batcher.run_forever())
+        answers = await asyncio.gather(*answers)
+        runner.cancel()
+        return answers, batcher.stats()
+
+    answers, stats = asyncio.run(scenario())
+    assert [row.tolist() for row, _ in answers] == [[0, 0], [1, 1], [20, 20], [30, 30], [4, 4]]
+    assert [size for _, size in answers] == [2, 2, 2, 2, 1]  # 4 taken: 2 per model; then 1
+    assert stats["sizes"] == {"1": 1, "2": 2} and stats["images"] == 5
+
+
+def test_a_lone_request_does_not_wait_out_the_window():
+    from visionflow.serve import Batcher
+
+    async def scenario():
+        batcher = Batcher(max_batch=32, window_s=3600)  # an hour: a wait would hang the test
+        runner = asyncio.create_task(batcher.run_forever())
+        row, size = await batcher.put(fake_model(2.0), np.ones((1, 1, 2, 2), np.float32))
+        runner.cancel()
+        return row.tolist(), size
+
+    assert asyncio.run(scenario()) == ([2.0, 2.0], 1)
 
 
 # End to end: the real server on the shared reproduced project's model.onnx.
