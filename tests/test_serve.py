@@ -33,7 +33,7 @@ URL = re.compile(r"http://127\.0\.0\.1:\d+")
 
 
 @contextlib.contextmanager
-def serving(model: Path, *flags: str, env: dict | None = None, log: Path | None = None):
+def serving(model: Path, *flags: str, env: dict | None = None, log: Path | None = None, **popen):
     """`visionflow serve --port 0` on `model`; yields (URL, process); stopped with SIGTERM."""
     cmd = [sys.executable, "-m", "visionflow.cli", "serve", "--model", str(model), "--port", "0"]
     log = log or Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=model.parent)[1])
@@ -44,6 +44,7 @@ def serving(model: Path, *flags: str, env: dict | None = None, log: Path | None 
             stderr=err,
             text=True,
             env={**os.environ, **(env or {})},
+            **popen,
         )
     try:
         ready, _, _ = select.select([process.stdout], [], [], 120)
@@ -428,6 +429,23 @@ def test_sigterm_lets_the_requests_in_flight_finish(model, images, tmp_path):
             go.touch()
             assert [a.status_code for a in answers.result()] == [200] * 4
         assert process.wait(60) == 0
+    assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_it_with_exit_0_even_where_sigint_was_ignored(model, images, tmp_path):
+    """A shell's background job starts with SIGINT ignored; uvicorn takes the signal over."""
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    env, log = {"TMPDIR": str(tmp_path)}, tmp_path / "serve.log"
+    flags = ("--reload-interval", "0")
+    with serving(model, *flags, env=env, log=log, preexec_fn=ignore_sigint) as (url, process):
+        assert post(url, images / "digit2.png").status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    assert log.read_text().endswith("serve: stopped\n")
     assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
 
 
