@@ -22,7 +22,7 @@ MODEL = (
     "training",
     "viz",
 )
-APP = ("cli", "doctor", "verify", "runner", "project", "repo", "sweeps", "watching")
+APP = ("cli", "doctor", "verify", "runner", "project", "repo", "serve", "sweeps", "watching")
 
 
 def imported(module: str, at_import: bool = False) -> set[str]:

@@ -6,6 +6,11 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
                                                  classify images with an exported model: a
                                                  line per image (file, class, probability...,
                                                  tab-separated; --json: a JSON object each)
+visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32]
+                 [--batch-window-ms 2] [--top-k 3] [--max-body-mb 20] [--max-pixels N]
+                 [--reload-interval 2] [--decode-workers N]
+                                                 the ONNX model over HTTP (POST /predict, GET
+                                                 /health, GET /metadata), batching requests
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
                                                  `dvc repro`, one run at a time, nothing orphaned
 visionflow verify [--data data/prepared]         re-hash the prepared cache and DVC's objects
@@ -72,14 +77,7 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: no image files in {', '.join(map(str, args.inputs))}", file=sys.stderr)
         return 2
     try:
-        if model.is_dir():
-            raise ValueError(f"{model} is a folder: name the model file in it with --model")
-        if not model.exists():
-            from visionflow.project import missing_output
-
-            raise FileNotFoundError(missing_output(model, "model file"))
-        if not model.is_file():
-            raise ValueError(f"{model} is not a regular file (a FIFO or a device): not read")
+        check_model_path(model)
         predictor, classes, spec = load_predictor(args.runtime, model, args.trust_code)
     except (FileNotFoundError, ModelError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -114,6 +112,19 @@ def predict(args: argparse.Namespace) -> int:
         print(f"error: cannot write the predictions: {e.strerror or e}", file=sys.stderr)
         return 2
     return 1 if errors else 0
+
+
+def check_model_path(model: Path) -> None:
+    """A model path that names no regular file is a ValueError or FileNotFoundError saying so
+    (and how to get a missing pipeline output back)."""
+    if model.is_dir():
+        raise ValueError(f"{model} is a folder: name the model file in it with --model")
+    if not model.exists():
+        from visionflow.project import missing_output
+
+        raise FileNotFoundError(missing_output(model, "model file"))
+    if not model.is_file():
+        raise ValueError(f"{model} is not a regular file (a FIFO or a device): not read")
 
 
 def progress_for(total: int):
@@ -184,6 +195,78 @@ def text_of(name) -> str:
     return str(name).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def add_serve(commands) -> None:
+    s = commands.add_parser(
+        "serve", help="the ONNX model over HTTP, batching concurrent requests (no torch)"
+    )
+    s.add_argument("--model", type=Path, help="ONNX file (default: the pipeline's model.onnx)")
+    s.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)"
+    )
+    s.add_argument(
+        "--port", type=int, default=8000, help="TCP port (default 8000; 0: any free one)"
+    )
+    s.add_argument("--max-batch", type=int, default=32, help="images run together at most (32)")
+    s.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=2.0,
+        help="the longest an image waits for others to join its batch, ms (default 2)",
+    )
+    s.add_argument("--top-k", type=int, default=3, help="classes per answer (default 3; ?top_k=)")
+    s.add_argument("--max-body-mb", type=float, default=20.0, help="request body limit (20 MB)")
+    s.add_argument(
+        "--max-pixels", type=int, help="image size limit, width x height (default 50,000,000)"
+    )
+    s.add_argument(
+        "--reload-interval",
+        type=float,
+        default=2.0,
+        help="seconds between looks at the model file for a new one to load (default 2; 0: never)",
+    )
+    s.add_argument(
+        "--decode-workers", type=int, help="threads that decode images (default: one per core)"
+    )
+
+
+def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from visionflow.serve import MAX_PIXELS, MB, Settings
+    from visionflow.serve import serve as run
+
+    max_pixels = MAX_PIXELS if args.max_pixels is None else args.max_pixels
+    checks = {
+        "--max-batch must be at least 1": args.max_batch < 1,
+        "--batch-window-ms must be 0 or more": not args.batch_window_ms >= 0,
+        "--top-k must be at least 1": args.top_k < 1,
+        "--max-body-mb must be more than 0": not args.max_body_mb > 0,
+        f"--max-pixels must be 1 to {MAX_PIXELS} (the decoder's limit)": not (
+            1 <= max_pixels <= MAX_PIXELS
+        ),
+        "--reload-interval must be 0 or more": not args.reload_interval >= 0,
+        "--decode-workers must be at least 1": (args.decode_workers or 1) < 1,
+        "--port must be 0 to 65535": not 0 <= args.port <= 65535,
+    }
+    for message, wrong in checks.items():
+        if wrong:
+            parser.error(message)
+    settings = Settings(
+        max_batch=args.max_batch,
+        window_s=args.batch_window_ms / 1000,
+        top_k=args.top_k,
+        max_body=int(args.max_body_mb * MB),
+        max_pixels=max_pixels,
+        reload_interval_s=args.reload_interval,
+        decode_workers=args.decode_workers or Settings().decode_workers,
+    )
+    model = args.model or default_model("onnx")
+    try:
+        check_model_path(model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return run(model, args.host, args.port, settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="visionflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -206,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="load a TorchScript or .pt2 file, which can run code: only files you made or trust",
     )
+    add_serve(commands)
     r = commands.add_parser(
         "repro", help="`dvc repro` under the workspace lock, in its own process group"
     )
@@ -227,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         from visionflow.doctor import doctor
 
         return doctor(Path.cwd(), args.json)
+    if args.command == "serve":
+        return serve(args, parser)
     if args.command == "repro":
         from visionflow.runner import repro
 

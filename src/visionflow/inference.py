@@ -122,11 +122,12 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
     return (np.stack(pixels) if pixels else empty), good, errors
 
 
-def onnx_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
+def onnx_predictor(path: Path, options=None) -> tuple[Predictor, dict[str, str]]:
+    """`options`: an onnxruntime.SessionOptions (None: ONNX Runtime's defaults)."""
     import onnxruntime as ort
 
     try:
-        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as e:
         refusal = onnx_load_error(path, str(e), ort.__version__)
         if refusal is None:
@@ -301,13 +302,14 @@ def file_format(path: Path) -> str | None:
 
 
 def load_predictor(
-    runtime: str | None, path: Path, trust_code: bool = False
+    runtime: str | None, path: Path, trust_code: bool = False, onnx_options=None
 ) -> tuple[Predictor, list[str], dict]:
     """A model file as a function on normalised batches, with its class names and preprocessing;
     `runtime` None: the one the file is for. A file of another format than `runtime` is a
     ValueError naming the format it is; a format that runs code when loaded is a ModelError
     unless `trust_code`; metadata that is malformed or disagrees with the network is a
-    ModelError saying what disagrees."""
+    ModelError saying what disagrees. `onnx_options`: ONNX Runtime's SessionOptions for an ONNX
+    file (serve turns off the threads' spinning between runs)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no model file at {path} (run `dvc repro` first?)")
     found = file_format(Path(path))
@@ -326,7 +328,10 @@ def load_predictor(
             "load it only if you made it or trust where it came from, with --trust-code; an "
             "ONNX file (model.onnx) runs no code and is the format to take from someone else"
         )
-    predictor, meta = LOADERS[found](Path(path))
+    if found == "onnx":
+        predictor, meta = onnx_predictor(Path(path), onnx_options)
+    else:
+        predictor, meta = LOADERS[found](Path(path))
     try:
         classes, spec = parse_metadata(meta)
         check_against_network(predictor, classes, spec, meta.get(DECLARED))

@@ -1,0 +1,484 @@
+"""`visionflow serve`: the real server (the CLI in a subprocess, on a free port of 127.0.0.1),
+spoken to over HTTP with httpx: answers equal `visionflow predict`'s, bad input is a 400 or 413
+and the server goes on, concurrent requests share batches, a replaced model file is validated
+before it is served, SIGTERM lets requests in flight finish. Tests wait on events the server
+reports (/health), never on the clock."""
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from PIL import Image
+
+from visionflow.inference import ModelError, describe, preprocess_spec
+
+URL = re.compile(r"http://127\.0\.0\.1:\d+")
+
+
+@contextlib.contextmanager
+def serving(model: Path, *flags: str, env: dict | None = None, log: Path | None = None, **popen):
+    """`visionflow serve --port 0` on `model`; yields (URL, process); stopped with SIGTERM."""
+    cmd = [sys.executable, "-m", "visionflow.cli", "serve", "--model", str(model), "--port", "0"]
+    log = log or Path(tempfile.mkstemp(prefix="serve-", suffix=".log", dir=model.parent)[1])
+    with open(log, "w") as err:
+        process = subprocess.Popen(
+            [*cmd, *flags],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, **(env or {})},
+            **popen,
+        )
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], 120)
+        line = process.stdout.readline() if ready else ""
+        found = URL.search(line)
+        assert found, f"no URL from serve: {line!r}\n{log.read_text()}"
+        yield found[0], process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        process.stdout.close()
+        process.stdout.close()
+
+
+def until(check, what: str, limit_s: float = 120):
+    """Poll `check()` until it returns something true (an event the server reports)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+def tiny_onnx(path: Path, classes: list[str], size: int = 4, opset: int = 17, outputs=None) -> Path:
+    """A grayscale `size` px classifier (Flatten, MatMul) with visionflow's metadata."""
+    n = outputs or len(classes)
+    weight = np.linspace(-1, 1, size * size * n, dtype=np.float32).reshape(size * size, n)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["image"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "w"], ["logits"]),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 1, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", n])],
+        [helper.make_tensor("w", TensorProto.FLOAT, weight.shape, weight.ravel())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 8
+    helper.set_model_props(model, describe(classes, preprocess_spec(size, 1, [0.5], [0.25])))
+    onnx.save(model, str(path))
+    return path
+
+
+def renamed(good: Path, dest: Path, classes: list[str]) -> Path:
+    """A copy of an ONNX file whose class names are `classes` (a different, valid model when
+    there are as many; forged metadata when not)."""
+    model = onnx.load(str(good))
+    meta = {p.key: p.value for p in model.metadata_props}
+    meta["visionflow.classes"] = json.dumps(classes)
+    del model.metadata_props[:]
+    helper.set_model_props(model, meta)
+    tmp = dest.with_suffix(".tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, dest)  # as `dvc checkout` or a deploy script replaces a file
+    return dest
+
+
+def replace(dest: Path, data: bytes) -> None:
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, dest)
+
+
+# Fast tests: the library, on a tiny ONNX model made here.
+
+
+def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
+    from visionflow.serve import load_model, onnx_opset
+
+    for opset in (13, 17, 18):
+        path = tiny_onnx(tmp_path / f"m{opset}.onnx", ["a", "b", "c"], opset=opset)
+        assert onnx.load(str(path)).opset_import[0].version == opset
+        assert onnx_opset(path.read_bytes()) == opset
+        model = load_model(path, tmp_path)
+        assert model.opset == opset and model.classes == ["a", "b", "c"]
+        assert model.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert onnx_opset(b"\x08\x08\x42\xff") is None  # truncated: no opset, no exception
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m13.onnx", "m17.onnx", "m18.onnx"]
+
+
+def test_a_model_that_cannot_be_served_is_refused_naming_the_file(tmp_path):
+    from visionflow.serve import load_model
+
+    bad = {
+        "junk.onnx": lambda p: p.write_bytes(b"\x08not a model at all"),
+        "notes.onnx": lambda p: p.write_text("hello"),
+        "forged.onnx": lambda p: tiny_onnx(p, ["a", "b", "c"], outputs=4),
+    }
+    for name, make in bad.items():
+        make(tmp_path / name)
+        with pytest.raises(ModelError, match=re.escape(str(tmp_path / name))):
+            load_model(tmp_path / name, tmp_path)
+    with pytest.raises(ModelError, match="no model file"):
+        load_model(tmp_path / "missing.onnx", tmp_path)
+    assert "network has 4 outputs" in str(
+        pytest.raises(ModelError, load_model, tmp_path / "forged.onnx", tmp_path).value
+    )
+
+
+def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
+    path = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    code = (
+        "import sys; from pathlib import Path; import numpy as np; import visionflow.cli; "
+        "import visionflow.serve as s; import uvicorn, starlette.applications; "
+        "m = s.load_model(Path(sys.argv[1]), Path(sys.argv[2])); "
+        "print(m.predictor(np.zeros((2, 1, 4, 4), np.float32)).shape); "
+        "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'torchvision', 'onnx')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert out == ["(2, 2)", "[]"]
+
+
+def fake_model(scale: float):
+    """A Model whose network multiplies its input's first two pixels by `scale`."""
+    from visionflow.serve import Model
+
+    def predictor(x):
+        return x.reshape(len(x), -1)[:, :2] * scale
+
+    return Model(Path("m"), predictor, ["a", "b"], {}, str(scale), 17, [], None, 0.0)
+
+
+def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
+    """Images queued for two models (a reload between them) run as one batch per model, each
+    answer is its own image's row, and at most max_batch images are taken at once."""
+    from visionflow.serve import Batcher
+
+    async def scenario():
+        batcher = Batcher(max_batch=4, window_s=3600)  # an hour: a wait would hang the test
+        old, new = fake_model(1.0), fake_model(10.0)
+        models = [old, old, new, new, old]
+        answers = [
+            batcher.put(m, np.full((1, 1, 2, 2), i, np.float32)) for i, m in enumerate(models)
+        ]
+        runner = asyncio.create_task(batcher.run_forever())
+        answers = await asyncio.gather(*answers)
+        runner.cancel()
+        return answers, batcher.stats()
+
+    answers, stats = asyncio.run(scenario())
+    assert [row.tolist() for row, _ in answers] == [[0, 0], [1, 1], [20, 20], [30, 30], [4, 4]]
+    assert [size for _, size in answers] == [2, 2, 2, 2, 1]  # 4 taken: 2 per model; then 1
+    assert stats["sizes"] == {"1": 1, "2": 2} and stats["images"] == 5
+
+
+def test_a_lone_request_does_not_wait_out_the_window():
+    from visionflow.serve import Batcher
+
+    async def scenario():
+        batcher = Batcher(max_batch=32, window_s=3600)  # an hour: a wait would hang the test
+        runner = asyncio.create_task(batcher.run_forever())
+        row, size = await batcher.put(fake_model(2.0), np.ones((1, 1, 2, 2), np.float32))
+        runner.cancel()
+        return row.tolist(), size
+
+    assert asyncio.run(scenario()) == ([2.0, 2.0], 1)
+
+
+# End to end: the real server on the shared reproduced project's model.onnx.
+
+
+@pytest.fixture(scope="module")
+def images(reproduced_base, tmp_path_factory) -> Path:
+    """Test digits as PNG, a camera-like JPEG, an RGBA PNG, a 16-bit PNG, a BMP."""
+    folder = tmp_path_factory.mktemp("images")
+    x = np.load(reproduced_base / "data/prepared/test_x.npy")
+    for i in range(4):
+        Image.fromarray(x[i, ..., 0]).save(folder / f"digit{i}.png")
+    rng = np.random.default_rng(0)
+    photo = (rng.random((48, 64, 3)) * 255).astype(np.uint8)
+    Image.fromarray(photo).resize((640, 480), Image.BICUBIC).save(folder / "photo.jpg", quality=90)
+    rgba = np.dstack([photo, (rng.random((48, 64)) * 255).astype(np.uint8)])
+    Image.fromarray(rgba, "RGBA").save(folder / "rgba.png")
+    wide = (rng.random((20, 30)) * 65535).astype(np.uint16)
+    Image.fromarray(wide).save(folder / "sixteen.png")
+    Image.fromarray(photo).save(folder / "photo.bmp")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(reproduced_base, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("model")
+    target = folder / "model.onnx"
+    target.write_bytes((reproduced_base / "results/export/model.onnx").read_bytes())
+    return target
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    """One server for the tests that change nothing: a 1 MB body limit, reloads off."""
+    with serving(model, "--max-body-mb", "1", "--reload-interval", "0") as (url, process):
+        yield url
+    assert process.returncode == 0, "serve did not stop cleanly on SIGTERM"
+
+
+def post(url: str, path: Path, kind: str = "image/png", **params) -> httpx.Response:
+    return httpx.post(
+        f"{url}/predict",
+        content=path.read_bytes(),
+        headers={"content-type": kind},
+        params=params,
+        timeout=60,
+    )
+
+
+@pytest.mark.slow
+def test_health_and_metadata_describe_the_model_served(server, model):
+    health = httpx.get(f"{server}/health").json()
+    meta = httpx.get(f"{server}/metadata").json()
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert health["status"] == "ok" and health["model"]["sha256"] == sha
+    props = {p.key: p.value for p in onnx.load(str(model)).metadata_props}
+    assert meta["classes"] == json.loads(props["visionflow.classes"])
+    assert meta["preprocess"] == json.loads(props["visionflow.preprocess"])
+    assert meta["model"]["sha256"] == sha
+    assert meta["model"]["opset"] == onnx.load(str(model)).opset_import[0].version
+    assert meta["model"]["input"] == ["N", 1, 8, 8]  # the tiny project's 8 px grayscale
+
+
+@pytest.mark.slow
+def test_answers_equal_visionflow_predict_for_the_same_files(server, model, images):
+    cmd = [sys.executable, "-m", "visionflow.cli", "predict", str(images), "--model", str(model)]
+    lines = subprocess.run(
+        [*cmd, "--json", "--top-k", "10"], capture_output=True, text=True, check=True
+    ).stdout
+    expected = {Path(r["file"]).name: r["predictions"] for r in map(json.loads, lines.splitlines())}
+    assert len(expected) == 8
+    kinds = {".png": "image/png", ".jpg": "image/jpeg", ".bmp": "image/bmp"}
+    for name, wanted in expected.items():
+        path = images / name
+        raw = post(server, path, kinds[path.suffix], top_k=10)
+        with open(path, "rb") as f:
+            form = httpx.post(f"{server}/predict?top_k=10", files={"file": (name, f)}, timeout=60)
+        for answer in (raw, form):
+            assert answer.status_code == 200, answer.text
+            got = answer.json()["predictions"]
+            # the same pixels through the same ONNX Runtime: the same bits, though predict ran
+            # the 8 images as one batch and serve one at a time
+            assert got == wanted, name
+    default = post(server, images / "digit0.png").json()["predictions"]
+    assert len(default) == 3  # --top-k's default
+
+
+def bomb(path: Path) -> Path:
+    """A 20000 x 20000 PNG of 49 KB: 400 Mpx once decoded."""
+    Image.new("1", (20000, 20000)).save(path, optimize=True)
+    return path
+
+
+@pytest.mark.slow
+def test_bad_input_is_a_400_or_413_with_one_line_and_the_server_goes_on(server, images, tmp_path):
+    photo = images / "photo.jpg"
+    (tmp_path / "truncated.jpg").write_bytes(photo.read_bytes()[: photo.stat().st_size // 3])
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "junk.png").write_bytes(b"<html>not an image</html>")
+    Image.new("L", (8000, 7000)).save(tmp_path / "big.png")  # 56 Mpx: over the 50 Mpx limit
+    (tmp_path / "huge.png").write_bytes(os.urandom(2 * 2**20))  # over the 1 MB body limit
+    cases = {
+        ("junk.png", "image/png"): (400, "not a readable image"),
+        ("empty.png", "image/png"): (400, "empty"),
+        ("truncated.jpg", "image/jpeg"): (400, "truncated"),
+        ("junk.png", "text/plain"): (400, "Content-Type text/plain is not an image"),
+        ("junk.png", "application/x-www-form-urlencoded"): (400, "is not an image"),
+        ("big.png", "image/png"): (413, "8000x7000 = 56000000 px is over the limit"),
+        ("huge.png", "image/png"): (413, "the body is over the limit of 1048576 bytes"),
+    }
+    bomb(tmp_path / "bomb.png")
+    cases[("bomb.png", "image/png")] = (413, "decompression bomb")
+    for (name, kind), (status, words) in cases.items():
+        answer = post(server, tmp_path / name, kind)
+        assert (answer.status_code, answer.headers["content-type"]) == (
+            status,
+            "application/json",
+        ), (name, answer.text)
+        reason = answer.json()["error"]
+        assert words in reason and "\n" not in reason, (name, reason)
+    forms = {
+        "no file": ({"files": {"a": (None, "b")}}, 400, "no file field"),
+        "two files": ({"files": [("a", b"1"), ("b", b"2")]}, 400, "Maximum number of files is 1"),
+        "oversize": ({"files": {"file": os.urandom(2 * 2**20)}}, 413, "over the limit"),
+    }
+    for what, (kwargs, status, words) in forms.items():
+        answer = httpx.post(f"{server}/predict", timeout=60, **kwargs)
+        assert answer.status_code == status and words in answer.json()["error"], (what, answer.text)
+    for query, words in (
+        ("0", "top_k must be"),
+        ("x", "top_k must be"),
+        ("²", "top_k"),
+        ("9" * 5000, "top_k"),
+    ):
+        answer = post(server, images / "digit0.png", top_k=query)
+        assert answer.status_code == 400 and words in answer.json()["error"]
+    assert post(server, images / "digit0.png").status_code == 200  # still serving
+    sniffed = post(server, images / "photo.jpg", "image/png")  # the content decides, not the type
+    assert sniffed.status_code == 200
+    assert httpx.get(f"{server}/health").json()["batches"]["coming"] == 0
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_mid_request_leaves_the_server_serving(server, images):
+    host, port = server.removeprefix("http://").split(":")
+    for sent in (b"", b"\x89PNG"):  # gone before any body byte; gone halfway
+        with socket.create_connection((host, int(port))) as client:
+            head = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\nContent-Length: 5000\r\n\r\n"
+            client.sendall(head + sent)
+    until(lambda: health(server)["batches"]["coming"] == 0, "the requests ended")
+    assert post(server, images / "digit1.png").status_code == 200
+    assert health(server)["batches"]["coming"] == 0  # nothing counted as on its way for good
+
+
+@pytest.mark.slow
+def test_a_second_server_on_the_same_port_is_one_line_and_exit_2(server, model):
+    port = server.rsplit(":", 1)[1]
+    cmd = [sys.executable, "-m", "visionflow.cli", "serve", "--model", str(model), "--port", port]
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and second.stdout == ""
+    assert second.stderr.startswith(
+        f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health").json()
+
+
+def queued(url: str) -> int:
+    """Images waiting for a batch or in the one running."""
+    batches = health(url)["batches"]
+    return batches["waiting"] + batches["running"]
+
+
+def many(url: str, paths: list[Path]) -> list[httpx.Response]:
+    """Each image in its own thread, all at once."""
+    with ThreadPoolExecutor(len(paths)) as pool:
+        return list(pool.map(lambda p: post(url, p), paths))
+
+
+@pytest.mark.slow
+def test_concurrent_requests_run_in_fewer_batches(model, images, tmp_path):
+    """The first batch is held on ONNX Runtime (a fault point) until all 16 requests are in the
+    server; the 15 that queued meanwhile then run as one batch."""
+    go = tmp_path / "go"
+    env = {"VISIONFLOW_FAULT": f"serve.infer@batch=1:pause={go}"}
+    with serving(model, "--max-batch", "16", "--reload-interval", "0", env=env) as (url, process):
+        with ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(many, url, [images / f"digit{i % 4}.png" for i in range(16)])
+            until(lambda: queued(url) == 16, "16 images queued or running")
+            go.touch()
+            answers = answers.result()
+        assert [a.status_code for a in answers] == [200] * 16
+        stats = httpx.get(f"{url}/health").json()["batches"]
+        sizes = {int(k): v for k, v in stats["sizes"].items()}
+        assert sum(size * n for size, n in sizes.items()) == stats["images"] == 16
+        assert stats["count"] < 16 and max(sizes) > 1, stats
+        # each answer says the batch it ran in: a batch of n has n answers saying n
+        said = sorted(a.json()["batch_size"] for a in answers)
+        assert sum(1 / n for n in said) == pytest.approx(stats["count"])
+
+
+@pytest.mark.slow
+def test_sigterm_lets_the_requests_in_flight_finish(model, images, tmp_path):
+    go = tmp_path / "go"
+    env = {"VISIONFLOW_FAULT": f"serve.infer@batch=1:pause={go}", "TMPDIR": str(tmp_path)}
+    with serving(model, "--reload-interval", "0", env=env) as (url, process):
+        with ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(many, url, [images / f"digit{i}.png" for i in range(4)])
+            until(lambda: queued(url) == 4, "4 images queued or running")
+            process.send_signal(signal.SIGTERM)
+            go.touch()
+            assert [a.status_code for a in answers.result()] == [200] * 4
+        assert process.wait(60) == 0
+    assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_it_with_exit_0_even_where_sigint_was_ignored(model, images, tmp_path):
+    """A shell's background job starts with SIGINT ignored; uvicorn takes the signal over."""
+
+    def ignore_sigint():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    env, log = {"TMPDIR": str(tmp_path)}, tmp_path / "serve.log"
+    flags = ("--reload-interval", "0")
+    with serving(model, *flags, env=env, log=log, preexec_fn=ignore_sigint) as (url, process):
+        assert post(url, images / "digit2.png").status_code == 200
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+    assert log.read_text().endswith("serve: stopped\n")
+    assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
+
+
+@pytest.mark.slow
+def test_a_replaced_model_is_validated_before_it_is_served(model, images, tmp_path):
+    served = tmp_path / "model.onnx"
+    served.write_bytes(model.read_bytes())
+    digit = images / "digit0.png"
+    first = hashlib.sha256(served.read_bytes()).hexdigest()
+    log = tmp_path / "serve.log"
+    with serving(served, "--reload-interval", "0.1", log=log) as (url, process):
+        for bad, words in (
+            (lambda: replace(served, b"\x08garbage"), "could not be loaded"),
+            (lambda: renamed(model, served, [str(i) for i in range(11)]), "lists 11 names"),
+            (lambda: replace(served, b"plain text"), "not a model file"),
+        ):
+            bad()
+            refused = until(lambda: health(url)["reload"]["refused"], "the bad file refused")
+            assert words in refused and str(served) in refused, refused
+            answer = post(url, digit)
+            assert answer.status_code == 200 and answer.json()["model"] == first
+            replace(served, model.read_bytes())  # back to the good one: refused clears
+            until(lambda: health(url)["reload"]["refused"] is None, "the good file back")
+        names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+        renamed(model, served, names)
+        second = hashlib.sha256(served.read_bytes()).hexdigest()
+        until(lambda: health(url)["model"]["sha256"] == second, "the new model served")
+        assert httpx.get(f"{url}/metadata").json()["classes"] == names
+        answer = post(url, digit).json()
+        assert answer["model"] == second and answer["predictions"][0]["class"] in names
+        assert health(url)["reload"]["reloads"] == 1
+        served.unlink()
+        until(lambda: health(url)["reload"]["file_missing"], "the deleted file noticed")
+        assert post(url, digit).json()["model"] == second  # still serving
+    log = log.read_text()
+    assert "reload refused" in log and "reloaded" in log and "is gone" in log
