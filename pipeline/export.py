@@ -62,7 +62,8 @@ def print_parity(parity: dict) -> None:
 
 def print_int8(r: dict) -> None:
     print(
-        f"int8   onnx QDQ, {r['calibration']} on {r['calibration_images']} training images: "
+        f"int8   onnx QDQ, {r['calibration']} on {r['calibration_images']} training "
+        f"image{'s' if r['calibration_images'] != 1 else ''}: "
         f"test accuracy {r['int8_accuracy']:.4f} (fp32 {r['fp32_accuracy']:.4f}, may drop "
         f"{r['max_accuracy_drop']}), top-1 agreement {r['top1_agreement']:.4f}  "
         + ("ok" if r["passed"] else "MISS")

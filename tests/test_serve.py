@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -482,3 +483,38 @@ def test_a_replaced_model_is_validated_before_it_is_served(model, images, tmp_pa
         assert post(url, digit).json()["model"] == second  # still serving
     log = log.read_text()
     assert "reload refused" in log and "reloaded" in log and "is gone" in log
+
+
+def test_images_decoding_at_once_stay_within_the_pixel_budget():
+    """A tiny upload can decode to hundreds of MB (a 49 Mpx 16-bit PNG of 381 KB took 0.8 GB):
+    the pixels decoding at once, over all the threads, stay within --max-pixels; an image that
+    does not fit beside the others waits for them, and one alone always goes."""
+    from visionflow.serve import PixelBudget
+
+    budget, inside, release, seen = PixelBudget(100), threading.Event(), threading.Event(), []
+    trying = threading.Event()
+
+    def big():
+        with budget.held(80):
+            inside.set()
+            release.wait(60)
+
+    def waiting():
+        trying.set()
+        with budget.held(50):  # does not fit beside the 80: waits for it
+            seen.append(budget.used)
+
+    first = threading.Thread(target=big)
+    first.start()
+    assert inside.wait(60)
+    with budget.held(20):  # fits beside it
+        seen.append(budget.used)
+    second = threading.Thread(target=waiting)
+    second.start()
+    assert trying.wait(60)  # on its way in before the 80 goes (a budget that let it in: 130)
+    release.set()
+    first.join(60)
+    second.join(60)
+    with budget.held(500):  # over the budget, but alone
+        seen.append(budget.used)
+    assert seen == [100, 50, 500] and budget.used == 0
