@@ -262,24 +262,44 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
     chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
     context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
     pool = ProcessPoolExecutor(min(workers, len(chunks)), context, _start_worker, (path, decode))
-    processes, done = [], 0
+    done = 0
     try:
         futures = [pool.submit(_decode_chunk, chunk) for chunk in chunks]
-        # all started by the first submit (fork); Python 3.14's terminate_workers() is the public way
-        processes = list(pool._processes.values())
         for future in as_completed(futures):
             results = future.result()
             done += len(results)
             yield results
     except BrokenProcessPool:
+        processes = _workers(pool)
         pool.shutdown(wait=True)  # the rest are stopped and reaped: their exit codes are known
         raise DataError(_died(processes, done, len(jobs)), setting="workers") from None
     except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
-        for process in processes:
-            process.terminate()
+        _stop(pool)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _workers(pool: ProcessPoolExecutor) -> list:
+    # all started by the first submit (fork); Python 3.14's terminate_workers() is the public way
+    return list((pool._processes or {}).values())
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End the pool's processes, whatever they are doing, so that its shutdown cannot wait: the
+    ones that exist now (a stop can come while the jobs are still being submitted), and the half
+    message a process stopped while it sent a result leaves in the results pipe, which the
+    pool's reader would wait on for good, since this process holds a writing end of it too:
+    closed, the reader sees the pipe's end and the pool ends as broken."""
+    processes = _workers(pool)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(5)  # SIGTERM ends a worker at once (`_start_worker`); else SIGKILL
+        if process.is_alive():
+            process.kill()
+            process.join()
+    pool._result_queue._writer.close()
 
 
 def _died(processes: list, done: int, total: int) -> str:
