@@ -219,6 +219,9 @@ def run(main: Callable[[], None]) -> None:
     """Run a stage's main; a known failure prints one clear line and exits 1 (no traceback),
     an interrupt (Ctrl-C or SIGTERM) exits 130. Either way the staging folder is removed."""
     signal.signal(signal.SIGTERM, stop_at_once)
+    # SIGINT is how the runner, the flows and a terminal stop a stage, even one started with it
+    # ignored (a script's background job ignores it, and Python then keeps it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stage = Path(sys.argv[0]).stem
     spec = stage_spec(stage)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun: one guard for all ranks
