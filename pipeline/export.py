@@ -24,13 +24,12 @@ import json
 import shutil
 from pathlib import Path
 
-import onnx
 import torch
 
 from pipeline import GateError, run, staged
 from visionflow import data, faults
 from visionflow.errors import DiskFull
-from visionflow.export import check_formats, export_all, latency_table, onnx_opset
+from visionflow.export import EXPORTER_KEY, check_formats, export_all, latency_table, onnx_opset
 from visionflow.inference import (
     Predictor,
     describe,
@@ -92,18 +91,24 @@ def faulty(predictor: Predictor) -> Predictor:
 
 
 def int8_gate(
-    onnx_path: Path, folder: Path, cache: Path, classes: list, spec: dict, e: Export
+    onnx_path: Path,
+    fp32: Predictor,
+    metadata: dict,
+    folder: Path,
+    cache: Path,
+    classes: list,
+    spec: dict,
+    e: Export,
 ) -> tuple[dict, Predictor]:
-    """model.int8.onnx, calibrated on training images (never test images); both ONNX files are
-    then loaded as a client loads them (the preprocessing read from each) and scored on the
-    whole test split. Returns the gate's report and the INT8 predictor."""
-    metadata = {p.key: p.value for p in onnx.load(str(onnx_path)).metadata_props}
+    """model.int8.onnx, calibrated on training images (never test images), with the fp32 file's
+    `metadata`; it is loaded as a client loads it (the preprocessing read from it) and scored on
+    the whole test split beside `fp32` (model.onnx as the parity check loaded it). Returns the
+    gate's report and the INT8 predictor."""
     calibration = calibration_sample(
         data.read_split(cache, "train", mmap=True)[0], e.int8_calibration_images
     )
     int8_path = folder / INT8_FILE
     record = quantize_onnx(onnx_path, int8_path, calibration, spec, e.int8_calibration, metadata)
-    fp32, _, _ = load_predictor("onnx", onnx_path)
     int8, file_classes, file_spec = load_predictor("onnx", int8_path)
     if faults.ACTIVE:  # tests: an INT8 model that lost its accuracy (export.int8:nan)
         int8 = faulty(int8)
@@ -181,7 +186,10 @@ def main() -> None:
             f"atol {e.atol})",
         )
     data.write_json(out / "parity.json", report)
-    int8, int8_predictor = int8_gate(paths["onnx"], out, args.data, meta["classes"], spec, e)
+    onnx_metadata = {**metadata, EXPORTER_KEY: exporter}  # as export_onnx wrote it
+    int8, int8_predictor = int8_gate(
+        paths["onnx"], predictors["onnx"], onnx_metadata, out, args.data, meta["classes"], spec, e
+    )
     data.write_json(out / "int8.json", int8)
     print_int8(int8)
     if not int8["passed"]:

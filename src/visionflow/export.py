@@ -25,6 +25,7 @@ from visionflow.inference import (
 )
 from visionflow.loading import to_model_input
 
+EXPORTER_KEY = "visionflow.exporter"  # in model.onnx: which torch.onnx exporter wrote it
 FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.torchscript.pt"}
 
 
@@ -62,7 +63,7 @@ def export_onnx(
             )
         exporter = "legacy"
     proto = onnx.load(str(path))
-    onnx.helper.set_model_props(proto, {**metadata, "visionflow.exporter": exporter})
+    onnx.helper.set_model_props(proto, {**metadata, EXPORTER_KEY: exporter})
     onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(path))
     return exporter
