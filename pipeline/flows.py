@@ -68,11 +68,11 @@ from visionflow.runner import (
 )
 from visionflow.sweeps import (
     ENDED,
+    Poll,
     exp_run_args,
     guarded,
     main_metrics,
     metric_values,
-    results,
     start_workers,
     stop_queue,
     sweep_table,
@@ -267,7 +267,7 @@ def experiments(
                 run_queued(root, plan, workers, timeout_s)
         else:
             run_in_turn(root, plan, timeout_s)
-        rows = sweep_table(root, plan)
+        rows = sweep_table(Poll(root, logger.warning), plan)
     create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
     failed = [row["experiment"] for row in rows if row["state"] != "success"]
     if failed:
@@ -298,7 +298,7 @@ def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> 
     if code != 0:
         last = tail.strip().splitlines()[-1:]  # DVC's own line for why
         return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
-    return ended(name, results(root, [name])[name])
+    return ended(name, Poll(root, logger.warning).results([name])[name])
 
 
 def ended(name: str, summary: dict, more: str = "") -> dict | State:
@@ -313,17 +313,20 @@ def ended(name: str, summary: dict, more: str = "") -> dict | State:
 def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float) -> None:
     """Queue the plan, start `workers` DVC queue workers, follow the experiments until all have
     ended (one running past `timeout_s` is killed); on any early end, stop the queue. Each
-    experiment is a task, from when it leaves the queue to its end."""
+    experiment is a task, from when it leaves the queue to its end. A slow or failing poll
+    never stops the sweep (`Poll`): only a stop, or `timeout_s` with no answer from DVC, does."""
     logger = get_run_logger()
     for name, sets in plan.items():
         dvc(root, *exp_run_args(name, sets), "--queue", doing=f"queueing {name}")
         logger.info(f"{name} ({' '.join(sets)}): queued")
     ends = {name: Future() for name in plan}  # set as this flow's one poll sees each end
-    followers, started = {}, {}
+    followers, started, known = {}, {}, None
+    poll = Poll(root, logger.warning)
     try:
         start_workers(root, workers)
         while True:
-            for name, summary in results(root, plan).items():
+            known = poll.results(plan, patience_s=timeout_s)
+            for name, summary in known.items():
                 state = summary["state"]
                 if state != "queued" and name not in followers:
                     logger.info(f"{name}: left the queue ({state})")
@@ -337,13 +340,13 @@ def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: 
                         dvc(root, "queue", "kill", name, doing=f"stopping {name}")
             if all(end.done() for end in ends.values()):
                 break
-            time.sleep(POLL_S)
+            time.sleep(max(POLL_S, poll.took))  # a slow DVC is asked less often
     finally:
         early = [end for end in ends.values() if not end.done()]
         for end in early:  # its task ends now, Failed
             end.set_result({"state": "stopped (the sweep ended first)"})
         if early:  # failed or cancelled: nothing of this sweep keeps running
-            stop_queue(root, plan, logger.warning)
+            stop_queue(root, plan, logger.warning, known)
     wait(list(followers.values()))
 
 

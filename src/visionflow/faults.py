@@ -12,6 +12,7 @@
                                           on a GPU too small for more (no number: every batch)
     export.int8:nan                       the INT8 model's logits become NaN (its accuracy falls)
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
+    sweep.poll:sleep=130                  every `dvc exp show` of a sweep's poll answers 130 s late
 
 The points: stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
 taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
@@ -19,7 +20,8 @@ re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
 asked), checkpoint.write (epoch), export.int8 (the INT8 model's logits as the gate scores them),
 prepare.decode (index, in the decoding workers), runner.timer
-(before a timeout starts counting). Unset, the normal case, a point costs one test of `ACTIVE`.
+(before a timeout starts counting), sweep.poll (in the `dvc exp show` process a sweep polls, so
+that the poll's timeout applies). Unset, the normal case, a point costs one test of `ACTIVE`.
 """
 
 import math

@@ -4,7 +4,9 @@ dvc.lock entry, and whether `dvc repro` would skip a stage. No Prefect here (sha
 the flows add the tasks, states and artifacts.
 """
 
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,23 +35,38 @@ class DvcBusy(RuntimeError):
         return cls(f"{what}: another dvc process holds {workdir}/.dvc/tmp/lock")
 
 
-def dvc(workdir: Path, *args: str, doing: str) -> str:
-    """A short dvc command's output; a failure or a hang raises, naming what it was `doing`;
-    DvcBusy when another dvc holds the repository's lock (before, or when the command failed)."""
+# `dvc ARGS` with the fault point argv[1] first, in the dvc process, so that its timeout applies
+FAULTED_DVC = (
+    "import sys; from visionflow import faults; faults.fault(sys.argv[1]); "
+    "from dvc.cli import main; sys.exit(main(sys.argv[2:]))"
+)
+
+
+def dvc(
+    workdir: Path, *args: str, doing: str, timeout_s: float | None = None, point: str = ""
+) -> str:
+    """A short dvc command's output; a failure or a hang (past `timeout_s`, DVC_TIMEOUT_S by
+    default) raises, naming what it was `doing`; DvcBusy when another dvc holds the repository's
+    lock (before, or when the command failed). `point` names a fault point (faults.py) that the
+    dvc process meets first."""
     command = f"`dvc {' '.join(args)}` ({doing})"
+    timeout_s = timeout_s or DVC_TIMEOUT_S
     if dvc_busy(workdir):
         raise DvcBusy.at(workdir, command)
+    argv = [*dvc_command(), *args]
+    if point and os.environ.get("VISIONFLOW_FAULT"):
+        argv = [sys.executable, "-c", FAULTED_DVC, point, *args]
     try:
         result = subprocess.run(
-            [*dvc_command(), *args],
+            argv,
             cwd=workdir,
             env=environment(),
             capture_output=True,
             text=True,
-            timeout=DVC_TIMEOUT_S,
+            timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:
-        raise DvcHung(f"{command} did not finish in {DVC_TIMEOUT_S:.0f} s") from None
+        raise DvcHung(f"{command} did not finish in {timeout_s:.0f} s") from None
     if result.returncode != 0:
         if dvc_busy(workdir):
             raise DvcBusy.at(workdir, command)

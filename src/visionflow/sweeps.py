@@ -76,12 +76,21 @@ def guarded(root: Path, names) -> Iterator[None]:
         guard.communicate(b"done")  # ended here, stopped here if need be: the guard goes
 
 
-def stop_queue(root: Path, plan, say: Callable[[str], None]) -> None:
+def stop_queue(
+    root: Path, plan, say: Callable[[str], None], known: dict[str, dict] | None = None
+) -> None:
     """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
     the worker's process group, so training stops at a safe point), then, the grace period
     (`stop_grace_s()`) later, SIGKILL to what is left of that group (DVC's forced kill would
-    orphan the stage's own process)."""
-    now = results(root, plan)
+    orphan the stage's own process). When DVC does not answer in time, what the sweep `known`
+    last is stopped."""
+    try:
+        now = Poll(root, say).results(plan, patience_s=30.0)
+    except StageFailed as e:
+        if known is None:
+            raise
+        say(f"{e}: stopping what the sweep saw last")
+        now = known
     queued = [name for name, summary in now.items() if summary["state"] == "queued"]
     running = {
         name: summary["pid"] for name, summary in now.items() if summary["state"] == "running"
@@ -115,46 +124,75 @@ def alive(group: int) -> bool:
         return False
 
 
-EXP_SHOW_RETRY_S = 60.0  # how long a failing `dvc exp show` is asked again
+class Poll:
+    """What `dvc exp show --json` says of a sweep's experiments, for a sweep that must outlive a
+    slow or failing answer: DVC is slow exactly when the machine is busy with the sweep's own
+    training, and the experiments' processes, not this poll, are what the sweep waits on.
 
+    An ask that fails (DVC's queue can list an experiment whose executor file is already gone,
+    "No such file or directory: .dvc/tmp/exps/run/...") is asked again RETRY_S later. One that
+    runs past its timeout (repo.DVC_TIMEOUT_S at first) is ended and asked again with twice the
+    timeout, up to MAX_GROWTH times the first, which later asks keep. Each is a line in the log,
+    and so is an answer that took over half its timeout; `took` is the last ask's seconds (a
+    caller polls no more often than that, so polls cost at most half the time). Only
+    `patience_s` without any answer raises (StageFailed).
+    """
 
-def exp_show(root: Path) -> str:
-    """`dvc exp show --json`, asked again (every 2 s, for up to EXP_SHOW_RETRY_S) when it fails:
-    DVC's queue can list an experiment as active after its executor file is gone ("No such file
-    or directory: .dvc/tmp/exps/run/..."; seen to last more than a few seconds for an experiment
-    that failed while another ran), and a sweep must not be stopped for that. A hang is not
-    asked again."""
-    deadline = time.monotonic() + EXP_SHOW_RETRY_S
-    while True:
-        try:
-            return dvc(root, "exp", "show", "--json", doing="following experiments")
-        except DvcHung:
-            raise
-        except StageFailed:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(2)
+    RETRY_S = 5.0
+    MAX_GROWTH = 8
+    first_timeout_s: float | None = None  # None: repo.DVC_TIMEOUT_S when the poll is made
 
+    def __init__(self, root: Path, say: Callable[[str], None] = print):
+        self.root, self.say = root, say
+        self.first = self.timeout_s = self.first_timeout_s or repo.DVC_TIMEOUT_S
+        self.took = 0.0
 
-def results(root: Path, names) -> dict[str, dict]:
-    """For each experiment name: its state (queued, running, success, failed), params and
-    metrics, and the baseline's params, from `dvc exp show --json`."""
-    shown = json.loads(exp_show(root) or "[]")
-    found = {}
-    for baseline in shown:
-        for exp in baseline.get("experiments") or []:
-            if exp.get("name") in names:
-                data = exp["revs"][0].get("data") or {}
-                state = (exp.get("executor") or {}).get("state")
-                state = state or ("success" if data.get("metrics") else "failed")
-                found[exp["name"]] = {  # metrics of one not done are its baseline's: none
-                    "state": state,
-                    "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
-                    "params": data.get("params", {}),
-                    "metrics": data.get("metrics", {}) if state == "success" else {},
-                    "baseline": (baseline.get("data") or {}).get("params", {}),
-                }
-    return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
+    def exp_show(self, patience_s: float) -> list:
+        deadline = time.monotonic() + patience_s
+        while True:
+            start = time.monotonic()
+            try:
+                shown = dvc(
+                    self.root,
+                    *("exp", "show", "--json"),
+                    doing="following experiments",
+                    timeout_s=self.timeout_s,
+                    point="sweep.poll",
+                )
+            except DvcHung as e:
+                self.timeout_s = min(2 * self.timeout_s, self.MAX_GROWTH * self.first)
+                problem = f"{e}; asking again with {self.timeout_s:.0f} s"
+            except (StageFailed, DvcBusy) as e:
+                problem = str(e).splitlines()[0]
+            else:
+                self.took = time.monotonic() - start
+                if self.took > self.timeout_s / 2:
+                    self.say(f"`dvc exp show` took {self.took:.0f} s (the machine is busy)")
+                return json.loads(shown or "[]")
+            self.took = time.monotonic() - start
+            if time.monotonic() + self.RETRY_S > deadline:
+                raise StageFailed(f"no answer from DVC in {patience_s:.0f} s: {problem}")
+            self.say(f"{problem} (asked again in {self.RETRY_S:.0f} s; the sweep goes on)")
+            time.sleep(self.RETRY_S)
+
+    def results(self, names, patience_s: float = 600.0) -> dict[str, dict]:
+        """For each experiment name: its state (queued, running, success, failed), params and
+        metrics, and the baseline's params."""
+        found = {}
+        for baseline in self.exp_show(patience_s):
+            for exp in baseline.get("experiments") or []:
+                if exp.get("name") in names:
+                    data = exp["revs"][0].get("data") or {}
+                    state = (exp.get("executor") or {}).get("state")
+                    state = state or ("success" if data.get("metrics") else "failed")
+                    found[exp["name"]] = {  # metrics of one not done are its baseline's: none
+                        "state": state,
+                        "pid": ((exp.get("executor") or {}).get("local") or {}).get("pid"),
+                        "params": data.get("params", {}),
+                        "metrics": data.get("metrics", {}) if state == "success" else {},
+                        "baseline": (baseline.get("data") or {}).get("params", {}),
+                    }
+        return {name: found.get(name, {"state": "failed"}) for name in names}  # no record: failed
 
 
 def metric_values(summary: dict) -> dict:
@@ -172,10 +210,10 @@ def main_metrics(summary: dict) -> str:
     return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
 
 
-def sweep_table(root: Path, plan: dict[str, list[str]]) -> list[dict]:
+def sweep_table(poll: Poll, plan: dict[str, list[str]]) -> list[dict]:
     """One row per experiment of the sweep: name, state, the params that differ from its
     baseline (the union over the sweep, so every row has the same columns), the main metrics."""
-    summaries = results(root, plan)
+    summaries = poll.results(plan)
     diffs = {}
     for name, summary in summaries.items():
         params = flatten((summary.get("params") or {}).get("params.yaml", {}).get("data", {}))
