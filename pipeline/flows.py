@@ -261,13 +261,14 @@ def experiments(
     problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
     if problems:
         raise StageFailed("; ".join(problems))
+    poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
     with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
         if workers:
             with guarded(root, plan):
-                run_queued(root, plan, workers, timeout_s)
+                run_queued(root, plan, workers, timeout_s, poll)
         else:
             run_in_turn(root, plan, timeout_s)
-        rows = sweep_table(Poll(root, logger.warning), plan)
+        rows = sweep_table(poll, plan)
     create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
     failed = [row["experiment"] for row in rows if row["state"] != "success"]
     if failed:
@@ -310,7 +311,9 @@ def ended(name: str, summary: dict, more: str = "") -> dict | State:
     return {"experiment": name, "state": summary["state"], **metric_values(summary)}
 
 
-def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float) -> None:
+def run_queued(
+    root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float, poll: Poll
+) -> None:
     """Queue the plan, start `workers` DVC queue workers, follow the experiments until all have
     ended (one running past `timeout_s` is killed); on any early end, stop the queue. Each
     experiment is a task, from when it leaves the queue to its end. A slow or failing poll
@@ -321,7 +324,6 @@ def run_queued(root: Path, plan: dict[str, list[str]], workers: int, timeout_s: 
         logger.info(f"{name} ({' '.join(sets)}): queued")
     ends = {name: Future() for name in plan}  # set as this flow's one poll sees each end
     followers, started, known = {}, {}, None
-    poll = Poll(root, logger.warning)
     try:
         start_workers(root, workers)
         while True:
