@@ -4,7 +4,9 @@ Every other stage depends on this stage's output, so plain `dvc repro`, `dvc rep
 `dvc exp run -S ...` and queued experiments run it first whenever params.yaml changed at all: an
 unknown key, a wrong type, a missing key or an invalid value stops the pipeline here, naming the key,
 before any stage runs or any output is touched. The output's bytes are the same for every valid
-file, so a valid edit reruns only the stages whose own params changed. No torch: about a second.
+file, so a valid edit reruns only the stages whose own params changed. No torch for the project's
+own models (about a second); a torchvision classifier is looked up in torchvision's registry, with
+the input size it needs and the weights it names, and a network of your own must be a train dep.
 
 Reads:  params.yaml
 Writes: <out>/params.json (the same bytes for every valid params.yaml)
@@ -14,15 +16,67 @@ Run:    python -m pipeline.check --out results/check      (or: dvc repro check)
 import argparse
 from pathlib import Path
 
-from pipeline import run
-from visionflow.params import load_params
+from pipeline import GateError, run
+from visionflow.errors import Unavailable
+from visionflow.params import OWN_MODELS, Train, load_params, read_file
+
+
+def network_problem(t: Train, image_size: int) -> str | None:
+    """The line refusing train.model / train.pretrained, or None."""
+    from visionflow import zoo  # torch: only for what is not the project's own
+
+    if zoo.is_import_path(t.model):
+        return own_code_problem(t.model)
+    problem = zoo.unknown_model(t.model)
+    if problem:
+        return problem
+    if t.pretrained and not zoo.WEIGHTS_NAME.match(t.pretrained) and t.pretrained != "imagenet":
+        if not Path(t.pretrained).is_file():
+            return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
+    if t.model in OWN_MODELS:
+        return None
+    try:
+        return zoo.size_problem(t.model, image_size, t.pretrained)
+    except Unavailable as e:  # an unknown weights name
+        return f"train.pretrained: {e}"
+
+
+def own_code_problem(model: str) -> str | None:
+    """A network of your own must be a file in the project that the train stage lists as a dep
+    (else DVC would not rerun train when it changes)."""
+    import importlib.util
+
+    module = model.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as e:
+        spec, why = None, f" ({e})"
+    else:
+        why = ""
+    if spec is None or not spec.origin or not Path(spec.origin).is_file():
+        return f"train.model: cannot find module {module} in the project{why}"
+    file = Path(spec.origin).resolve()
+    if not file.is_relative_to(Path.cwd()):
+        return f"train.model: {module} is {file}, outside the project: DVC cannot track it"
+    relative = file.relative_to(Path.cwd())
+    deps = ((read_file(Path("dvc.yaml")).get("stages") or {}).get("train") or {}).get("deps") or []
+    if not any(relative.is_relative_to(Path(dep)) for dep in deps if isinstance(dep, str)):
+        return (
+            f"train.model: {relative} is not among the train stage's deps in dvc.yaml: add "
+            f"`- {relative}` there, so that DVC reruns train when it changes"
+        )
+    return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Validate params.yaml before any stage runs.")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
-    load_params()  # raises ParamsError naming every bad key
+    params = load_params()  # raises ParamsError naming every bad key
+    if params.train.model not in OWN_MODELS or params.train.pretrained:
+        problem = network_problem(params.train, params.prepare.image_size)
+        if problem:
+            raise GateError(problem)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "params.json").write_text('{"params.yaml": "valid"}\n')
     print("check: params.yaml is valid")

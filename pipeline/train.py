@@ -44,7 +44,7 @@ from visionflow.engine import (
 )
 from visionflow.errors import DataError, Unavailable
 from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
-from visionflow.params import Train, load_params
+from visionflow.params import OWN_MODELS, Train, load_params
 from visionflow.training import (
     OutOfMemory,
     Progress,
@@ -60,6 +60,14 @@ from visionflow.training import (
     start_distributed,
     stepping,
 )
+from visionflow.zoo import (
+    WEIGHTS_NAME,
+    FineTune,
+    gradient_check,
+    input_size,
+    is_import_path,
+    preprocessing,
+)
 
 
 def run_of(params, cache: Path) -> dict:
@@ -69,7 +77,11 @@ def run_of(params, cache: Path) -> dict:
     depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
     budget resumes a finished run."""
     t = params.train
-    weights = Path(t.pretrained) if t.pretrained not in ("", "imagenet") else None
+    weights = (
+        None
+        if t.pretrained in ("", "imagenet") or WEIGHTS_NAME.match(t.pretrained)
+        else Path(t.pretrained)
+    )
     train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
     hashes = {
         "data": data.file_hash(cache / "manifest.json"),
@@ -151,36 +163,85 @@ def load_data(cache: Path, t: Train, device: torch.device) -> Data:
     return Data(x_train, y_train, x_val, y_val, data.read_cache_meta(cache))
 
 
-def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list]:
-    """The model on the device, and the mean/std its inputs are normalised with: the train
-    split's, or those the pretrained weights were trained with."""
-    model = build_model(
-        t.model, d.channels, len(d.meta.classes), d.image_size, t.dropout, t.checkpointing
-    )
-    mean, std = d.meta.mean, d.meta.std
-    if t.pretrained:
-        if t.model != "resnet18":
-            raise GateError(f"train.pretrained is for resnet18, not {t.model}")
-        try:
+def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list, dict]:
+    """The model on the device, the mean/std its inputs are normalised with (the train split's,
+    or those the pretrained weights were trained with) and, for a torchvision classifier, what
+    model.pt records of its network (`network_for`)."""
+    mean, std, network = d.meta.mean, d.meta.std, None
+    if t.model not in OWN_MODELS and not is_import_path(t.model):
+        network = network_for(t, d, say)
+        mean, std = network["mean"], network["std"]
+        if d.channels == 1:  # FineTune gives each of the network's channels its own
+            mean, std = [sum(mean) / 3], [sum(std) / 3]
+    try:
+        model = build_model(
+            t.model,
+            d.channels,
+            len(d.meta.classes),
+            d.image_size,
+            t.dropout,
+            t.checkpointing,
+            network,
+            "" if t.model == "resnet18" else t.pretrained,
+        )
+        if t.model == "resnet18" and t.pretrained:
             load_pretrained(model, t.pretrained)
-        except Unavailable as e:
-            raise GateError(f"train.pretrained: {e}") from None
-        tracked = Path("data/pretrained").resolve()
-        if t.pretrained != "imagenet" and not Path(t.pretrained).resolve().is_relative_to(tracked):
+            mean, std = IMAGENET_MEAN[: d.channels], IMAGENET_STD[: d.channels]
+            if d.channels == 1:
+                mean, std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
+    except Unavailable as e:
+        raise GateError(f"train.pretrained: {e}") from None
+    except ValueError as e:  # a network of your own that does not build or fit
+        raise GateError(str(e)) from None
+    if t.pretrained and not WEIGHTS_NAME.match(t.pretrained) and t.pretrained != "imagenet":
+        if not Path(t.pretrained).resolve().is_relative_to(Path("data/pretrained").resolve()):
             say(
                 f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
                 "tracks: DVC will not rerun train when that file changes"
             )
-        mean, std = IMAGENET_MEAN[: d.channels], IMAGENET_STD[: d.channels]
-        if d.channels == 1:
-            mean, std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return model, mean, std
+    return model, mean, std, network
 
 
-def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
+def network_for(t: Train, d: Data, say) -> dict:
+    """A torchvision classifier's input size (the weights' centre crop of the cache's side) and
+    the 3-channel mean/std it is fed with: its weights', or the train split's from scratch."""
+    if not t.pretrained:
+        return {
+            "input_size": d.image_size,
+            "mean": d.meta.mean * (3 // d.channels),
+            "std": d.meta.std * (3 // d.channels),
+            "weights": None,
+        }
+    try:
+        pre = preprocessing(t.model, t.pretrained)
+    except Unavailable as e:
+        raise GateError(f"train.pretrained: {e}") from None
+    if pre["interpolation"] != "bilinear":
+        say(
+            f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes; the cache is bilinear"
+        )
+    size = input_size(t.model, d.image_size, t.pretrained)
+    return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
+
+
+def checked_network(t: Train, model: nn.Module, d: Data, monitor: health.Monitor) -> None:
+    """A network of your own gets the checks a new model needs: its output shape (build_model's
+    dummy forward) and its gradients against finite differences, which go into health.json."""
+    if not is_import_path(t.model):
+        return
+    result = gradient_check(model, d.channels, d.image_size, len(d.meta.classes))
+    if not result["passed"]:
+        raise GateError(
+            f"train.model: {t.model} fails the gradient check: autograd and finite differences "
+            f"differ by {result['max_relative_error']:.2e} (relative, float64; at most 1e-4)"
+        )
+    monitor.model_check = {"gradient_check": result}
+
+
+def describe(t: Train, seed: int, d: "Data", mean: list, std: list, network: dict | None) -> dict:
     """What model.pt says about itself: plain values only, so it loads with weights_only=True.
     The export stage's model card states only what this (and the cache) say."""
     return {
@@ -195,6 +256,7 @@ def describe(t: Train, seed: int, d: "Data", mean: list, std: list) -> dict:
         "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
         "reducing_gap": d.meta.reducing_gap,  # and resized every image
         "checkpointing": t.checkpointing,
+        **({"network": network} if network else {}),  # a torchvision classifier's (`network_for`)
         # where mean/std come from (`model_for`)
         "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",
         "train": {
@@ -316,12 +378,21 @@ def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int
     return GateError(message)
 
 
-def trainer_for(model: nn.Module, t: Train, seed: int, rank: int, world: int) -> Trainer:
+def trainer_for(
+    model: nn.Module, t: Train, seed: int, rank: int, world: int, image_size: int
+) -> Trainer:
     """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
     the generators of the batch order and the augmentation, as train.* says."""
     device = next(model.parameters()).device
     net = stepping(model, world, t.compile)
-    optimizer = make_optimizer(t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov)
+    groups = None
+    if isinstance(model, FineTune) and t.pretrained:  # the new head, then the backbone
+        backbone_lr = t.lr * t.backbone_lr_factor
+        groups = [{"params": model.head_parameters(), "lr": t.lr}]
+        groups += [{"params": model.backbone(), "lr": backbone_lr}]
+    optimizer = make_optimizer(
+        t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov, groups
+    )
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
     )
@@ -339,6 +410,8 @@ def trainer_for(model: nn.Module, t: Train, seed: int, rank: int, world: int) ->
     shuffle = torch.Generator().manual_seed(seed)
     augment_rng = torch.Generator().manual_seed(seed + rank)
     augment = t.augment.model_dump()
+    if isinstance(model, FineTune) and model.size < image_size:
+        augment["resized_crop"] = model.size  # the weights' crop: random while training
     return Trainer(
         model,
         net,
@@ -352,6 +425,7 @@ def trainer_for(model: nn.Module, t: Train, seed: int, rank: int, world: int) ->
         t.auto_batch,
         rank,
         world,
+        compiled=t.compile,
     )
 
 
@@ -367,15 +441,16 @@ def main() -> None:
     device = device_for(t)
     verify_once(args.data, rank, world)
     d = load_data(args.data, t, device)
-    model, norm_mean, norm_std = model_for(t, d, device, say)
+    model, norm_mean, norm_std, network = model_for(t, d, device, say)
     norm = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
-    trainer = trainer_for(model, t, params.seed, rank, world)
-    model_meta = describe(t, params.seed, d, norm_mean, norm_std)
+    trainer = trainer_for(model, t, params.seed, rank, world, d.image_size)
+    model_meta = describe(t, params.seed, d, norm_mean, norm_std, network)
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
     run = run_of(params, args.data)
     folder = args.checkpoints / checkpoint.fingerprint(run)
     monitor = health.Monitor(health.Limits(**t.health.model_dump()), d.meta.classes, say)
+    checked_network(t, model, d, monitor)
     progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
     say(starting(t, trainer, d, device))
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
@@ -389,6 +464,8 @@ def main() -> None:
             if t.early_stop and progress.stale >= t.early_stop:
                 say(f"train: early stop, no better val accuracy for {progress.stale} epochs")
                 break
+            if isinstance(model, FineTune) and t.freeze_epochs:
+                trainer.freeze(epoch <= t.freeze_epochs)  # the new head alone, then all
             try:
                 train_metrics, record = train_and_validate(trainer, d, norm, epoch, monitor)
             except (OutOfMemory, NonFiniteLoss) as e:
@@ -439,12 +516,12 @@ def train_and_validate(
     seconds = time.perf_counter() - started
     sync_buffers(trainer.model, trainer.world)
     val_metrics, _ = evaluate(trainer.model, d.x_val, d.y_val, mean, std, 1024)
-    lr = trainer.lr
+    lr, backbone_lr = trainer.lr, trainer.backbone_lr
     step_scheduler(trainer.scheduler, val_metrics["loss"])
-    device = mean.device
-    return train_metrics, epoch_record(
-        train_metrics, val_metrics, lr, seconds, peak_memory_mb(device)
-    )
+    record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))
+    if backbone_lr is not None:  # fine-tuning: the backbone's own rate (train.backbone_lr_factor)
+        record["lr_backbone"] = backbone_lr
+    return train_metrics, record
 
 
 def save_epoch(

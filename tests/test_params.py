@@ -175,7 +175,7 @@ def test_values_no_stage_could_use_are_refused_here():
     """Refused by check, before prepare and sanity rerun for nothing."""
     with pytest.raises(
         ParamsError,
-        match=r"^invalid params:\n  train.pretrained is for model resnet18, not simple_cnn$",
+        match=r"^invalid params:\n  train.pretrained is for resnet18 and torchvision.s classifiers, not simple_cnn$",
     ):
         parse_params(params_with(train={"pretrained": "imagenet"}))
     with pytest.raises(ParamsError, match=r"train.lr: Input should be a finite number"):

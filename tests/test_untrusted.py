@@ -242,7 +242,7 @@ def test_a_foreign_model_pt_is_refused_before_the_network_is_built(
         ),
         "model": (
             {**saved, "meta": {**saved["meta"], "model": "resnet9000"}},
-            "model 'resnet9000' is none of simple_cnn",
+            "model 'resnet9000' is none of the project's or torchvision's",
         ),
         "meta": ({"state_dict": saved["state_dict"]}, "its meta lacks model, in_channels"),
     }

@@ -19,19 +19,24 @@ def augment(
     hflip: bool = False,
     rotation: float = 0.0,
     color_jitter: float = 0.0,
+    resized_crop: int = 0,
 ) -> torch.Tensor:
     """Float NCHW images in 0..1 -> augmented copies (same shape, still in 0..1).
 
     crop_padding: random shift of up to this many px each way (zeros come in at the edges);
     hflip: mirror half of the images; rotation: uniform in +-degrees; color_jitter: brightness and
-    contrast factors uniform in 1 +- this.
+    contrast factors uniform in 1 +- this. resized_crop: a random resized crop of this side in
+    place of the shift, as torchvision's RandomResizedCrop draws it (8% to all of the area, an
+    aspect ratio of 3/4 to 4/3): what fine-tuning feeds a pretrained network.
     """
     n, _, height, width = x.shape
 
     def uniform(low: float, high: float) -> torch.Tensor:
         return (torch.rand(n, generator=generator) * (high - low) + low).to(x.device)
 
-    if crop_padding or rotation:
+    if resized_crop:
+        x = random_resized_crop(x, resized_crop, uniform(-rotation, rotation), uniform)
+    elif crop_padding or rotation:
         angle = uniform(-rotation, rotation) * (math.pi / 180)
         shift = torch.randint(-crop_padding, crop_padding + 1, (2, n), generator=generator).to(
             x.device
@@ -60,3 +65,20 @@ def augment(
         mean = x.mean(dim=(1, 2, 3), keepdim=True)
         x = ((x - mean) * contrast + mean).clamp(0, 1)
     return x
+
+
+def random_resized_crop(x: torch.Tensor, size: int, degrees: torch.Tensor, uniform) -> torch.Tensor:
+    """Each image's random region (area and aspect ratio as RandomResizedCrop draws them,
+    clipped to the image), rotated by `degrees`, resampled to `size` x `size` by one
+    `grid_sample` for the whole batch."""
+    n = x.shape[0]
+    area, ratio = uniform(0.08, 1.0), torch.exp(uniform(math.log(3 / 4), math.log(4 / 3)))
+    sx = torch.sqrt(area * ratio).clamp(max=1.0).view(n, 1, 1)  # shares of the width, height
+    sy = torch.sqrt(area / ratio).clamp(max=1.0).view(n, 1, 1)
+    dx, dy = uniform(-1, 1).view(n, 1, 1) * (1 - sx), uniform(-1, 1).view(n, 1, 1) * (1 - sy)
+    angle = degrees.view(n, 1, 1) * (math.pi / 180)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    u = ((torch.arange(size, device=x.device) * 2 + 1) / size - 1).view(1, 1, size)
+    v = ((torch.arange(size, device=x.device) * 2 + 1) / size - 1).view(1, size, 1)
+    grid = torch.stack([sx * (cos * u - sin * v) + dx, sy * (sin * u + cos * v) + dy], dim=-1)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)

@@ -242,6 +242,7 @@ class Monitor:
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
         self.data_wait = 0.0
+        self.model_check: dict = {}  # a network of your own: its gradient check (pipeline/train.py)
 
     def steps_wanted(self) -> int:
         return max(0, self.config.first_steps - len(self.losses))
@@ -286,6 +287,7 @@ class Monitor:
             "overfit_from_epoch": overfit,
             "messages": [f.message for f in self.findings],
             "details": [asdict(f) for f in self.findings],
+            **self.model_check,
         }
 
     def summary(self, where: str) -> str:

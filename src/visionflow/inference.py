@@ -207,6 +207,7 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
     import torch
 
+    from visionflow import zoo
     from visionflow.models import MODELS, model_from
 
     try:
@@ -218,7 +219,13 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
             "model.onnx instead)"
         ) from None
     meta = saved.get("meta") if isinstance(saved, dict) else None
-    problems = meta_problems(meta, MODELS)
+    name = meta.get("model") if isinstance(meta, dict) else None
+    if isinstance(name, str) and zoo.is_import_path(name):
+        raise ModelError(
+            f"{path} is a network of the project's own code ({name}), which building it would "
+            "import and run: not loaded (ask for the model.onnx instead)"
+        )
+    problems = meta_problems(meta, [*MODELS, *zoo.registry()])
     if problems:  # checked before the network is built: a forged image_size could fill memory
         raise ModelError(f"{path} is not a checkpoint the train stage writes: {problems}")
     try:
@@ -237,7 +244,7 @@ def meta_problems(meta, models) -> str:
     if not isinstance(meta, dict) or any(k not in meta for k in keys):
         return f"its meta lacks {', '.join(k for k in keys if k not in (meta or {}))}"
     if meta["model"] not in models:
-        return f"model {meta['model']!r} is none of {', '.join(models)}"
+        return f"model {meta['model']!r} is none of the project's or torchvision's classifiers"
     if meta["in_channels"] not in (1, 3):
         return f"in_channels must be 1 or 3: {meta['in_channels']!r}"
     spec = preprocess_spec(

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from visionflow import faults
+from visionflow import faults, zoo
 from visionflow.errors import DiskFull, Unavailable
 
 
@@ -173,36 +173,18 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def load_pretrained(model: nn.Module, source: str) -> None:
-    """ResNet-18 weights from a local file (a state_dict), or `imagenet` from torchvision's hub.
+    """ResNet-18 weights from a local file (a state_dict), or by torchvision's weights name
+    (`imagenet` is IMAGENET1K_V1), downloaded once into torch's cache.
 
     The classifier head is left as built (its class count differs); a 1-channel input gets the
     mean of the pretrained RGB filters.
     """
-    if source == "imagenet":
-        import torchvision
-
-        try:
-            weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.get_state_dict(
-                progress=True
-            )
-        except OSError as e:  # offline (URLError), or the download cache unwritable
-            raise Unavailable(
-                f"cannot download the ImageNet weights ({e}); when offline, put a resnet18 "
-                "state_dict in data/pretrained/ and name that file instead"
-            ) from None
+    if source == "imagenet" or zoo.WEIGHTS_NAME.match(source):
+        weights = zoo.download("resnet18", "IMAGENET1K_V1" if source == "imagenet" else source)
     else:
-        if not Path(source).is_file():
-            raise Unavailable(
-                f"{source} is not a file (a resnet18 state_dict, in data/pretrained/)"
-            )
-        try:
-            weights = torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as e:  # a truncated file, or a pickle that is not plain tensors
-            raise Unavailable(
-                f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
-            ) from None
+        weights = zoo.read_weights(source)
     weights = {k: v for k, v in weights.items() if not k.startswith("fc.")}
-    if model.conv1.in_channels == 1:
+    if model.conv1.in_channels == 1 and "conv1.weight" in weights:
         weights["conv1.weight"] = weights["conv1.weight"].mean(dim=1, keepdim=True)
     missing, unexpected = model.load_state_dict(_into(model, weights), strict=False)
     if unexpected or [k for k in missing if not k.startswith("fc.")]:
@@ -227,20 +209,32 @@ def build_model(
     image_size: int,
     dropout: float = 0.0,
     checkpointing: bool = False,
+    network: dict | None = None,
+    pretrained: str = "",
 ) -> nn.Module:
-    """Build a model and prove with one dummy forward that the shapes fit."""
-    extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
-    model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
+    """Build a model and prove with one dummy forward that the shapes fit. `name` is one of the
+    project's (MODELS), a torchvision classifier (`network` then says its input size and the
+    3-channel mean/std its weights want; `pretrained` loads them: zoo.py), or an import path."""
+    if name in MODELS:
+        extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
+        model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
+    elif zoo.is_import_path(name):
+        model = zoo.import_network(name, in_channels, num_classes, image_size)
+    else:
+        norm = (network["mean"], network["std"])
+        model = zoo.finetune(
+            name, in_channels, num_classes, network["input_size"], norm, pretrained
+        )
     dummy = torch.zeros(2, in_channels, image_size, image_size)
     try:
         with torch.no_grad():
             logits = model.eval()(dummy)
     except RuntimeError as e:
         raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {e}") from None
-    if logits.shape != (2, num_classes):
+    if not torch.is_tensor(logits) or logits.shape != (2, num_classes):
+        shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
         raise ValueError(
-            f"{name} gives {tuple(logits.shape)} for input {tuple(dummy.shape)}, "
-            f"expected (2, {num_classes})"
+            f"{name} gives {shape} for input {tuple(dummy.shape)}, expected (2, {num_classes})"
         )
     return model.train()
 
@@ -289,6 +283,7 @@ def model_from(saved: dict) -> tuple[nn.Module, dict]:
         meta["image_size"],
         meta["dropout"],
         meta.get("checkpointing", False),  # wrappers change the state_dict's key names
+        meta.get("network"),  # a torchvision classifier's input size and normalisation
     )
     model.load_state_dict(saved["state_dict"])
     return model.eval(), meta

@@ -15,6 +15,7 @@ of dvc.yaml beside the file (DVC refuses the pipeline then, naming neither).
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -123,9 +124,17 @@ class Health(Section):
     overfit_epochs: int = Field(3, ge=1)
 
 
+OWN_MODELS = ("simple_cnn", "small_resnet", "resnet18")
+MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")  # a name, or package.module:Name
+
+
 class Train(Section):
-    model: Literal["simple_cnn", "small_resnet", "resnet18"]
+    # the project's own, any torchvision classifier (the check stage asks torchvision), or an
+    # import path package.module:Name
+    model: str
     pretrained: str
+    freeze_epochs: int = Field(0, ge=0)  # pretrained: train only the new head for this many epochs
+    backbone_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: the backbone's lr is lr x this
     checkpointing: bool
     device: Literal["auto", "cpu", "cuda"]
     epochs: int = Field(ge=1)
@@ -155,10 +164,40 @@ class Train(Section):
     augment: Augment
     health: Health
 
+    @field_validator("model")
+    @classmethod
+    def model_name(cls, name: str) -> str:
+        if not MODEL_NAME.match(name):
+            raise ValueError(
+                f"{name!r} is not a model name: simple_cnn, small_resnet, resnet18, a torchvision "
+                "classifier (resnet50, efficientnet_b0, ...) or package.module:Name"
+            )
+        return name
+
     @model_validator(mode="after")
-    def pretrained_needs_resnet18(self):
-        if self.pretrained and self.model != "resnet18":
-            raise ValueError(f"train.pretrained is for model resnet18, not {self.model}")
+    def fine_tuning_needs_a_pretrained_network(self):
+        own = self.model in OWN_MODELS
+        if self.pretrained and own and self.model != "resnet18":
+            raise ValueError(
+                f"train.pretrained is for resnet18 and torchvision's classifiers, not {self.model}"
+            )
+        if self.pretrained and ":" in self.model:
+            raise ValueError(
+                f"train.pretrained: {self.model} is a network of your own: it loads its own weights"
+            )
+        for key, value, off in (
+            ("freeze_epochs", self.freeze_epochs, 0),
+            ("backbone_lr_factor", self.backbone_lr_factor, 1.0),
+        ):
+            if value != off and (own or not self.pretrained or ":" in self.model):
+                raise ValueError(
+                    f"train.{key} is for a torchvision classifier with train.pretrained "
+                    f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
+                )
+        if self.checkpointing and self.model not in ("small_resnet", "resnet18"):
+            raise ValueError(
+                f"train.checkpointing is for small_resnet and resnet18, not {self.model}"
+            )
         return self
 
 

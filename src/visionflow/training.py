@@ -94,10 +94,27 @@ class Trainer:
     rank: int = 0
     world: int = 1
     retried: bool = False  # auto_batch retries once per run
+    compiled: bool = False  # train.compile: `net` is compiled
 
     @property
     def lr(self) -> float:
+        """The learning rate (the head's, when fine-tuning: `backbone_lr` is the backbone's)."""
         return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def backbone_lr(self) -> float | None:
+        groups = self.optimizer.param_groups
+        return groups[1]["lr"] if len(groups) > 1 else None
+
+    def freeze(self, frozen: bool) -> None:
+        """Fine-tuning (zoo.FineTune): train the new head alone (the backbone's weights and
+        BatchNorm statistics kept), or the whole network. DDP takes the parameters that need
+        gradients when it is made: it is made again for the new set."""
+        if self.model.frozen == frozen:
+            return
+        self.model.freeze(frozen)
+        if self.world > 1:
+            self.net = stepping(self.model, self.world, self.compiled)
 
     def state(self) -> dict:
         return {

@@ -1,0 +1,309 @@
+"""Every classifier in torchvision's registry, fine-tuned as the field does it: built by name with
+a new head for the project's classes, pretrained weights from a file in torchvision's key layout
+(`.pth`, `.pt`, `.safetensors`) or by weights name (`DEFAULT`, `IMAGENET1K_V2`: downloaded once
+into torch's cache, checked by its hash), and the weights' own preprocessing.
+
+The network is wrapped in `FineTune`, which takes what the rest of the project feeds every model
+(uint8 images of the cache's size, scaled to 0..1 and normalised with the mean/std that model.pt
+records) and centre-crops them to the network's input size, as the weights' transforms do; the
+training loop hands it random resized crops of that size already (augment.py), for which the crop
+does nothing. So predict, serve, the exports and the ONNX client feed it as they feed any model.
+
+A network of your own is `package.module:Name`, built as `Name(in_channels=, num_classes=,
+image_size=)`; `check_network` gives it the checks a new model needs (output shape, gradients).
+"""
+
+import difflib
+import importlib
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from visionflow.errors import Unavailable
+
+OWN = ("simple_cnn", "small_resnet", "resnet18")  # models.MODELS: the project's own networks
+WEIGHTS_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DEFAULT, IMAGENET1K_V2, ...
+IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:Name
+# builders whose training forward also returns auxiliary logits: built without them (their
+# weights in a pretrained file are left out)
+NO_AUX = {"inception_v3": {"aux_logits": False}, "googlenet": {"aux_logits": False}}
+AUX_KEYS = ("AuxLogits.", "aux1.", "aux2.")
+# builders with a fixed input size (position embeddings, partitions): it must be the weights'
+FIXED_SIZE = ("vit_", "maxvit_")
+
+
+def registry() -> list[str]:
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def is_import_path(name: str) -> bool:
+    return bool(IMPORT_PATH.match(name))
+
+
+def unknown_model(name: str) -> str | None:
+    """The line refusing `train.model: name` (None: it names a network)."""
+    if name in OWN or is_import_path(name):
+        return None
+    names = registry()
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, [*OWN, *names], n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return (
+        f"train.model: unknown model {name!r}{hint} (the project's {', '.join(OWN)}, any of "
+        "torchvision's classifiers: torchvision.models.list_models(), or package.module:Name)"
+    )
+
+
+def weights_enum(arch: str, name: str):
+    """torchvision's weights `name` of `arch` (DEFAULT when `name` is a file or empty: its
+    preprocessing is what a file in torchvision's layout was trained with, ImageNet's)."""
+    from torchvision.models import get_model_weights
+
+    family = get_model_weights(arch)
+    if not WEIGHTS_NAME.match(name or ""):
+        return family.DEFAULT
+    try:
+        return family[name]
+    except KeyError:
+        known = ", ".join(["DEFAULT", *family.__members__])
+        raise Unavailable(f"{arch} has no weights {name!r}; it has {known}") from None
+
+
+def preprocessing(arch: str, pretrained: str) -> dict:
+    """What the weights expect: ImageNet's mean/std (3 channels), the crop's share of the resize
+    side (224 of 256: 0.875), the interpolation, and their name."""
+    weights = weights_enum(arch, pretrained)
+    transforms = weights.transforms()
+    return {
+        "weights": str(weights) if WEIGHTS_NAME.match(pretrained) else Path(pretrained).name,
+        "mean": list(transforms.mean),
+        "std": list(transforms.std),
+        "crop_ratio": transforms.crop_size[0] / transforms.resize_size[0],
+        "interpolation": transforms.interpolation.value,
+        "min_size": list(weights.meta.get("min_size", (1, 1))),
+        "crop_size": transforms.crop_size[0],
+        "resize_size": transforms.resize_size[0],
+    }
+
+
+def input_size(arch: str, image_size: int, pretrained: str) -> int:
+    """The side of the network's input: the cache's side, or with pretrained weights the share
+    of it their centre crop keeps (a 256 px cache feeds a 224 px crop to ImageNet weights)."""
+    if not pretrained or arch in OWN or is_import_path(arch):
+        return image_size
+    return round(image_size * preprocessing(arch, pretrained)["crop_ratio"])
+
+
+def size_problem(arch: str, image_size: int, pretrained: str) -> str | None:
+    """The line refusing a cache size the architecture cannot take, naming the size it needs."""
+    if arch in OWN or is_import_path(arch):
+        return None
+    pre = preprocessing(arch, pretrained)
+    size = input_size(arch, image_size, pretrained)
+    crop, resize = pre["crop_size"], pre["resize_size"]
+    via = f"prepare.image_size {image_size} gives it {size} px"
+    wanted = resize if pretrained else crop
+    if arch.startswith(FIXED_SIZE) and size != crop:
+        return f"train.model: {arch} takes {crop} px inputs only; {via}: set prepare.image_size to {wanted}"
+    low = max(pre["min_size"])
+    if size < low:
+        need = round(low / pre["crop_ratio"]) if pretrained else low
+        return f"train.model: {arch} needs inputs of at least {low} px; {via}: set prepare.image_size to {need} or more"
+    return None
+
+
+def build(arch: str, num_classes: int) -> nn.Module:
+    """torchvision's `arch`, randomly initialised, with a head for `num_classes`."""
+    from torchvision.models import get_model
+
+    return get_model(arch, weights=None, num_classes=num_classes, **NO_AUX.get(arch, {}))
+
+
+def head_keys(arch: str, num_classes: int, built: nn.Module) -> set[str]:
+    """The state_dict keys of the head: those whose shape follows the class count (the same
+    network built for one class more differs there only; built on the meta device: no memory)."""
+    try:
+        with torch.device("meta"):
+            other = build(arch, num_classes + 1).state_dict()
+    except (NotImplementedError, RuntimeError):  # a builder that computes with tensors
+        other = build(arch, num_classes + 1).state_dict()
+    return {k for k, v in built.state_dict().items() if other[k].shape != v.shape}
+
+
+def read_weights(source: str) -> dict:
+    """A state_dict from a file: `.safetensors`, or torch's format read with weights_only."""
+    path = Path(source)
+    if not path.is_file():
+        raise Unavailable(f"{source} is not a file (a state_dict in torchvision's layout)")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        weights = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a state_dict, pickled objects
+        raise Unavailable(
+            f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
+        ) from None
+    if isinstance(weights, dict) and isinstance(weights.get("state_dict"), dict):
+        weights = weights["state_dict"]  # a checkpoint that holds one
+    if not isinstance(weights, dict):
+        raise Unavailable(f"{source} holds a {type(weights).__name__}, not a state_dict")
+    return weights
+
+
+def download(arch: str, name: str) -> dict:
+    """torchvision's weights `name`, from torch's cache or downloaded into it (hash checked)."""
+    weights = weights_enum(arch, name)
+    try:
+        return weights.get_state_dict(progress=True, check_hash=True)
+    except OSError as e:  # offline (URLError), or the cache unwritable
+        target = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
+        raise Unavailable(
+            f"cannot download {weights} ({type(e).__name__}): offline, fetch {weights.url} "
+            f"elsewhere and put it at {target}, or name a state_dict file in data/pretrained/"
+        ) from None
+
+
+def load_into(net: nn.Module, arch: str, weights: dict, head: set[str], source: str) -> None:
+    """Every weight of the file but the head's (the class count differs); a file for another
+    architecture is refused with the keys that do not fit."""
+    mine = net.state_dict()
+    weights = {k: v for k, v in weights.items() if not k.startswith(AUX_KEYS) or k in mine}
+    missing = sorted(k for k in mine if k not in weights and k not in head)
+    unexpected = sorted(k for k in weights if k not in mine)
+    shapes = sorted(
+        k for k in weights if k in mine and k not in head and weights[k].shape != mine[k].shape
+    )
+    if missing or unexpected or shapes:
+        found = [
+            f"{what} {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} ({len(keys)})"
+            for what, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("other shapes", shapes),
+            )
+            if keys
+        ]
+        raise Unavailable(f"{source} does not fit {arch}: {'; '.join(found)}")
+    net.load_state_dict({k: v for k, v in weights.items() if k not in head}, strict=False)
+
+
+class FineTune(nn.Module):
+    """A torchvision network as the project feeds it (see the module's docstring): centre-crop
+    to `size`, one channel to the three the network takes (each with the weights' own
+    normalisation, from the project's one-channel mean/std), then the network.
+
+    `freeze(True)` keeps the backbone (everything but the `head` keys) as it is: no gradients,
+    and its BatchNorm statistics frozen (its norms stay in eval mode while the rest trains)."""
+
+    def __init__(self, net: nn.Module, size: int, head: set[str], gray: tuple | None = None):
+        super().__init__()
+        self.net, self.size, self.head, self.frozen = net, size, head, False
+        self.gray = gray is not None
+        if gray is not None:  # the network's 3-channel (mean, std); the project normalised
+            mean3, std3 = torch.tensor(gray[0]), torch.tensor(gray[1])  # with their averages
+            scale, shift = std3.mean() / std3, (mean3.mean() - mean3) / std3
+            self.register_buffer("scale", scale.view(1, 3, 1, 1), persistent=False)
+            self.register_buffer("shift", shift.view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, left = (x.shape[-2] - self.size) // 2, (x.shape[-1] - self.size) // 2
+        x = x[..., top : top + self.size, left : left + self.size]
+        if self.gray:
+            x = x.expand(-1, 3, -1, -1) * self.scale + self.shift
+        return self.net(x)
+
+    def backbone(self) -> list[nn.Parameter]:
+        return [p for name, p in self.net.named_parameters() if name not in self.head]
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        return [p for name, p in self.net.named_parameters() if name in self.head]
+
+    def freeze(self, frozen: bool) -> None:
+        self.frozen = frozen
+        for p in self.backbone():
+            p.requires_grad_(not frozen)
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> "FineTune":
+        super().train(mode)
+        if self.frozen:
+            heads = {name.rpartition(".")[0] for name in self.head}
+            for name, module in self.net.named_modules():
+                if isinstance(module, nn.modules.batchnorm._NormBase) and name not in heads:
+                    module.eval()
+        return self
+
+
+def finetune(
+    arch: str, in_channels: int, num_classes: int, size: int, norm: tuple, pretrained: str = ""
+) -> FineTune:
+    """torchvision's `arch` with a new head, the pretrained weights if any (a file, or a weights
+    name), wrapped to take the project's inputs. `norm` is the network's 3-channel (mean, std)
+    (a 1-channel project normalises with their averages)."""
+    net = build(arch, num_classes)
+    head = head_keys(arch, num_classes, net)
+    if pretrained:
+        weights = download(arch, pretrained) if WEIGHTS_NAME.match(pretrained) else None
+        weights = weights if weights is not None else read_weights(pretrained)
+        load_into(net, arch, weights, head, pretrained)
+        if arch in NO_AUX and hasattr(net, "transform_input"):
+            net.transform_input = True  # as torchvision does for these weights
+    gray = norm if in_channels == 1 else None
+    return FineTune(net, size, head, gray)
+
+
+def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """`package.module:Name(in_channels=, num_classes=, image_size=)`, imported from the project."""
+    module_name, _, name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        builder = getattr(module, name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"train.model: cannot import {path} ({type(e).__name__}: {e})") from None
+    try:
+        return builder(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
+    except Exception as e:
+        raise ValueError(
+            f"train.model: {path}(in_channels={in_channels}, num_classes={num_classes}, "
+            f"image_size={image_size}) failed: {type(e).__name__}: {e}"
+        ) from None
+
+
+def gradient_check(model: nn.Module, in_channels: int, size: int, num_classes: int) -> dict:
+    """Autograd against central finite differences, in float64, on a few entries of the first,
+    middle and last parameter tensors (eval mode: dropout draws nothing); the worst relative
+    error, and whether it is within 1e-4."""
+    model = model.double().eval()
+    x = torch.rand(
+        2, in_channels, size, size, dtype=torch.float64, generator=torch.Generator().manual_seed(0)
+    )
+    y = torch.arange(2) % num_classes
+    loss = lambda: nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    params = [p for p in model.parameters() if p.requires_grad]
+    picked = {id(p): p for p in (params[0], params[len(params) // 2], params[-1])}.values()
+    model.zero_grad()
+    loss().backward()
+    worst, eps = 0.0, 1e-6
+    with torch.no_grad():
+        for p in picked:
+            flat, grad = p.view(-1), p.grad.view(-1)
+            for i in torch.linspace(0, flat.numel() - 1, min(3, flat.numel())).long().tolist():
+                saved = flat[i].item()
+                flat[i] = saved + eps
+                up = loss().item()
+                flat[i] = saved - eps
+                down = loss().item()
+                flat[i] = saved
+                numeric = (up - down) / (2 * eps)
+                error = abs(numeric - grad[i].item()) / max(1e-6, abs(numeric), abs(grad[i].item()))
+                worst = max(worst, error)
+    model.zero_grad()
+    model.float()
+    return {"max_relative_error": worst, "passed": worst <= 1e-4}
