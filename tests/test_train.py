@@ -923,3 +923,24 @@ def test_a_resumed_gpu_run_draws_the_dropout_an_uninterrupted_one_draws():
     torch.cuda.manual_seed_all(123)  # a fresh process: other draws
     trainer.restore(saved)
     assert torch.equal(F.dropout(ones, 0.5), uninterrupted)
+
+
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread,
+    the reproduced project's builder included)."""
+    status = Path("/proc/self/status").read_text()
+    return int(
+        next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8
+    )
+
+
+@pytest.mark.slow
+def test_the_model_and_every_checkpoint_follow_the_umask_like_the_other_outputs(reproduced_base):
+    """`dvc repro` wrote model.pt and the checkpoints 0600 (mkstemp): no other user or serving
+    container could read the trained model, while every other output was 0644."""
+    train = reproduced_base / "results/train"
+    written = [train / "model.pt", *sorted((reproduced_base / "checkpoints/train").rglob("*.pt"))]
+    assert len(written) > 2  # the model, an epoch's checkpoint, the best one
+    modes = {str(p.relative_to(reproduced_base)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert set(modes.values()) == {oct(0o666 & ~umask())}, modes
+    assert (train / "health.json").stat().st_mode & 0o777 == 0o666 & ~umask()  # as the others
