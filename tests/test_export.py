@@ -1,4 +1,5 @@
 import json
+import sys
 import warnings
 
 import numpy as np
@@ -7,6 +8,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from tests.conftest import ROOT
 from visionflow import loading
 from visionflow.export import (
     check_formats,
@@ -164,3 +166,21 @@ def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pi
         (name, n) for name in predictors for n in (1, 4) for _ in range(5)
     )
     assert all(0 < ms < 60_000 for row in table.values() for ms in row.values())
+
+
+@pytest.mark.slow
+def test_the_same_commit_exported_in_another_folder_gives_the_same_files(reproduced_base, tmp_path):
+    """torch recorded the source lines of each traced node, with this checkout's and its venv's
+    absolute paths, and they went into every node of model.onnx and model.int8.onnx and into
+    model.pt2: another folder gave another sha256 (and a user's home path shipped in them)."""
+    from tests.conftest import copy_project, sh
+
+    project = copy_project(reproduced_base, tmp_path / "elsewhere")
+    sh(
+        project, sys.executable, "-m", "pipeline.export", "--model", "results/train/model.pt",
+        "--data", "data/prepared", "--metrics", "results/evaluate/metrics.json", "--out", "again",
+    )  # fmt: skip
+    for name in ("model.onnx", "model.int8.onnx", "model.pt2"):
+        again = (project / "again" / name).read_bytes()
+        assert str(project).encode() not in again and str(ROOT).encode() not in again, name
+        assert again == (reproduced_base / "results/export" / name).read_bytes(), name

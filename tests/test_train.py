@@ -1,6 +1,7 @@
 """The training engine and resumable checkpoints."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -19,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.conftest import ROOT, write_params
-from visionflow import checkpoint, data, loading
+from visionflow import checkpoint, data, health, loading
 from visionflow.augment import augment
 from visionflow.engine import (
     NonFiniteLoss,
@@ -95,6 +96,63 @@ def test_fp16_steps_go_through_the_grad_scaler():
     )
     assert metrics["steps"] == 4 and metrics["skipped_steps"] == 0
     assert scaler.state_dict()["_growth_tracker"] == 4  # four steps went through the scaler
+
+
+def overflowing_scaler() -> torch.amp.GradScaler:
+    """fp16's scale calibrating, forced: 2**40 overflows the first step's fp16 gradients (the
+    logits' pass 65504), and one back-off brings the scale to 1024, where none overflow."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**40, backoff_factor=2.0**-30)
+
+
+def sgd_after_an_early_overflow(make) -> tuple[list[torch.Tensor], dict]:
+    x, y = toy()
+    model = fresh_model()
+    split = Split(x, y, MEAN, STD, torch.Generator().manual_seed(0))
+    metrics = train_one_epoch(
+        model, make(model), split, Step(16, dtype=torch.float16), scaler=overflowing_scaler()
+    )
+    return [p.detach() for p in model.parameters()], metrics
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_sgd_after_an_fp16_overflow_on_its_first_step_ends_where_plain_sgd_does(fused):
+    """Fused SGD allocates its momentum buffers uninitialised on its first step and kept them
+    when the scaler skipped that step: the weights reached 1.5e36 (plain SGD: 0.33)."""
+    project = partial(make_optimizer, "sgd", lr=1e-2, weight_decay=0, momentum=0.9, nesterov=False)
+    makers = {
+        None: lambda m: project(model=m),  # whatever make_optimizer chooses
+        True: lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, fused=True),
+    }
+    weights, metrics = sgd_after_an_early_overflow(makers[fused])
+    plain, _ = sgd_after_an_early_overflow(
+        lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, foreach=False)
+    )
+    assert metrics["steps"] == 4 and metrics["skipped_steps"] == 1  # the overflow, skipped
+    for w, p in zip(weights, plain, strict=True):
+        assert torch.allclose(w, p, rtol=1e-5, atol=1e-7), (w.abs().max(), p.abs().max())
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_an_fp16_overflow_is_a_skipped_step_not_an_exploding_gradient(name):
+    """The overflowed step measured no gradient norm (it was the scale's, and step 0 of each
+    epoch is sampled): the epoch's norms are finite and the health check finds nothing."""
+    x, y = toy()
+    model = fresh_model()
+    optimizer = make_optimizer(name, model, 1e-2, 0, 0.9, False)
+    split = Split(x, y, MEAN, STD, torch.Generator().manual_seed(0))
+    scaler = overflowing_scaler()
+    for epoch in range(2):
+        metrics = train_one_epoch(
+            model, optimizer, split, Step(16, dtype=torch.float16), scaler=scaler, epoch=epoch
+        )
+        assert metrics["skipped_steps"] == (1 if epoch == 0 else 0)
+        norms = metrics["layer_grad_norms"]
+        assert set(norms) == {n for n, _ in model.named_parameters()}
+        assert all(math.isfinite(v) for v in [metrics["grad_norm"], *norms.values()]), metrics
+        limits = params_defaults()["train"]["health"]
+        assert (
+            health.gradients(epoch, norms, limits["max_grad_norm"], limits["min_grad_norm"]) is None
+        )
 
 
 def test_overfitting_a_small_batch_drives_the_loss_to_zero():
@@ -865,3 +923,24 @@ def test_a_resumed_gpu_run_draws_the_dropout_an_uninterrupted_one_draws():
     torch.cuda.manual_seed_all(123)  # a fresh process: other draws
     trainer.restore(saved)
     assert torch.equal(F.dropout(ones, 0.5), uninterrupted)
+
+
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every thread,
+    the reproduced project's builder included)."""
+    status = Path("/proc/self/status").read_text()
+    return int(
+        next(line.split()[1] for line in status.splitlines() if line.startswith("Umask:")), 8
+    )
+
+
+@pytest.mark.slow
+def test_the_model_and_every_checkpoint_follow_the_umask_like_the_other_outputs(reproduced_base):
+    """`dvc repro` wrote model.pt and the checkpoints 0600 (mkstemp): no other user or serving
+    container could read the trained model, while every other output was 0644."""
+    train = reproduced_base / "results/train"
+    written = [train / "model.pt", *sorted((reproduced_base / "checkpoints/train").rglob("*.pt"))]
+    assert len(written) > 2  # the model, an epoch's checkpoint, the best one
+    modes = {str(p.relative_to(reproduced_base)): oct(p.stat().st_mode & 0o777) for p in written}
+    assert set(modes.values()) == {oct(0o666 & ~umask())}, modes
+    assert (train / "health.json").stat().st_mode & 0o777 == 0o666 & ~umask()  # as the others

@@ -174,7 +174,8 @@ def train_one_epoch(
     record_losses: int = 0,
 ) -> dict:
     """One shuffled pass: for each optimizer step, for each of its micro-batches, forward, loss,
-    backward; then unscale, clip, step, zero. Returns the epoch's numbers (`EpochStats.result`).
+    backward; then unscale, clip, step, zero (an fp16 overflow: skipped before the optimizer).
+    Returns the epoch's numbers (`EpochStats.result`).
 
     Each micro-batch's loss is weighted by its share of the step's images, so a step is the mean
     over its images as one big batch would take it (an epoch's last, short micro-batch weighs
@@ -204,7 +205,14 @@ def train_one_epoch(
             with stats.memory_said():  # said at the next step's sync, or the epoch's end
                 if flat is not None:
                     all_reduce_gradients(model, flat, split.world)  # what no_sync held back
-                stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample_layers))
+                scaler.unscale_(optimizer)  # the true gradients: checked, clipped, measured
+                if overflowed(optimizer, scaler):  # fp16: skipped before the optimizer sees it
+                    stats.overflowed()
+                else:
+                    stats.stepped(
+                        *optimizer_step(model, optimizer, scaler, step, stats.sample_layers)
+                    )
+                scaler.update()  # fp16: a lower scale after an overflow, higher after a good run
         optimizer.zero_grad(set_to_none=True)
     return stats.result()
 
@@ -338,12 +346,19 @@ class EpochStats:
 
     @property
     def sample_layers(self) -> bool:
-        return self.steps % LAYER_NORM_EVERY == 0  # norms cost a pass over the gradients
+        # norms cost a pass over the gradients; the first step that went through (an fp16
+        # overflow at step 0 measures nothing) is always sampled
+        return not self.layers or self.steps % LAYER_NORM_EVERY == 0
 
-    def stepped(self, norm: float | None, layers: dict[str, float], overflowed: bool) -> None:
+    def stepped(self, norm: float | None, layers: dict[str, float]) -> None:
         self.layers = layers or self.layers
         self.norms += [norm] if norm is not None else []
-        self.skipped += overflowed
+        self.steps += 1
+
+    def overflowed(self) -> None:
+        """An fp16 overflow (the scaler calibrating its scale, not the model's gradients):
+        counted as a step and a skipped one, and never measured as a gradient norm."""
+        self.skipped += 1
         self.steps += 1
 
     def result(self) -> dict:
@@ -413,22 +428,30 @@ def floating_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
+def overflowed(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> bool:
+    """After `scaler.unscale_`: whether fp16 overflowed the optimizer's gradients (an inf or NaN
+    in them, the scaler's own test). Such a step must not reach the optimizer: fused SGD (torch
+    2.14) allocates its momentum buffers uninitialised on its first step and keeps them when the
+    scaler skips it (weights reached 1.5e36), and its norms are the overflow's, not the model's.
+    Under DDP the gradients are all-reduced first, so every rank decides alike."""
+    if not scaler.is_enabled():
+        return False
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    return not torch.isfinite(nn.utils.get_total_norm(grads)).item()
+
+
 def optimizer_step(
     model: nn.Module, optimizer, scaler, step: Step, sample: bool
-) -> tuple[float | None, dict[str, float], bool]:
-    """Unscale, clip, step, update the scaler. Returns the global gradient norm (when clipping
-    or sampling), the per-layer norms (when sampling) and whether fp16 gradients overflowed (the
-    scaler then skipped the step)."""
-    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+) -> tuple[float | None, dict[str, float]]:
+    """Clip and step the unscaled, finite gradients. Returns the global gradient norm (when
+    clipping or sampling) and the per-layer norms (when sampling)."""
     layers = grad_norms(model) if sample else {}
     norm = None
     if step.grad_clip or sample:
         clipped = nn.utils.clip_grad_norm_(model.parameters(), step.grad_clip or math.inf)
         norm = clipped.item()
-    scale = scaler.get_scale()
     scaler.step(optimizer)
-    scaler.update()
-    return norm, layers, scaler.is_enabled() and scaler.get_scale() < scale
+    return norm, layers
 
 
 def sync_buffers(model: nn.Module, world: int) -> None:

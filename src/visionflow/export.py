@@ -35,16 +35,9 @@ def export_onnx(
     """Write `model` (eval, CPU, fp32) with a dynamic batch and metadata; returns the exporter used."""
     names = {"input_names": ["image"], "output_names": ["logits"], "opset_version": opset}
     try:
-        batch = torch.export.Dim("batch", min=1)
+        program = exported(model, example)
         torch.onnx.export(
-            model,
-            (example,),
-            str(path),
-            dynamo=True,
-            external_data=False,
-            dynamic_shapes={"x": {0: batch}},
-            verbose=False,
-            **names,
+            program, (example,), str(path), dynamo=True, external_data=False, verbose=False, **names
         )
         exporter = "dynamo"
     except Exception as e:  # the new exporter fails on some models; the legacy one is the fallback
@@ -75,13 +68,25 @@ def onnx_opset(path: Path) -> int:
     return next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
 
 
+def exported(model: nn.Module, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """`model` through torch.export with a dynamic batch, less the source lines torch keeps in
+    each node (`stack_trace`: absolute paths into this checkout and its venv). The ONNX
+    exporter copies them into every node of model.onnx (`pkg.torch.onnx.stack_trace`, and so
+    into model.int8.onnx), torch.export.save into model.pt2: the same commit exported in two
+    folders gave two model.onnx files, and the user's home path shipped in every model."""
+    batch = torch.export.Dim("batch", min=1)
+    program = torch.export.export(model, (example,), dynamic_shapes={"x": {0: batch}})
+    for module in program.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                node.meta.pop("stack_trace", None)
+    return program
+
+
 def export_pt2(
     model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
 ) -> None:
-    program = torch.export.export(
-        model, (example,), dynamic_shapes={"x": {0: torch.export.Dim("batch", min=1)}}
-    )
-    torch.export.save(program, str(path), extra_files=metadata)
+    torch.export.save(exported(model, example), str(path), extra_files=metadata)
 
 
 def export_torchscript(

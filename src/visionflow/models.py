@@ -1,7 +1,7 @@
 """Models, and saving/loading them as plain dicts that `torch.load(weights_only=True)` accepts."""
 
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -242,9 +242,12 @@ def build_model(
 def save_atomic(obj: dict, path: Path, **where) -> None:
     """torch.save to a temp file in the same folder, fsync, then rename: never a half file.
 
+    The file's mode follows the umask (0644 under 022) like every other output: not mkstemp's
+    0600, which no other user or serving container could read.
     `where` names the write for fault injection (`checkpoint.write@epoch=N`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # less the umask
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)

@@ -17,6 +17,7 @@ No torch here: ONNX, ONNX Runtime and NumPy.
 
 import json
 import logging
+import math
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,6 +125,23 @@ def top1(predictor: Predictor, pixels: np.ndarray, spec: dict) -> np.ndarray:
     )
 
 
+CONFIDENCE = 0.95  # the INT8 gate fails on a drop the test split shows at this confidence
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed in logs (exact at any n)."""
+    if k <= 0 or p >= 1:
+        return 1.0
+    if p <= 0:
+        return 0.0
+    terms = (
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+        + i * math.log(p) + (n - i) * math.log1p(-p)
+        for i in range(k, n + 1)
+    )  # fmt: skip
+    return min(1.0, sum(math.exp(t) for t in terms))
+
+
 def int8_check(
     fp32: Predictor,
     int8: Predictor,
@@ -132,18 +150,33 @@ def int8_check(
     spec: dict,
     max_drop: float,
 ) -> dict:
-    """Test accuracy of both models, their top-1 agreement, and whether INT8 lost at most
-    `max_drop` (a fraction of the test images) against fp32."""
+    """Test accuracy of both models, their top-1 agreement, and whether INT8 lost more than
+    `max_drop` (a fraction of the test images) against fp32 by more than the test split can
+    tell from noise.
+
+    Only the images where the two disagree count (a paired, McNemar-style test): of those `d`,
+    INT8 alone is wrong on `b` and fp32 alone on `c`, and the drop is (b - c) / n. A drop of
+    exactly `max_drop` makes each disagreement INT8's loss with chance p0 = (1 + max_drop n / d)
+    / 2; the gate fails when b or more of d is less likely than 1 - CONFIDENCE under p0 (exact
+    binomial tail). So 0.01 of 360 images is not failed by 8 lost images, which a split that
+    small shows by chance, while any drop a split of any size can show is (max_drop 0: INT8
+    worse than fp32 at all; 1: never)."""
     fp32_top1, int8_top1 = top1(fp32, pixels, spec), top1(int8, pixels, spec)
-    fp32_acc = float((fp32_top1 == labels).mean())
-    int8_acc = float((int8_top1 == labels).mean())
+    fp32_right, int8_right = fp32_top1 == labels, int8_top1 == labels
+    lost, gained = int((fp32_right & ~int8_right).sum()), int((~fp32_right & int8_right).sum())
+    n, d = len(labels), lost + gained
+    p_value = binomial_tail(lost, d, (1 + max_drop * n / d) / 2) if d else 1.0
+    drop = float(fp32_right.mean()) - float(int8_right.mean())
     return {
-        "images": len(labels),
-        "fp32_accuracy": fp32_acc,
-        "int8_accuracy": int8_acc,
-        "accuracy_drop": fp32_acc - int8_acc,
+        "images": n,
+        "fp32_accuracy": float(fp32_right.mean()),
+        "int8_accuracy": float(int8_right.mean()),
+        "accuracy_drop": drop,
         "max_accuracy_drop": max_drop,
         "top1_agreement": float((fp32_top1 == int8_top1).mean()),
+        "int8_only_wrong": lost,  # test images fp32 gets right and INT8 wrong
+        "fp32_only_wrong": gained,
+        "p_value": p_value,  # of losing `int8_only_wrong` or more if the drop were max_drop
         # so that a drop of exactly max_drop passes: 0.99 - 0.98 is 0.010000000000000009
-        "passed": bool(fp32_acc - int8_acc <= max_drop + 1e-12),
+        "passed": bool(drop <= max_drop + 1e-12 or p_value >= 1 - CONFIDENCE),
     }

@@ -79,7 +79,9 @@ def int8_section(int8: dict, latency: dict) -> str:
         f"{int8['activations']}, weights {int8['weights']}), its ranges from "
         f"{int8['calibration']} calibration on {int8['calibration_images']} "
         f"{int8['calibration_split']} images; both files scored on all {int8['images']} test "
-        f"images, and INT8 may lose at most {int8['max_accuracy_drop']} of fp32's accuracy."
+        f"images, and INT8 may lose at most {int8['max_accuracy_drop']} of fp32's accuracy "
+        "or a drop the test split cannot tell from noise (a paired binomial test on the images "
+        "where the two disagree, 95%)."
     )
     return f"""## INT8 ONNX (`model.int8.onnx`)
 {how}
