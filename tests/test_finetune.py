@@ -28,7 +28,10 @@ def photos(root: Path, per_class: int = 12) -> None:
 
 
 def epoch_state(project: Path, epoch: int) -> dict:
-    (found,) = project.glob(f"checkpoints/train/*/epoch-{epoch}.pt")
+    """The model of an epoch's checkpoint, of the newest training configuration."""
+    found = max(
+        project.glob(f"checkpoints/train/*/epoch-{epoch:04d}.pt"), key=lambda p: p.stat().st_mtime
+    )
     return torch.load(found, weights_only=True)["model"]
 
 
