@@ -76,15 +76,28 @@ def until(check, what: str, limit_s: float = 120):
     raise AssertionError(f"never happened: {what}")
 
 
-def tiny_onnx(path: Path, classes: list[str], size: int = 4, opset: int = 17, outputs=None) -> Path:
-    """A grayscale `size` px classifier (Flatten, MatMul) with visionflow's metadata."""
+def tiny_onnx(
+    path: Path,
+    classes: list[str],
+    size: int = 4,
+    opset: int = 17,
+    outputs=None,
+    one_row: bool = False,
+    meta: dict | None = None,
+) -> Path:
+    """A grayscale `size` px classifier (Flatten, MatMul) with visionflow's metadata (and
+    `meta`). `one_row`: a broken one that passes validation (a batch of 1) but answers any
+    batch with one row, the mean of its logits."""
     n = outputs or len(classes)
     weight = np.linspace(-1, 1, size * size * n, dtype=np.float32).reshape(size * size, n)
+    nodes = [
+        helper.make_node("Flatten", ["image"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "w"], ["rows" if one_row else "logits"]),
+    ]
+    if one_row:
+        nodes.append(helper.make_node("ReduceMean", ["rows"], ["logits"], axes=[0], keepdims=1))
     graph = helper.make_graph(
-        [
-            helper.make_node("Flatten", ["image"], ["flat"]),
-            helper.make_node("MatMul", ["flat", "w"], ["logits"]),
-        ],
+        nodes,
         "tiny",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 1, size, size])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", n])],
@@ -92,7 +105,8 @@ def tiny_onnx(path: Path, classes: list[str], size: int = 4, opset: int = 17, ou
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
-    helper.set_model_props(model, describe(classes, preprocess_spec(size, 1, [0.5], [0.25])))
+    spec = preprocess_spec(size, 1, [0.5], [0.25])
+    helper.set_model_props(model, {**describe(classes, spec), **(meta or {})})
     onnx.save(model, str(path))
     return path
 
@@ -416,6 +430,49 @@ def test_concurrent_requests_run_in_fewer_batches(model, images, tmp_path):
         # each answer says the batch it ran in: a batch of n has n answers saying n
         said = sorted(a.json()["batch_size"] for a in answers)
         assert sum(1 / n for n in said) == pytest.approx(stats["count"])
+
+
+def digit_pngs(folder: Path, n: int) -> list[Path]:
+    rng = np.random.default_rng(1)
+    paths = [folder / f"d{i}.png" for i in range(n)]
+    for path in paths:
+        Image.fromarray((rng.random((8, 8)) * 255).astype(np.uint8)).save(path)
+    return paths
+
+
+def test_a_model_that_answers_a_batch_with_the_wrong_rows_is_a_500_and_serving_goes_on(tmp_path):
+    """A model that passes validation (one image) but returns one row for any batch: the first
+    batch is held until all 4 requests are in the server, so at least one batch has several
+    images. Its requests get a 500 naming the problem, the log says it, and later requests are
+    answered."""
+    broken = tiny_onnx(tmp_path / "broken.onnx", ["a", "b", "c"], one_row=True)
+    go, log = tmp_path / "go", tmp_path / "serve.log"
+    env = {"VISIONFLOW_FAULT": f"serve.infer@batch=1:pause={go}"}
+    pngs = digit_pngs(tmp_path, 4)
+    with serving(broken, "--reload-interval", "0", env=env, log=log) as (url, process):
+        with ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(many, url, pngs)
+            until(lambda: queued(url) == 4, "4 images queued or running")
+            go.touch()
+            answers = answers.result()
+        sizes = {int(k): n for k, n in health(url)["batches"]["sizes"].items()}
+        assert max(sizes) > 1 and sum(k * n for k, n in sizes.items()) == 4
+        for answer in answers:
+            if answer.status_code == 200:
+                assert answer.json()["batch_size"] == 1
+            else:
+                reason = answer.json()["error"]
+                found = re.search(r"returned 1 rows of logits for a batch of (\d+) images", reason)
+                assert answer.status_code == 500 and found and int(found[1]) > 1, reason
+        assert sum(a.status_code == 500 for a in answers) == sum(
+            k * n for k, n in sizes.items() if k > 1
+        )
+        later = post(url, pngs[0])  # the batcher goes on
+        assert later.status_code == 200 and later.json()["batch_size"] == 1
+    failed = re.findall(r"serve: batch \d+ of (\d+) images failed: ModelError", log.read_text())
+    assert sorted(map(int, failed)) == sorted(
+        k for k, n in sizes.items() if k > 1 for _ in range(n)
+    )
 
 
 @pytest.mark.slow

@@ -367,8 +367,14 @@ class Batcher:
             x = np.concatenate([x for _, x, _ in items])
             loop = asyncio.get_running_loop()
             logits = await loop.run_in_executor(self.pool, infer, model, number, x)
-        except Exception as e:  # the runtime failed: each request says so (a 500), and the
-            # batcher goes on
+            if len(logits) != len(items):  # passed validation at batch 1, broken beyond it
+                raise ModelError(
+                    f"{model.path} returned {len(logits)} rows of logits for a batch of "
+                    f"{len(items)} images: the model file is broken (re-export it)"
+                )
+        except Exception as e:  # the runtime or the model failed: each request says so (a
+            # 500), the log says so once, and the batcher goes on
+            log(f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}")
             for _, _, done in items:
                 if not done.done():
                     done.set_exception(e)
