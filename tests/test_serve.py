@@ -185,6 +185,23 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
     assert out == ["(2, 2)", "[]"]
 
 
+def test_metadata_says_a_model_is_int8(tmp_path):
+    """An INT8 file written by the project's quantizer is served as INT8 (/metadata says so,
+    with the file's record of what was done); the float32 file it came from as float32."""
+    from visionflow.inference import describe as metadata_of
+    from visionflow.quantize import quantize_onnx
+
+    classes, spec = ["a", "b", "c"], preprocess_spec(4, 1, [0.5], [0.25])
+    fp32 = tiny_onnx(tmp_path / "model.onnx", classes)
+    calibration = np.random.default_rng(0).integers(0, 256, (16, 4, 4, 1), dtype=np.uint8)
+    int8 = tmp_path / "model.int8.onnx"
+    record = quantize_onnx(fp32, int8, calibration, spec, "minmax", metadata_of(classes, spec))
+    for path, precision, quantization in ((fp32, "float32", None), (int8, "int8", record)):
+        with serving(path, "--reload-interval", "0") as (url, process):
+            model = httpx.get(f"{url}/metadata").json()["model"]
+        assert (model["precision"], model["quantization"]) == (precision, quantization)
+
+
 def fake_model(scale: float):
     """A Model whose network multiplies its input's first two pixels by `scale`."""
     from visionflow.serve import Model
@@ -289,6 +306,7 @@ def test_health_and_metadata_describe_the_model_served(server, model):
     assert meta["preprocess"] == json.loads(props["visionflow.preprocess"])
     assert meta["model"]["sha256"] == sha
     assert meta["model"]["opset"] == onnx.load(str(model)).opset_import[0].version
+    assert (meta["model"]["precision"], meta["model"]["quantization"]) == ("float32", None)
     assert meta["model"]["input"] == ["N", 1, 8, 8]  # the tiny project's 8 px grayscale
 
 

@@ -33,6 +33,7 @@ import ctypes
 import errno
 import hashlib
 import itertools
+import json
 import mmap
 import os
 import shutil
@@ -57,6 +58,7 @@ from visionflow import faults
 from visionflow.decode import Decode
 from visionflow.inference import (
     NAMES,
+    QUANTIZATION_KEY,
     ModelError,
     Predictor,
     file_format,
@@ -98,6 +100,7 @@ class Model:
     input_shape: list
     stat: tuple | None  # the file's (inode, size, mtime) when it was read
     loaded_at: float  # time.time()
+    quantization: dict | str | None = None  # an INT8 file's `visionflow.quantization` record
 
 
 class Refused(Exception):
@@ -140,7 +143,7 @@ def load_model(path: Path, scratch: Path) -> Model:
             )
         if file_stat(path) != before:
             raise Changing(f"{path} changed while it was read")
-        sha, opset = digest_and_opset(snapshot)
+        sha, opset, meta = fingerprint(snapshot)
         predictor, classes, spec = load_predictor("onnx", snapshot, onnx_options=session_options())
     except (ModelError, ValueError, FileNotFoundError) as e:
         raise ModelError(str(e).replace(str(snapshot), str(path))) from None
@@ -158,18 +161,28 @@ def load_model(path: Path, scratch: Path) -> Model:
     finally:
         snapshot.unlink(missing_ok=True)
     shape = input_shape(spec)
-    return Model(Path(path), predictor, classes, spec, sha, opset, shape, before, time.time())
+    quantization = json_or_text(meta.get(QUANTIZATION_KEY))
+    return Model(
+        Path(path), predictor, classes, spec, sha, opset, shape, before, time.time(), quantization
+    )
 
 
-def digest_and_opset(path: Path) -> tuple[str, int | None]:
-    """The file's sha256 and opset, read through a memory map: a large model is neither held
-    twice in memory nor copied."""
+def fingerprint(path: Path) -> tuple[str, int | None, dict[str, str]]:
+    """The file's sha256, opset and metadata, read through a memory map: a large model is
+    neither held twice in memory nor copied."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
-            return hashlib.sha256(view).hexdigest(), onnx_opset(view)
+            return hashlib.sha256(view).hexdigest(), onnx_opset(view), onnx_metadata(view)
         finally:
             view.release()
+
+
+def json_or_text(value: str | None):
+    try:
+        return None if value is None else json.loads(value)
+    except ValueError:
+        return value
 
 
 def session_options():
@@ -198,6 +211,19 @@ def onnx_opset(data: bytes | memoryview) -> int | None:
             if entry.get(1, b"") in (b"", b"ai.onnx") and isinstance(entry.get(2), int):
                 return entry[2]
     return None
+
+
+def onnx_metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The metadata an ONNX file carries (ModelProto field 14, StringStringEntryProto
+    {1: key, 2: value}), read as onnx_opset reads the opset."""
+    meta = {}
+    for field, value in protobuf_fields(data):
+        if field == 14 and not isinstance(value, int):
+            entry = dict(protobuf_fields(value))
+            key, text = entry.get(1, b""), entry.get(2, b"")
+            if not isinstance(key, int) and not isinstance(text, int):
+                meta[bytes(key).decode("utf-8", "replace")] = bytes(text).decode("utf-8", "replace")
+    return meta
 
 
 def protobuf_fields(data: bytes | memoryview):
@@ -556,6 +582,8 @@ class Service:
                     "format": "onnx",
                     "sha256": m.sha256,
                     "opset": m.opset,
+                    "precision": "int8" if m.quantization else "float32",
+                    "quantization": m.quantization,  # the file's record; None: float32
                     "input": m.input_shape,
                     "loaded_at": iso(m.loaded_at),
                 },
