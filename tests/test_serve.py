@@ -202,6 +202,44 @@ def test_metadata_says_a_model_is_int8(tmp_path):
         assert (model["precision"], model["quantization"]) == (precision, quantization)
 
 
+def raw_post(url: str, head: str, body: bytes) -> tuple[int, dict]:
+    """POST /predict over a plain socket (HTTP/1.1, Connection: close): the status and JSON."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"POST /predict HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{head}\r\n"
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(request.encode() + body)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    return int(status.split()[1]), json.loads(body)
+
+
+def test_a_multipart_form_cut_off_or_malformed_is_a_400_saying_so(tmp_path):
+    png = digit_pngs(tmp_path, 1)[0].read_bytes()
+    boundary = "b0undary"
+    part = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="d.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
+    whole = part + png + f"\r\n--{boundary}--\r\n".encode()
+    forms = {
+        "whole": (whole, 200, "predictions"),
+        "cut off mid-file": (part + png[: len(png) // 2], 400, "the multipart form is cut off"),
+        "malformed": (f"--{boundary}junk\r\n".encode(), 400, "Did not find CR at end"),
+    }
+    log = tmp_path / "serve.log"
+    with serving(tiny_onnx(tmp_path / "m.onnx", ["a", "b"]), log=log) as (url, process):
+        for what, (body, status, words) in forms.items():
+            head = (
+                f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+                f"Content-Length: {len(body)}\r\n"
+            )
+            got, answer = raw_post(url, head, body)
+            assert got == status and words in json.dumps(answer), (what, answer)
+    assert log.read_text() == "serve: stopped\n"  # the parser's own lines are not on stderr
+
+
 def fake_model(scale: float):
     """A Model whose network multiplies its input's first two pixels by `scale`."""
     from visionflow.serve import Model

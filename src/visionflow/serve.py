@@ -34,6 +34,7 @@ import errno
 import hashlib
 import itertools
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -488,10 +489,30 @@ async def spool(request, dest: Path, limit: int) -> None:
 
 
 async def spool_form(request, dest: Path) -> None:
+    """The one file of a multipart form into `dest`. A form that ends before its closing
+    boundary (cut off mid-file), or that the parser cannot read, is a 400 saying so."""
     from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
 
-    form = await request.form(max_files=1, max_fields=16)
+    class Parser(MultiPartParser):
+        ended = False  # the closing boundary came (Starlette accepts a form without it)
+
+        def on_end(self) -> None:
+            self.ended = True
+
+    parser = Parser(request.headers, request.stream(), max_files=1, max_fields=16)
     try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        why = f" ({e.__cause__})" if e.__cause__ else ""  # the parser's own words
+        raise Refused(400, f"the multipart form is malformed: {e.message}{why}") from None
+    try:
+        if not parser.ended:
+            raise Refused(
+                400,
+                "the multipart form is cut off: it ends before its closing boundary "
+                "(mid-file?); send the whole form",
+            )
         files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
         if not files:
             raise Refused(
@@ -704,6 +725,8 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
     the address cannot be used, with one line saying why."""
     import uvicorn
 
+    # the multipart parser logs each malformed form to stderr: the 400 answer says it already
+    logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
     scratch = Path(tempfile.mkdtemp(prefix="visionflow-serve-"))
     try:
         try:
