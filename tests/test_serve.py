@@ -240,6 +240,73 @@ def test_a_multipart_form_cut_off_or_malformed_is_a_400_saying_so(tmp_path):
     assert log.read_text() == "serve: stopped\n"  # the parser's own lines are not on stderr
 
 
+def stalled_upload(url: str, sent: bytes, length: int) -> socket.socket:
+    """A POST /predict that says its body has `length` bytes, sends `sent` of them, and stalls.
+    Reads on it give up after 60 s: the issue's bound, not a measure of speed."""
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)), timeout=60)
+    head = (
+        "POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    )
+    client.sendall(head.encode() + sent)
+    return client
+
+
+def read_answer(client: socket.socket) -> tuple[int, dict, dict]:
+    """One HTTP answer from `client`: status, headers (lower-case names), JSON body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = client.recv(65536)
+        assert chunk, f"closed without an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        body += client.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_stalled_uploads_are_dropped_with_their_connections_and_files(tmp_path):
+    """Twelve uploads that stall after 1 MB: each is a 408 once --body-timeout passes without a
+    byte, its connection is closed and its spooled file removed, and the server goes on."""
+    png = digit_pngs(tmp_path, 1)[0]
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    env = {"TMPDIR": str(tmp_path)}
+    flags = ("--body-timeout", "1", "--reload-interval", "0")
+    with serving(model, *flags, env=env) as (url, process):
+        clients = [stalled_upload(url, os.urandom(2**20), 4 * 2**20) for _ in range(12)]
+        for client in clients:
+            with client:
+                status, headers, body = read_answer(client)
+                assert status == 408 and headers["connection"] == "close", body
+                assert "the upload stalled: no byte of the body for 1 s" in body["error"]
+                assert client.recv(1) == b""  # the server closed the connection
+        assert health(url)["uploads"] == {"receiving": 0, "max": 32}
+        assert not list(tmp_path.glob("visionflow-serve-*/request-*"))
+        assert post(url, png).status_code == 200
+
+
+def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
+    path = digit_pngs(tmp_path, 1)[0]
+    png = path.read_bytes()
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    flags = ("--max-uploads", "2", "--body-timeout", "600", "--reload-interval", "0")
+    with serving(model, *flags) as (url, process):
+        first, second = (stalled_upload(url, png[:10], len(png)) for _ in range(2))
+        until(lambda: health(url)["uploads"]["receiving"] == 2, "2 uploads being received")
+        refused = post(url, path)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "2 uploads are being received already (--max-uploads)" in refused.json()["error"]
+        with first:
+            first.sendall(png[10:])  # the rest of its body: answered, and its slot freed
+            assert read_answer(first)[0] == 200
+        assert post(url, path).status_code == 200
+        second.close()
+        until(lambda: health(url)["uploads"]["receiving"] == 0, "the last upload dropped")
+
+
 def fake_model(scale: float):
     """A Model whose network multiplies its input's first two pixels by `scale`."""
     from visionflow.serve import Model

@@ -17,7 +17,9 @@ Runtime in their own thread.
 
 Bad input is a 400 (not an image, truncated, empty, a content type that is not an image) or a 413
 (a body over `max_body` bytes, an image over `max_pixels`, a decompression bomb), always a JSON
-`{"error": one line}`, and the server goes on. The model file is watched (its stat, every
+`{"error": one line}`, and the server goes on. A body that sends no byte for `body_timeout` is a
+408 and its connection closed; past `max_uploads` bodies being received at once, a request is a
+503 with Retry-After: stalled clients hold neither the connections nor $TMPDIR. The model file is watched (its stat, every
 `reload_interval` seconds): a changed file is loaded from a snapshot of its bytes and validated
 fully (`inference.load_predictor`: metadata, shapes, one forward pass) before it replaces the model
 served; a broken one is refused, logged and shown in /health while the old one goes on serving.
@@ -86,6 +88,8 @@ class Settings(NamedTuple):
     reload_interval_s: float = 2.0  # how often the model file's stat is checked; 0: never
     decode_workers: int = os.cpu_count() or 1  # threads that decode images
     graceful_s: float = 10.0  # on SIGTERM/SIGINT, how long requests in flight may finish
+    body_timeout_s: float = 10.0  # the longest a request body may go without a byte
+    max_uploads: int = 32  # request bodies received at once (each up to max_body in $TMPDIR)
 
 
 @dataclass(frozen=True)
@@ -107,9 +111,9 @@ class Model:
 class Refused(Exception):
     """A request the server will not answer with predictions: an HTTP status and one line."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, headers: dict | None = None):
         super().__init__(reason)
-        self.status = status
+        self.status, self.headers = status, headers
 
 
 class Changing(Exception):
@@ -441,15 +445,24 @@ def top_k_of(request, default: int) -> int:
     return int(raw)
 
 
-def limited(request, limit: int):
-    """The request with a receive that refuses (413) a body past `limit` bytes as it arrives."""
+def limited(request, limit: int, timeout_s: float):
+    """The request with a receive that refuses (413) a body past `limit` bytes as it arrives,
+    and drops (408, closing the connection) one that sends no byte for `timeout_s`."""
     from starlette.requests import Request
 
     seen = 0
 
     async def receive():
         nonlocal seen
-        message = await request.receive()
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout_s)
+        except TimeoutError:
+            raise Refused(
+                408,
+                f"the upload stalled: no byte of the body for {timeout_s:g} s (--body-timeout); "
+                f"{seen} bytes came",
+                {"Connection": "close"},
+            ) from None
         seen += len(message.get("body", b""))
         if seen > limit:
             raise Refused(413, too_large(limit))
@@ -469,13 +482,13 @@ NOT_AN_IMAGE_TYPE = (
 )
 
 
-async def spool(request, dest: Path, limit: int) -> None:
+async def spool(request, dest: Path, limit: int, timeout_s: float) -> None:
     """The request's image into the file `dest`: a raw body, or a multipart form's one file."""
     kind = media_type(request)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise Refused(413, too_large(limit))
-    request = limited(request, limit)
+    request = limited(request, limit, timeout_s)
     if kind == "multipart/form-data":
         await spool_form(request, dest)
     elif kind.startswith("image/") or kind in RAW_TYPES:
@@ -539,6 +552,7 @@ class Service:
         self.seen = model.stat  # the model file's stat when last looked at
         self.settling = None  # a new stat, loaded once a look later finds it unchanged
         self.reloads, self.refused, self.missing = 0, None, False
+        self.uploads = 0  # request bodies being received now
         self.numbers = itertools.count()  # names of the request files in scratch
 
     async def predict(self, request):
@@ -561,12 +575,24 @@ class Service:
         return JSONResponse({"predictions": rows, "model": model.sha256, "batch_size": size})
 
     async def spool(self, request, dest: Path) -> None:
-        """The body into `dest`; the server's own trouble storing it is a 503, not a 500."""
+        """The body into `dest`, at most max_uploads at once: slow or stalled clients cannot
+        hold every connection and fill $TMPDIR. The server's own trouble storing it is a 503,
+        not a 500."""
+        s = self.settings
+        if self.uploads >= s.max_uploads:
+            raise Refused(
+                503,
+                f"{self.uploads} uploads are being received already (--max-uploads): try again",
+                {"Retry-After": "1"},
+            )
+        self.uploads += 1
         try:
             dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
-            await spool(request, dest, self.settings.max_body)
+            await spool(request, dest, s.max_body, s.body_timeout_s)
         except OSError as e:
             raise Refused(503, f"the server cannot store the upload: {e.strerror or e}") from None
+        finally:
+            self.uploads -= 1
 
     async def decode(self, path: Path, spec: dict) -> np.ndarray:
         loop = asyncio.get_running_loop()
@@ -586,6 +612,7 @@ class Service:
                     "refused": self.refused,  # why the file on disk is not the one served
                     "file_missing": self.missing,
                 },
+                "uploads": {"receiving": self.uploads, "max": self.settings.max_uploads},
                 "batches": self.batcher.stats(),
             }
         )
@@ -609,7 +636,12 @@ class Service:
                     "loaded_at": iso(m.loaded_at),
                 },
                 "batching": {"max_batch": s.max_batch, "window_ms": s.window_s * 1000},
-                "limits": {"max_body_bytes": s.max_body, "max_pixels": s.max_pixels},
+                "limits": {
+                    "max_body_bytes": s.max_body,
+                    "max_pixels": s.max_pixels,
+                    "max_uploads": s.max_uploads,
+                    "body_timeout_s": s.body_timeout_s,
+                },
                 "top_k": s.top_k,
             }
         )
@@ -676,7 +708,7 @@ class Service:
             Route("/metadata", self.metadata, methods=["GET"]),
         ]
         handlers = {
-            Refused: lambda request, e: error(e.status, str(e)),
+            Refused: lambda request, e: error(e.status, str(e), e.headers),
             HTTPException: lambda request, e: error(e.status_code, str(e.detail)),
             ClientDisconnect: lambda request, e: error(400, "the client went away"),
             Exception: lambda request, e: error(500, f"{type(e).__name__}: {e}"),  # a bug
@@ -684,10 +716,10 @@ class Service:
         return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
 
 
-def error(status: int, reason: str):
+def error(status: int, reason: str, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": " ".join(reason.split())}, status_code=status)
+    return JSONResponse({"error": " ".join(reason.split())}, status_code=status, headers=headers)
 
 
 def iso(t: float) -> str:
