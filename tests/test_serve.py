@@ -76,15 +76,28 @@ def until(check, what: str, limit_s: float = 120):
     raise AssertionError(f"never happened: {what}")
 
 
-def tiny_onnx(path: Path, classes: list[str], size: int = 4, opset: int = 17, outputs=None) -> Path:
-    """A grayscale `size` px classifier (Flatten, MatMul) with visionflow's metadata."""
+def tiny_onnx(
+    path: Path,
+    classes: list[str],
+    size: int = 4,
+    opset: int = 17,
+    outputs=None,
+    one_row: bool = False,
+    meta: dict | None = None,
+) -> Path:
+    """A grayscale `size` px classifier (Flatten, MatMul) with visionflow's metadata (and
+    `meta`). `one_row`: a broken one that passes validation (a batch of 1) but answers any
+    batch with one row, the mean of its logits."""
     n = outputs or len(classes)
     weight = np.linspace(-1, 1, size * size * n, dtype=np.float32).reshape(size * size, n)
+    nodes = [
+        helper.make_node("Flatten", ["image"], ["flat"]),
+        helper.make_node("MatMul", ["flat", "w"], ["rows" if one_row else "logits"]),
+    ]
+    if one_row:
+        nodes.append(helper.make_node("ReduceMean", ["rows"], ["logits"], axes=[0], keepdims=1))
     graph = helper.make_graph(
-        [
-            helper.make_node("Flatten", ["image"], ["flat"]),
-            helper.make_node("MatMul", ["flat", "w"], ["logits"]),
-        ],
+        nodes,
         "tiny",
         [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 1, size, size])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", n])],
@@ -92,7 +105,8 @@ def tiny_onnx(path: Path, classes: list[str], size: int = 4, opset: int = 17, ou
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
-    helper.set_model_props(model, describe(classes, preprocess_spec(size, 1, [0.5], [0.25])))
+    spec = preprocess_spec(size, 1, [0.5], [0.25])
+    helper.set_model_props(model, {**describe(classes, spec), **(meta or {})})
     onnx.save(model, str(path))
     return path
 
@@ -169,6 +183,129 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
         check=True,
     ).stdout.splitlines()
     assert out == ["(2, 2)", "[]"]
+
+
+def test_metadata_says_a_model_is_int8(tmp_path):
+    """An INT8 file written by the project's quantizer is served as INT8 (/metadata says so,
+    with the file's record of what was done); the float32 file it came from as float32."""
+    from visionflow.inference import describe as metadata_of
+    from visionflow.quantize import quantize_onnx
+
+    classes, spec = ["a", "b", "c"], preprocess_spec(4, 1, [0.5], [0.25])
+    fp32 = tiny_onnx(tmp_path / "model.onnx", classes)
+    calibration = np.random.default_rng(0).integers(0, 256, (16, 4, 4, 1), dtype=np.uint8)
+    int8 = tmp_path / "model.int8.onnx"
+    record = quantize_onnx(fp32, int8, calibration, spec, "minmax", metadata_of(classes, spec))
+    for path, precision, quantization in ((fp32, "float32", None), (int8, "int8", record)):
+        with serving(path, "--reload-interval", "0") as (url, process):
+            model = httpx.get(f"{url}/metadata").json()["model"]
+        assert (model["precision"], model["quantization"]) == (precision, quantization)
+
+
+def raw_post(url: str, head: str, body: bytes) -> tuple[int, dict]:
+    """POST /predict over a plain socket (HTTP/1.1, Connection: close): the status and JSON."""
+    host, port = url.removeprefix("http://").split(":")
+    request = f"POST /predict HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{head}\r\n"
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(request.encode() + body)
+        answer = b""
+        while chunk := client.recv(65536):
+            answer += chunk
+    status, _, body = answer.partition(b"\r\n\r\n")
+    return int(status.split()[1]), json.loads(body)
+
+
+def test_a_multipart_form_cut_off_or_malformed_is_a_400_saying_so(tmp_path):
+    png = digit_pngs(tmp_path, 1)[0].read_bytes()
+    boundary = "b0undary"
+    part = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="d.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
+    whole = part + png + f"\r\n--{boundary}--\r\n".encode()
+    forms = {
+        "whole": (whole, 200, "predictions"),
+        "cut off mid-file": (part + png[: len(png) // 2], 400, "the multipart form is cut off"),
+        "malformed": (f"--{boundary}junk\r\n".encode(), 400, "Did not find CR at end"),
+    }
+    log = tmp_path / "serve.log"
+    with serving(tiny_onnx(tmp_path / "m.onnx", ["a", "b"]), log=log) as (url, process):
+        for what, (body, status, words) in forms.items():
+            head = (
+                f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+                f"Content-Length: {len(body)}\r\n"
+            )
+            got, answer = raw_post(url, head, body)
+            assert got == status and words in json.dumps(answer), (what, answer)
+    lines = log.read_text().splitlines()  # serve's own; not the parser's ("Did not find CR")
+    assert lines and all(line.startswith("serve: ") for line in lines), lines
+
+
+def stalled_upload(url: str, sent: bytes, length: int) -> socket.socket:
+    """A POST /predict that says its body has `length` bytes, sends `sent` of them, and stalls.
+    Reads on it give up after 60 s: the issue's bound, not a measure of speed."""
+    host, port = url.removeprefix("http://").split(":")
+    client = socket.create_connection((host, int(port)), timeout=60)
+    head = (
+        "POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    )
+    client.sendall(head.encode() + sent)
+    return client
+
+
+def read_answer(client: socket.socket) -> tuple[int, dict, dict]:
+    """One HTTP answer from `client`: status, headers (lower-case names), JSON body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = client.recv(65536)
+        assert chunk, f"closed without an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        body += client.recv(65536)
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+def test_stalled_uploads_are_dropped_with_their_connections_and_files(tmp_path):
+    """Twelve uploads that stall after 1 MB: each is a 408 once --body-timeout passes without a
+    byte, its connection is closed and its spooled file removed, and the server goes on."""
+    png = digit_pngs(tmp_path, 1)[0]
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    env = {"TMPDIR": str(tmp_path)}
+    flags = ("--body-timeout", "1", "--reload-interval", "0")
+    with serving(model, *flags, env=env) as (url, process):
+        clients = [stalled_upload(url, os.urandom(2**20), 4 * 2**20) for _ in range(12)]
+        for client in clients:
+            with client:
+                status, headers, body = read_answer(client)
+                assert status == 408 and headers["connection"] == "close", body
+                assert "the upload stalled: no byte of the body for 1 s" in body["error"]
+                assert client.recv(1) == b""  # the server closed the connection
+        assert health(url)["uploads"] == {"receiving": 0, "max": 32}
+        assert not list(tmp_path.glob("visionflow-serve-*/request-*"))
+        assert post(url, png).status_code == 200
+
+
+def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
+    path = digit_pngs(tmp_path, 1)[0]
+    png = path.read_bytes()
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    flags = ("--max-uploads", "2", "--body-timeout", "600", "--reload-interval", "0")
+    with serving(model, *flags) as (url, process):
+        first, second = (stalled_upload(url, png[:10], len(png)) for _ in range(2))
+        until(lambda: health(url)["uploads"]["receiving"] == 2, "2 uploads being received")
+        refused = post(url, path)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "2 uploads are being received already (--max-uploads)" in refused.json()["error"]
+        with first:
+            first.sendall(png[10:])  # the rest of its body: answered, and its slot freed
+            assert read_answer(first)[0] == 200
+        assert post(url, path).status_code == 200
+        second.close()
+        until(lambda: health(url)["uploads"]["receiving"] == 0, "the last upload dropped")
 
 
 def fake_model(scale: float):
@@ -275,6 +412,7 @@ def test_health_and_metadata_describe_the_model_served(server, model):
     assert meta["preprocess"] == json.loads(props["visionflow.preprocess"])
     assert meta["model"]["sha256"] == sha
     assert meta["model"]["opset"] == onnx.load(str(model)).opset_import[0].version
+    assert (meta["model"]["precision"], meta["model"]["quantization"]) == ("float32", None)
     assert meta["model"]["input"] == ["N", 1, 8, 8]  # the tiny project's 8 px grayscale
 
 
@@ -418,6 +556,49 @@ def test_concurrent_requests_run_in_fewer_batches(model, images, tmp_path):
         assert sum(1 / n for n in said) == pytest.approx(stats["count"])
 
 
+def digit_pngs(folder: Path, n: int) -> list[Path]:
+    rng = np.random.default_rng(1)
+    paths = [folder / f"d{i}.png" for i in range(n)]
+    for path in paths:
+        Image.fromarray((rng.random((8, 8)) * 255).astype(np.uint8)).save(path)
+    return paths
+
+
+def test_a_model_that_answers_a_batch_with_the_wrong_rows_is_a_500_and_serving_goes_on(tmp_path):
+    """A model that passes validation (one image) but returns one row for any batch: the first
+    batch is held until all 4 requests are in the server, so at least one batch has several
+    images. Its requests get a 500 naming the problem, the log says it, and later requests are
+    answered."""
+    broken = tiny_onnx(tmp_path / "broken.onnx", ["a", "b", "c"], one_row=True)
+    go, log = tmp_path / "go", tmp_path / "serve.log"
+    env = {"VISIONFLOW_FAULT": f"serve.infer@batch=1:pause={go}"}
+    pngs = digit_pngs(tmp_path, 4)
+    with serving(broken, "--reload-interval", "0", env=env, log=log) as (url, process):
+        with ThreadPoolExecutor(1) as pool:
+            answers = pool.submit(many, url, pngs)
+            until(lambda: queued(url) == 4, "4 images queued or running")
+            go.touch()
+            answers = answers.result()
+        sizes = {int(k): n for k, n in health(url)["batches"]["sizes"].items()}
+        assert max(sizes) > 1 and sum(k * n for k, n in sizes.items()) == 4
+        for answer in answers:
+            if answer.status_code == 200:
+                assert answer.json()["batch_size"] == 1
+            else:
+                reason = answer.json()["error"]
+                found = re.search(r"returned 1 rows of logits for a batch of (\d+) images", reason)
+                assert answer.status_code == 500 and found and int(found[1]) > 1, reason
+        assert sum(a.status_code == 500 for a in answers) == sum(
+            k * n for k, n in sizes.items() if k > 1
+        )
+        later = post(url, pngs[0])  # the batcher goes on
+        assert later.status_code == 200 and later.json()["batch_size"] == 1
+    failed = re.findall(r"serve: batch \d+ of (\d+) images failed: ModelError", log.read_text())
+    assert sorted(map(int, failed)) == sorted(
+        k for k, n in sizes.items() if k > 1 for _ in range(n)
+    )
+
+
 @pytest.mark.slow
 def test_sigterm_lets_the_requests_in_flight_finish(model, images, tmp_path):
     go = tmp_path / "go"
@@ -431,6 +612,38 @@ def test_sigterm_lets_the_requests_in_flight_finish(model, images, tmp_path):
             assert [a.status_code for a in answers.result()] == [200] * 4
         assert process.wait(60) == 0
     assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
+
+
+def refuses_connections(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=60).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_sigterm_answers_a_post_sent_on_a_kept_alive_connection(tmp_path):
+    """uvicorn closed idle kept-alive connections the moment it stopped, so a POST a client sent
+    on one just then was lost (clients do not retry a POST). Now, once SIGTERM has come and the
+    server takes no new connections, a POST on a connection kept alive from before is answered,
+    with Connection: close; the next one needs a new connection, which is refused."""
+    png = digit_pngs(tmp_path, 1)[0].read_bytes()
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    log = tmp_path / "serve.log"
+    with (
+        serving(model, "--reload-interval", "0", log=log) as (url, process),
+        httpx.Client(timeout=60, headers={"content-type": "image/png"}) as client,
+    ):
+        assert client.post(f"{url}/predict", content=png).status_code == 200  # kept alive
+        process.send_signal(signal.SIGTERM)
+        until(lambda: refuses_connections(url), "new connections refused")
+        answer = client.post(f"{url}/predict", content=png)  # on the connection kept alive
+        assert answer.status_code == 200 and answer.headers["connection"] == "close"
+        with pytest.raises(httpx.ConnectError):
+            client.post(f"{url}/predict", content=png)
+        assert process.wait(60) == 0
+    assert "serve: stopping: no new connections" in log.read_text()
 
 
 @pytest.mark.slow

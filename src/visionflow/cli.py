@@ -8,7 +8,8 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
                                                  tab-separated; --json: a JSON object each)
 visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32]
                  [--batch-window-ms 2] [--top-k 3] [--max-body-mb 20] [--max-pixels N]
-                 [--reload-interval 2] [--decode-workers N]
+                 [--reload-interval 2] [--decode-workers N] [--body-timeout 10]
+                 [--max-uploads 32]
                                                  the ONNX model over HTTP (POST /predict, GET
                                                  /health, GET /metadata), batching requests
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
@@ -227,6 +228,18 @@ def add_serve(commands) -> None:
     s.add_argument(
         "--decode-workers", type=int, help="threads that decode images (default: one per core)"
     )
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a request body may go without a byte before it is dropped (default 10)",
+    )
+    s.add_argument(
+        "--max-uploads",
+        type=int,
+        default=32,
+        help="request bodies received at once; more are a 503 with Retry-After (default 32)",
+    )
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -244,6 +257,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ),
         "--reload-interval must be 0 or more": not args.reload_interval >= 0,
         "--decode-workers must be at least 1": (args.decode_workers or 1) < 1,
+        "--body-timeout must be more than 0": not args.body_timeout > 0,
+        "--max-uploads must be at least 1": args.max_uploads < 1,
         "--port must be 0 to 65535": not 0 <= args.port <= 65535,
     }
     for message, wrong in checks.items():
@@ -257,6 +272,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_pixels=max_pixels,
         reload_interval_s=args.reload_interval,
         decode_workers=args.decode_workers or Settings().decode_workers,
+        body_timeout_s=args.body_timeout,
+        max_uploads=args.max_uploads,
     )
     model = args.model or default_model("onnx")
     try:

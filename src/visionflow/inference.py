@@ -28,6 +28,7 @@ Predictor = Callable[[np.ndarray], np.ndarray]  # float32 NCHW batch -> logits
 RUNTIMES = ("onnx", "torchscript", "pt2", "torch")
 JIT_DEPRECATED = r".*torch\.jit\.\w+` is deprecated"  # TorchScript still works in torch 2.14
 CLASSES_KEY, PREPROCESS_KEY = "visionflow.classes", "visionflow.preprocess"
+QUANTIZATION_KEY = "visionflow.quantization"  # an INT8 file's record of what was done
 MAX_IMAGE_SIZE = 1024  # px, as prepare.image_size: a larger size in metadata is forged or a mistake
 RESIZE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 # What loading each format can do beyond reading numbers: these two run code from the file.

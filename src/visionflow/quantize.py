@@ -33,10 +33,9 @@ from onnxruntime.quantization import (
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from visionflow.inference import Predictor, normalise
+from visionflow.inference import QUANTIZATION_KEY, Predictor, normalise
 
 METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy}
-QUANTIZATION_KEY = "visionflow.quantization"
 EVAL_BATCH = 256  # test images per ONNX Runtime call while scoring: bounded memory at any size
 
 

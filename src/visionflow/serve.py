@@ -4,8 +4,10 @@
                               application/octet-stream) or a multipart form with one file field;
                               answers {"predictions": [{"class", "probability"}...], "model": sha256,
                               "batch_size": images in the batch it ran in}
-    GET  /health              status, the model served, reloads, batches run and their sizes
-    GET  /metadata            classes, preprocessing, the model's sha256 and opset, limits
+    GET  /health              status, the model served, reloads, uploads being received,
+                              batches run and their sizes
+    GET  /metadata            classes, preprocessing, the model's sha256, opset and precision
+                              (int8 or float32), limits
 
 Starlette on uvicorn (a standard ASGI stack) in one process. Each request's image is decoded in a
 pool of threads (Pillow and ONNX Runtime release the GIL) with the exact code and metadata
@@ -17,10 +19,14 @@ Runtime in their own thread.
 
 Bad input is a 400 (not an image, truncated, empty, a content type that is not an image) or a 413
 (a body over `max_body` bytes, an image over `max_pixels`, a decompression bomb), always a JSON
-`{"error": one line}`, and the server goes on. The model file is watched (its stat, every
-`reload_interval` seconds): a changed file is loaded from a snapshot of its bytes and validated
-fully (`inference.load_predictor`: metadata, shapes, one forward pass) before it replaces the model
-served; a broken one is refused, logged and shown in /health while the old one goes on serving.
+`{"error": one line}`, and the server goes on. A body that sends no byte for `body_timeout_s` is
+a 408 and its connection closed; past `max_uploads` bodies being received at once, a request is
+a 503 with Retry-After: stalled clients hold neither the connections nor $TMPDIR. A model that
+answers a batch with the wrong number of rows is a 500 for that batch's requests, logged. The
+model file is watched (its stat, every `reload_interval` seconds): a changed file is loaded from
+a snapshot of its bytes and validated fully (`inference.load_predictor`: metadata, shapes, one
+forward pass) before it replaces the model served; a broken one is refused, logged and shown in
+/health while the old one goes on serving. SIGTERM: see `Server`.
 
 No torch: it answers its first request 0.3 s after it starts (2 CPU cores). For tests,
 VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FILE exists
@@ -33,6 +39,8 @@ import ctypes
 import errno
 import hashlib
 import itertools
+import json
+import logging
 import mmap
 import os
 import shutil
@@ -51,12 +59,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import uvicorn
 from PIL import Image, UnidentifiedImageError
 
 from visionflow import faults
 from visionflow.decode import Decode
 from visionflow.inference import (
     NAMES,
+    QUANTIZATION_KEY,
     ModelError,
     Predictor,
     file_format,
@@ -83,6 +93,8 @@ class Settings(NamedTuple):
     reload_interval_s: float = 2.0  # how often the model file's stat is checked; 0: never
     decode_workers: int = os.cpu_count() or 1  # threads that decode images
     graceful_s: float = 10.0  # on SIGTERM/SIGINT, how long requests in flight may finish
+    body_timeout_s: float = 10.0  # the longest a request body may go without a byte
+    max_uploads: int = 32  # request bodies received at once (each up to max_body in $TMPDIR)
 
 
 @dataclass(frozen=True)
@@ -98,14 +110,15 @@ class Model:
     input_shape: list
     stat: tuple | None  # the file's (inode, size, mtime) when it was read
     loaded_at: float  # time.time()
+    quantization: dict | str | None = None  # an INT8 file's `visionflow.quantization` record
 
 
 class Refused(Exception):
     """A request the server will not answer with predictions: an HTTP status and one line."""
 
-    def __init__(self, status: int, reason: str):
+    def __init__(self, status: int, reason: str, headers: dict | None = None):
         super().__init__(reason)
-        self.status = status
+        self.status, self.headers = status, headers
 
 
 class Changing(Exception):
@@ -140,7 +153,7 @@ def load_model(path: Path, scratch: Path) -> Model:
             )
         if file_stat(path) != before:
             raise Changing(f"{path} changed while it was read")
-        sha, opset = digest_and_opset(snapshot)
+        sha, opset, meta = fingerprint(snapshot)
         predictor, classes, spec = load_predictor("onnx", snapshot, onnx_options=session_options())
     except (ModelError, ValueError, FileNotFoundError) as e:
         raise ModelError(str(e).replace(str(snapshot), str(path))) from None
@@ -158,18 +171,29 @@ def load_model(path: Path, scratch: Path) -> Model:
     finally:
         snapshot.unlink(missing_ok=True)
     shape = input_shape(spec)
-    return Model(Path(path), predictor, classes, spec, sha, opset, shape, before, time.time())
+    quantization = json_or_text(meta.get(QUANTIZATION_KEY))
+    return Model(
+        Path(path), predictor, classes, spec, sha, opset, shape, before, time.time(), quantization
+    )
 
 
-def digest_and_opset(path: Path) -> tuple[str, int | None]:
-    """The file's sha256 and opset, read through a memory map: a large model is neither held
-    twice in memory nor copied."""
+def fingerprint(path: Path) -> tuple[str, int | None, dict[str, str]]:
+    """The file's sha256, opset and metadata, read through a memory map: a large model is
+    neither held twice in memory nor copied."""
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
         view = memoryview(mapped)
         try:
-            return hashlib.sha256(view).hexdigest(), onnx_opset(view)
+            return hashlib.sha256(view).hexdigest(), onnx_opset(view), onnx_metadata(view)
         finally:
             view.release()
+
+
+def json_or_text(value: str | None):
+    """A metadata value as the JSON it should be, or as its text when it is not."""
+    try:
+        return None if value is None else json.loads(value)
+    except ValueError:
+        return value
 
 
 def session_options():
@@ -198,6 +222,19 @@ def onnx_opset(data: bytes | memoryview) -> int | None:
             if entry.get(1, b"") in (b"", b"ai.onnx") and isinstance(entry.get(2), int):
                 return entry[2]
     return None
+
+
+def onnx_metadata(data: bytes | memoryview) -> dict[str, str]:
+    """The metadata an ONNX file carries (ModelProto field 14, StringStringEntryProto
+    {1: key, 2: value}), read as onnx_opset reads the opset."""
+    meta = {}
+    for field, value in protobuf_fields(data):
+        if field == 14 and not isinstance(value, int):
+            entry = dict(protobuf_fields(value))
+            key, text = entry.get(1, b""), entry.get(2, b"")
+            if not isinstance(key, int) and not isinstance(text, int):
+                meta[bytes(key).decode("utf-8", "replace")] = bytes(text).decode("utf-8", "replace")
+    return meta
 
 
 def protobuf_fields(data: bytes | memoryview):
@@ -367,8 +404,14 @@ class Batcher:
             x = np.concatenate([x for _, x, _ in items])
             loop = asyncio.get_running_loop()
             logits = await loop.run_in_executor(self.pool, infer, model, number, x)
-        except Exception as e:  # the runtime failed: each request says so (a 500), and the
-            # batcher goes on
+            if len(logits) != len(items):  # passed validation at batch 1, broken beyond it
+                raise ModelError(
+                    f"{model.path} returned {len(logits)} rows of logits for a batch of "
+                    f"{len(items)} images: the model file is broken (re-export it)"
+                )
+        except Exception as e:  # the runtime or the model failed: each request says so (a
+            # 500), the log says so once, and the batcher goes on
+            log(f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}")
             for _, _, done in items:
                 if not done.done():
                     done.set_exception(e)
@@ -408,15 +451,24 @@ def top_k_of(request, default: int) -> int:
     return int(raw)
 
 
-def limited(request, limit: int):
-    """The request with a receive that refuses (413) a body past `limit` bytes as it arrives."""
+def limited(request, limit: int, timeout_s: float):
+    """The request with a receive that refuses (413) a body past `limit` bytes as it arrives,
+    and drops (408, closing the connection) one that sends no byte for `timeout_s`."""
     from starlette.requests import Request
 
     seen = 0
 
     async def receive():
         nonlocal seen
-        message = await request.receive()
+        try:
+            message = await asyncio.wait_for(request.receive(), timeout_s)
+        except TimeoutError:
+            raise Refused(
+                408,
+                f"the upload stalled: no byte of the body for {timeout_s:g} s (--body-timeout); "
+                f"{seen} bytes came",
+                {"Connection": "close"},
+            ) from None
         seen += len(message.get("body", b""))
         if seen > limit:
             raise Refused(413, too_large(limit))
@@ -436,13 +488,13 @@ NOT_AN_IMAGE_TYPE = (
 )
 
 
-async def spool(request, dest: Path, limit: int) -> None:
+async def spool(request, dest: Path, limit: int, timeout_s: float) -> None:
     """The request's image into the file `dest`: a raw body, or a multipart form's one file."""
     kind = media_type(request)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise Refused(413, too_large(limit))
-    request = limited(request, limit)
+    request = limited(request, limit, timeout_s)
     if kind == "multipart/form-data":
         await spool_form(request, dest)
     elif kind.startswith("image/") or kind in RAW_TYPES:
@@ -456,10 +508,30 @@ async def spool(request, dest: Path, limit: int) -> None:
 
 
 async def spool_form(request, dest: Path) -> None:
+    """The one file of a multipart form into `dest`. A form that ends before its closing
+    boundary (cut off mid-file), or that the parser cannot read, is a 400 saying so."""
     from starlette.datastructures import UploadFile
+    from starlette.formparsers import MultiPartException, MultiPartParser
 
-    form = await request.form(max_files=1, max_fields=16)
+    class Parser(MultiPartParser):
+        ended = False  # the closing boundary came (Starlette accepts a form without it)
+
+        def on_end(self) -> None:
+            self.ended = True
+
+    parser = Parser(request.headers, request.stream(), max_files=1, max_fields=16)
     try:
+        form = await parser.parse()
+    except MultiPartException as e:
+        why = f" ({e.__cause__})" if e.__cause__ else ""  # the parser's own words
+        raise Refused(400, f"the multipart form is malformed: {e.message}{why}") from None
+    try:
+        if not parser.ended:
+            raise Refused(
+                400,
+                "the multipart form is cut off: it ends before its closing boundary "
+                "(mid-file?); send the whole form",
+            )
         files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
         if not files:
             raise Refused(
@@ -486,6 +558,8 @@ class Service:
         self.seen = model.stat  # the model file's stat when last looked at
         self.settling = None  # a new stat, loaded once a look later finds it unchanged
         self.reloads, self.refused, self.missing = 0, None, False
+        self.uploads = 0  # request bodies being received now
+        self.stopping = False  # set on SIGTERM/SIGINT: each answer closes its connection
         self.numbers = itertools.count()  # names of the request files in scratch
 
     async def predict(self, request):
@@ -508,12 +582,24 @@ class Service:
         return JSONResponse({"predictions": rows, "model": model.sha256, "batch_size": size})
 
     async def spool(self, request, dest: Path) -> None:
-        """The body into `dest`; the server's own trouble storing it is a 503, not a 500."""
+        """The body into `dest`, at most max_uploads at once: slow or stalled clients cannot
+        hold every connection and fill $TMPDIR. The server's own trouble storing it is a 503,
+        not a 500."""
+        s = self.settings
+        if self.uploads >= s.max_uploads:
+            raise Refused(
+                503,
+                f"{self.uploads} uploads are being received already (--max-uploads): try again",
+                {"Retry-After": "1"},
+            )
+        self.uploads += 1
         try:
             dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
-            await spool(request, dest, self.settings.max_body)
+            await spool(request, dest, s.max_body, s.body_timeout_s)
         except OSError as e:
             raise Refused(503, f"the server cannot store the upload: {e.strerror or e}") from None
+        finally:
+            self.uploads -= 1
 
     async def decode(self, path: Path, spec: dict) -> np.ndarray:
         loop = asyncio.get_running_loop()
@@ -533,6 +619,7 @@ class Service:
                     "refused": self.refused,  # why the file on disk is not the one served
                     "file_missing": self.missing,
                 },
+                "uploads": {"receiving": self.uploads, "max": self.settings.max_uploads},
                 "batches": self.batcher.stats(),
             }
         )
@@ -550,11 +637,18 @@ class Service:
                     "format": "onnx",
                     "sha256": m.sha256,
                     "opset": m.opset,
+                    "precision": "int8" if m.quantization else "float32",
+                    "quantization": m.quantization,  # the file's record; None: float32
                     "input": m.input_shape,
                     "loaded_at": iso(m.loaded_at),
                 },
                 "batching": {"max_batch": s.max_batch, "window_ms": s.window_s * 1000},
-                "limits": {"max_body_bytes": s.max_body, "max_pixels": s.max_pixels},
+                "limits": {
+                    "max_body_bytes": s.max_body,
+                    "max_pixels": s.max_pixels,
+                    "max_uploads": s.max_uploads,
+                    "body_timeout_s": s.body_timeout_s,
+                },
                 "top_k": s.top_k,
             }
         )
@@ -621,18 +715,34 @@ class Service:
             Route("/metadata", self.metadata, methods=["GET"]),
         ]
         handlers = {
-            Refused: lambda request, e: error(e.status, str(e)),
+            Refused: lambda request, e: error(e.status, str(e), e.headers),
             HTTPException: lambda request, e: error(e.status_code, str(e.detail)),
             ClientDisconnect: lambda request, e: error(400, "the client went away"),
             Exception: lambda request, e: error(500, f"{type(e).__name__}: {e}"),  # a bug
         }
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+        app = Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
+
+        async def closing(scope, receive, send):
+            """The app; once stopping, each answer says Connection: close (uvicorn then closes
+            the connection after it, and the client knows to send no more on it)."""
+
+            async def send_closing(message):
+                if self.stopping and message["type"] == "http.response.start":
+                    headers = list(message.get("headers", []))
+                    if (b"connection", b"close") not in headers:
+                        headers.append((b"connection", b"close"))
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            await app(scope, receive, send_closing)
+
+        return closing
 
 
-def error(status: int, reason: str):
+def error(status: int, reason: str, headers: dict | None = None):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": " ".join(reason.split())}, status_code=status)
+    return JSONResponse({"error": " ".join(reason.split())}, status_code=status, headers=headers)
 
 
 def iso(t: float) -> str:
@@ -641,6 +751,31 @@ def iso(t: float) -> str:
 
 class Stopped(Exception):
     """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping without losing a request a client has sent. uvicorn closes
+    each idle kept-alive connection the moment it stops, and a POST a client sent on one just
+    then is lost (16 keep-alive clients lost 6 to 11 POSTs; clients do not retry a POST).
+    Here it stops accepting connections first, then each open one closes after its next answer
+    (which says Connection: close) or, idle, after uvicorn's keep-alive timeout (5 s); then
+    uvicorn's own shutdown (requests in flight finish, within graceful_s in all)."""
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets=None) -> None:
+        log("stopping: no new connections; each open one closes after its next answer")
+        self.service.stopping = True
+        for server in self.servers:
+            server.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        while self.server_state.connections and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
+        await super().shutdown(sockets)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -668,8 +803,8 @@ def url_of(host: str, port: int) -> str:
 def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
     """Serve until SIGINT or SIGTERM (requests in flight finish first); 2 when the model or
     the address cannot be used, with one line saying why."""
-    import uvicorn
-
+    # the multipart parser logs each malformed form to stderr: the 400 answer says it already
+    logging.getLogger("python_multipart").setLevel(logging.CRITICAL)
     scratch = Path(tempfile.mkdtemp(prefix="visionflow-serve-"))
     try:
         try:
@@ -705,7 +840,7 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
 
         signal.signal(signal.SIGTERM, stopped)  # uvicorn raises it again once it has stopped
         try:
-            uvicorn.Server(config).run(sockets=[sock])
+            Server(config, service).run(sockets=[sock])
         except (Stopped, KeyboardInterrupt):
             pass
         log("stopped")
