@@ -30,7 +30,14 @@ import torch
 from pipeline import GateError, run, staged
 from visionflow import data, faults
 from visionflow.errors import DiskFull
-from visionflow.export import EXPORTER_KEY, check_formats, export_all, latency_table, onnx_opset
+from visionflow.export import (
+    EXPORTER_KEY,
+    CannotExport,
+    check_formats,
+    export_all,
+    latency_table,
+    onnx_opset,
+)
 from visionflow.inference import (
     Predictor,
     describe,
@@ -164,7 +171,12 @@ def main() -> None:
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
     metadata = describe(meta["classes"], spec)
-    paths, exporter = export_all(model, example, out, e.opset, metadata)
+    try:
+        paths, exporter, unavailable = export_all(model, example, out, e.opset, metadata)
+    except CannotExport as error:
+        raise GateError(f"{error}; nothing promoted") from None
+    for runtime, why in unavailable.items():  # the others are proven and promoted without it
+        print(f"export: warning: {runtime} cannot express {meta['model']}: {why}")
     opset = onnx_opset(paths["onnx"])  # what the file says, which every record states
     if opset != e.opset:
         raise GateError(
@@ -182,6 +194,8 @@ def main() -> None:
     )
     passed = all(r["passed"] for results in parity.values() for r in results.values())
     report = {"exporter": exporter, "opset": opset, "passed": passed, **parity}
+    report |= {runtime: {} for runtime in unavailable}  # no parity to show: not made
+    report["unavailable"] = unavailable  # format -> why it cannot express this model
     print_parity(parity)
     if not passed:
         refuse(
@@ -211,7 +225,8 @@ def main() -> None:
     (out / "MODEL_CARD.md").write_text(card)
     print(
         f"export: {', '.join(p.name for p in paths.values())}, {INT8_FILE} in {args.out} "
-        f"(ONNX via the {exporter} exporter)"
+        + (f"(not {', '.join(unavailable)}: see parity.json) " if unavailable else "")
+        + f"(ONNX via the {exporter} exporter)"
     )
 
 

@@ -144,7 +144,8 @@ def test_compare_reports_differences_and_top1():
 
 
 def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pixels, tmp_path):
-    paths, exporter = export_all(model, example(pixels), tmp_path, 18, META)
+    paths, exporter, unavailable = export_all(model, example(pixels), tmp_path, 18, META)
+    assert unavailable == {}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
     tolerances = ((1e-3, 1e-5), (1e-5, 1e-6), 1.0)
     parity, predictors = check_formats(
@@ -184,3 +185,25 @@ def test_the_same_commit_exported_in_another_folder_gives_the_same_files(reprodu
         again = (project / "again" / name).read_bytes()
         assert str(project).encode() not in again and str(ROOT).encode() not in again, name
         assert again == (reproduced_base / "results/export" / name).read_bytes(), name
+
+
+class Branchy(torch.nn.Module):
+    """A data-dependent branch: torch.export refuses it (so .pt2 cannot be made), tracing keeps
+    the branch its example took."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        if x.mean() > -100:  # true for every image
+            return self.fc(x.flatten(1))
+        return -self.fc(x.flatten(1))
+
+
+def test_a_format_that_cannot_express_the_model_is_named_and_not_made(pixels, tmp_path):
+    torch.manual_seed(0)
+    paths, exporter, unavailable = export_all(Branchy().eval(), example(pixels), tmp_path, 18, META)
+    assert set(paths) == {"onnx", "torchscript"} and exporter == "legacy"
+    assert set(unavailable) == {"pt2"} and len(unavailable["pt2"].splitlines()) == 1
+    assert not (tmp_path / "model.pt2").exists()

@@ -129,15 +129,35 @@ def check_parity(
     }
 
 
+class CannotExport(RuntimeError):
+    """No ONNX exporter can express the model: nothing else is worth making."""
+
+
 def export_all(
     model: nn.Module, example: torch.Tensor, folder: Path, opset: int, metadata: dict[str, str]
-) -> tuple[dict[str, Path], str]:
-    """Write the three formats into `folder`; returns their paths and the ONNX exporter used."""
+) -> tuple[dict[str, Path], str, dict[str, str]]:
+    """Write the three formats into `folder`; returns the paths of those made, the ONNX exporter
+    used, and for each format that cannot express the model, why (one line): some architectures
+    do not trace or do not pass torch.export. ONNX, which INT8 and serving need, must be made."""
     paths = {runtime: folder / name for runtime, name in FILES.items()}
-    exporter = export_onnx(model, example, paths["onnx"], opset, metadata)
-    export_pt2(model, example, paths["pt2"], metadata)
-    export_torchscript(model, example, paths["torchscript"], metadata)
-    return paths, exporter
+    try:
+        exporter = export_onnx(model, example, paths["onnx"], opset, metadata)
+    except Exception as e:  # both exporters failed
+        raise CannotExport(f"ONNX cannot express {type(model).__name__}: {one_line(e)}") from None
+    unavailable = {}
+    for runtime, write in (("pt2", export_pt2), ("torchscript", export_torchscript)):
+        try:
+            write(model, example, paths[runtime], metadata)
+        except Exception as e:  # the format cannot express this model: said, not promoted
+            paths.pop(runtime).unlink(missing_ok=True)
+            unavailable[runtime] = one_line(e)
+    return paths, exporter, unavailable
+
+
+def one_line(error: Exception) -> str:
+    """An exporter's error as one line of at most 300 characters."""
+    words = " ".join(str(error).split())
+    return f"{type(error).__name__}: {words[:300]}"
 
 
 def check_formats(
