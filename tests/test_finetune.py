@@ -94,8 +94,7 @@ def test_a_weights_name_offline_fails_in_one_line_naming_the_file_to_fetch(
     reproduced_base, tmp_path
 ):
     project = copy_project(reproduced_base, tmp_path / "project")
-    write_params(project, {"train": {"model": "squeezenet1_1", "pretrained": "DEFAULT"}})
-    write_params(project, {"prepare": {"image_size": 32}})
+    write_params(project, {"train": {"model": "mobilenet_v3_small", "pretrained": "DEFAULT"}})
     env_offline = "https_proxy=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9"
     result = sh(
         project, "sh", "-c", f"TORCH_HOME={tmp_path}/torch {env_offline} dvc repro train",
@@ -103,8 +102,10 @@ def test_a_weights_name_offline_fails_in_one_line_naming_the_file_to_fetch(
     )  # fmt: skip
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and errors, result.stderr
-    assert errors[0].startswith("error: train.pretrained: cannot download SqueezeNet1_1_Weights")
-    assert f"put it at {tmp_path}/torch/hub/checkpoints/squeezenet1_1-b8a52dc0.pth" in errors[0]
+    assert errors[0].startswith("error: train.pretrained: cannot download MobileNet_V3_Small")
+    assert (
+        f"put it at {tmp_path}/torch/hub/checkpoints/mobilenet_v3_small-047dcff4.pth" in errors[0]
+    )
     assert "Traceback" not in result.stderr
 
 
@@ -157,3 +158,45 @@ def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduce
     result = sh(project, "dvc", "repro", "train", check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: train.model: mynets:BadGrad fails the gradient check")
+
+
+def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_keys(tmp_path):
+    from safetensors.torch import save_file
+    from torchvision.models import get_model
+
+    from visionflow import zoo
+    from visionflow.errors import Unavailable
+
+    torch.manual_seed(0)
+    weights = get_model("squeezenet1_1").state_dict()  # the head is a 1x1 convolution here
+    save_file(weights, tmp_path / "sq.safetensors")
+    model = zoo.finetune(
+        "squeezenet1_1", 1, 5, 40, ([0.5] * 3, [0.25] * 3), str(tmp_path / "sq.safetensors")
+    )
+    assert model.head == {"classifier.1.weight", "classifier.1.bias"}
+    mine = model.net.state_dict()
+    assert all(torch.equal(mine[k], v) for k, v in weights.items() if k not in model.head)
+    assert model(torch.zeros(2, 1, 48, 48)).shape == (2, 5)  # one channel in, a 40 px crop
+    torch.save(get_model("resnet18").state_dict(), tmp_path / "r18.pth")
+    with pytest.raises(Unavailable, match=r"does not fit squeezenet1_1: missing features.0.bias"):
+        zoo.finetune("squeezenet1_1", 3, 5, 40, ([0.5] * 3, [0.25] * 3), str(tmp_path / "r18.pth"))
+
+
+def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients():
+    from visionflow import zoo
+
+    torch.manual_seed(0)
+    model = zoo.finetune("resnet18", 3, 4, 32, ([0.5] * 3, [0.25] * 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.freeze(True)
+    model.train()
+    model(torch.rand(4, 3, 32, 32)).sum().backward()
+    assert model.training and not model.net.bn1.training and model.net.fc.weight.grad is not None
+    assert all(p.grad is None for p in model.backbone())
+    assert torch.equal(model.state_dict()["net.bn1.running_mean"], before["net.bn1.running_mean"])
+    model.freeze(False)
+    model.train()
+    model(torch.rand(4, 3, 32, 32))
+    assert not torch.equal(
+        model.state_dict()["net.bn1.running_mean"], before["net.bn1.running_mean"]
+    )
