@@ -6,6 +6,14 @@ bf16 + channels_last + torch.compile. It prints images/s per setting and the rat
 Exits with a message when torch sees no CUDA device (CI and the development machines have none).
 
     .venv/bin/python bench/gpu_bench.py [--images 50000] [--batch 512] [--epochs 2]
+
+With `--finetune`, it measures what fine-tuning users run instead: torchvision's ResNet-50 in the
+project's FineTune wrapper, a 256 px uint8 cache random-resized-cropped to 224 px on the
+device, bf16 autocast + channels_last, and reports images/s with the achieved TFLOP/s (3 x 4.1
+GFLOPs per image: forward and backward) against `--peak-tflops` (the device's dense bf16 peak:
+989 for an H100 or H200 SXM).
+
+    .venv/bin/python bench/gpu_bench.py --finetune [--images 4096] [--batch 256] [--peak-tflops 989]
 """
 
 import argparse
@@ -54,14 +62,55 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
     return epochs * len(x) / (time.perf_counter() - start)
 
 
+RESNET50_TRAIN_GFLOPS = 3 * 4.1  # per 224 px image: forward, and backward at twice that
+
+
+def finetune(args) -> None:
+    from visionflow import zoo
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (args.images, 256, 256, 3), dtype=torch.uint8, generator=g).cuda()
+    y = torch.randint(0, 100, (args.images,), generator=g).cuda()
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    model = zoo.finetune("resnet50", 3, 100, 224, (mean, std)).cuda()
+    model = model.to(memory_format=torch.channels_last)
+    optimizer = make_optimizer("sgd", model, 0.01, 1e-4, 0.9, False)
+    norm = torch.tensor(mean, device="cuda"), torch.tensor(std, device="cuda")
+
+    def aug(images):
+        return augment(images, g, hflip=True, resized_crop=224)
+
+    def epoch():
+        split = Split(x, y, *norm, g, augment=aug)
+        train_one_epoch(model, optimizer, split, Step(args.batch, dtype=torch.bfloat16))
+
+    epoch()  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        epoch()
+    torch.cuda.synchronize()
+    rate = args.epochs * len(x) / (time.perf_counter() - start)
+    tflops = rate * RESNET50_TRAIN_GFLOPS / 1000
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}: ResNet-50 fine-tune, 224 px, "
+        f"bf16 + channels_last, batch {args.batch}: {rate:.0f} images/s, {tflops:.0f} TFLOP/s, "
+        f"{tflops / args.peak_tflops:.1%} of {args.peak_tflops:.0f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=50_000)
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--finetune", action="store_true", help="ResNet-50 fine-tuning at 224 px")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("no CUDA device visible to torch: nothing to measure here")
+    if args.finetune:
+        return finetune(args)
     torch.backends.cudnn.benchmark = True
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.images, 32, 32, 3), dtype=torch.uint8, generator=g).cuda()
