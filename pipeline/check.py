@@ -30,6 +30,8 @@ def network_problem(t: Train, image_size: int) -> str | None:
     problem = zoo.unknown_model(t.model)
     if problem:
         return problem
+    if t.pretrained == "imagenet" and t.model not in OWN_MODELS:
+        return "train.pretrained: imagenet is resnet18's name for its weights: use DEFAULT"
     if t.pretrained and not zoo.WEIGHTS_NAME.match(t.pretrained) and t.pretrained != "imagenet":
         if not Path(t.pretrained).is_file():
             return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"

@@ -71,6 +71,10 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     curves = project / "results/train/live/metrics.json"
     lrs = json.loads(curves.read_text())
     assert lrs["lr_backbone"] == pytest.approx(lrs["lr"] * 0.1)  # both groups, both logged
+    out = sh(project, "dvc", "repro", "--force", "train").stdout  # the same 2 epochs at once
+    assert "starting fresh" in out
+    again = epoch_state(project, 2)
+    assert all(torch.equal(again[k], v) for k, v in second.items())  # resumed == uninterrupted
 
 
 def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path):
