@@ -13,7 +13,7 @@
     export.int8:nan                       the INT8 model's logits become NaN (its accuracy falls)
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
 
-The points: stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
+The points: stage.import (stage: its modules are being imported), stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
 taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
 re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was

@@ -45,7 +45,8 @@ def dvc(workdir: Path, *args: str, doing: str) -> str:
             cwd=workdir,
             env=environment(),
             capture_output=True,
-            text=True,
+            encoding="utf-8",
+            errors="backslashreplace",  # a path or message in any bytes: `\xff`, not a crash
             timeout=DVC_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
