@@ -281,8 +281,9 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
 
 
 def _workers(pool: ProcessPoolExecutor) -> list:
-    # all started by the first submit (fork); Python 3.14's terminate_workers() is the public way
-    return list((pool._processes or {}).values())
+    """The pool's processes, all started by the first submit (fork), from its private
+    `_processes` ([] where a Python lacks it: `_stop` then uses 3.14's public kill_workers())."""
+    return list((getattr(pool, "_processes", None) or {}).values())
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -292,6 +293,8 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     pool's reader would wait on for good, since this process holds a writing end of it too:
     closed, the reader sees the pipe's end and the pool ends as broken."""
     processes = _workers(pool)
+    if not processes and hasattr(pool, "kill_workers"):  # Python 3.14's public way
+        pool.kill_workers()
     for process in processes:
         process.terminate()
     for process in processes:
@@ -299,7 +302,9 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    pool._result_queue._writer.close()
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # private: guarded
+    if writer is not None:
+        writer.close()
 
 
 def _died(processes: list, done: int, total: int) -> str:
