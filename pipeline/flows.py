@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.deployments import run_deployment
+from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.states import Cancelled, Completed, Failed, State
 
@@ -126,11 +127,17 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool | State:
         return False
     before, stops, killed = locked(workdir, stage), len(runner.FORWARDED), len(runner.KILLED)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
+    # A deployment's run is cancelled by Prefect's runner, which takes the SIGTERM through its own
+    # handler (it tells the run's process first, only while that handler is in place)
+    deployed = bool(runtime.deployment.id)
     try:
-        code, tail = run_group(cmd, workdir, timeout_s, readable(logger.info))
+        code, tail = run_group(cmd, workdir, timeout_s, readable(logger.info), not deployed)
     except Timeout as e:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
+    except TerminationSignal:  # that cancellation: the group was stopped as every stop is
+        runner.FORWARDED.append(signal.SIGTERM)
+        code = None
     if len(runner.FORWARDED) > stops and code != 0:  # asked to stop (a cancellation, say): the
         restore(workdir, logger.warning, stage)  # stage stopped at its safe point, or was killed
         message = stopped(f"stage {stage}", killed)
@@ -205,18 +212,27 @@ def bring_up_to_date(root: Path, stage_timeout_s: float) -> list[str]:
         for stage in stages_in_order(root):
             state = run_stage(root, stage, stage_timeout_s, return_state=True)
             if state.is_cancelled():  # stopped: said in one line, no traceback
-                return Cancelled(message=state.message)
+                return stopped_run(state.message)
             if state.result():  # a failed stage raises its error here
                 ran.append(stage)
             if len(runner.FORWARDED) > stops:  # asked to stop as the stage ended: no more
                 paid(root)
                 message = stopped(f"the run, after stage {stage},", len(runner.KILLED))
                 logger.warning(message)
-                return Cancelled(message=message)
+                return stopped_run(message)
         paid(root)
         logger.info(f"ran: {', '.join(ran)}")
         publish(root)
         return ran
+
+
+def stopped_run(message: str) -> State:
+    """The end of a stopped run: Cancelled. A deployment's run (served, on a worker) ends the way
+    Prefect ends a cancelled one, quietly: its engine would log a returned Cancelled state as an
+    unexpected exception, with a traceback."""
+    if runtime.deployment.id:
+        raise TerminationSignal(signal.SIGTERM)
+    return Cancelled(message=message)
 
 
 @contextmanager
@@ -404,7 +420,7 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
             reproduce(str(root), return_state=True)
             if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
                 print("stopped: the run in progress was ended first", flush=True)
-                raise SystemExit(128 + runner.FORWARDED[-1])
+                raise SystemExit(STOPPED_EXIT)
 
 
 def main() -> None:

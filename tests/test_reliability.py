@@ -522,7 +522,7 @@ def test_a_runner_killed_before_its_restore_leaves_it_to_the_next_run(project, t
     assert not (project / "results/train").exists()  # DVC deleted it; nobody restored it
     nxt = repro(project)
     assert nxt.returncode == 0, nxt.stdout + nxt.stderr
-    said = "the previous run was killed before it could restore its results: restoring every stage"
+    said = "the previous run left its results unrestored (killed first, or no room on the disk)"
     assert said in nxt.stderr and "restored the previous results" in nxt.stderr
     assert ran(nxt.stdout) == [] and dvc_clean(project)  # restored, not retrained
 
@@ -544,11 +544,14 @@ def test_a_kill_after_the_grace_period_reaches_every_torchrun_rank(project, tmp_
     read_until(run, "fault: pause")
     ranks = [p for p in trainers(project) if "torchrun" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and all(os.getsid(p.pid) == p.pid for p in ranks)  # own sessions
-    assert all(p.environ()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "5" for p in ranks)  # the grace
+    shutdown = {p.environ().get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") for p in ranks}
     os.kill(run.pid, signal.SIGTERM)
     output = run.communicate(timeout=300)[0]
-    assert run.returncode == 130, output
-    assert not [p for p in ranks if p.is_running() and p.status() != "zombie"], output
+    left = [p for p in ranks if p.is_running() and p.status() != "zombie"]
+    for p in left:  # before: both ranks kept training, the workspace free
+        p.kill()
+    assert not left and run.returncode == 130, output
+    assert shutdown == {"5"}  # torchrun waits for its ranks as long as the runner does
 
 
 def test_a_dvc_lock_cut_inside_an_entry_is_named_and_no_restore_is_claimed(project):
@@ -559,3 +562,52 @@ def test_a_dvc_lock_cut_inside_an_entry_is_named_and_no_restore_is_claimed(proje
     assert result.returncode == 1 and ran(result.stdout) == [], result.stdout + result.stderr
     assert "dvc.lock is damaged (cut short or edited" in result.stderr
     assert "git checkout dvc.lock" in result.stderr and "restore" not in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 64 MB tmpfs of its own, to fill (mounting needs root: skipped otherwise)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def fill(disk: Path) -> Path:
+    """Write to `disk` until it is full, to the last page."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as handle:
+        for size in (2**20, 2**12, 1):
+            try:
+                while True:
+                    handle.write(b"\0" * size)
+            except OSError:
+                pass
+    return filler
+
+
+def test_a_disk_that_fills_while_prepare_decodes_is_named_and_the_results_come_back(
+    reproduced_base, small_disk, image_folder, tmp_path
+):
+    project = copy_project(reproduced_base, small_disk / "project")
+    params = (project / "params.yaml").read_text()
+    folder = {"source": "imagefolder", "path": str(image_folder), "max_bad_fraction": 0.5}
+    write_params(project, {"prepare": {**folder, "workers": 2, "image_size": 64}})  # 12 KB each
+    go = tmp_path / "go"  # a worker holds image 3; the disk fills before it writes its pixels
+    run = start(project, "-s", "prepare", fault=f"prepare.decode@index=3:pause={go}")
+    read_until(run, "fault: pause")
+    filler = fill(small_disk)
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 255, output
+    assert "disk full: no room to write in" in output and "SIGBUS" not in output, output
+    filler.unlink()
+    (project / "params.yaml").write_text(params)
+    again = repro(project)  # restores first if the full disk kept the first restore from it
+    assert again.returncode == 0 and ran(again.stdout) == [], again.stdout + again.stderr
+    assert dvc_clean(project) and (project / "data/prepared/manifest.json").exists()

@@ -77,7 +77,10 @@ try:
         while time.monotonic() < deadline:
             os.killpg(group, 0)
             time.sleep(0.1)
-    from visionflow.runner import kill_family
+    try:
+        from visionflow.runner import kill_family
+    except Exception:  # the group alone, then
+        kill_family = lambda group: None
     end = time.monotonic() + 30
     while time.monotonic() < end:
         kill_family(group)  # torchrun's ranks too, each in a session of its own
@@ -317,7 +320,11 @@ def finish(process: subprocess.Popen, group: Group, watcher: threading.Thread) -
 
 
 def run_group(
-    cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
+    cmd: list[str],
+    workdir: Path,
+    timeout_s: float,
+    log: Callable[[str], None],
+    sigterm: bool = True,
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
     goes through `Group.end`: SIGINT, a grace period for the stage's safe point
@@ -326,14 +333,15 @@ def run_group(
     does `timeout_s`, printing or silent (then `Timeout` is raised), and an early end of this call
     (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
     its own, whatever is left of its group is killed at once; when it was stopped or killed, the
-    rest of the group gets the grace period.
+    rest of the group gets the grace period. With `sigterm` off, SIGTERM is left to the
+    handler in place (Prefect's, whose exception is an early end of this call).
 
     Returns the exit code and the output's last 4,000 characters.
     """
     process, group = start_group(cmd, workdir)
     watcher, ended, timed_out = supervise(process, group, timeout_s)
     handlers = (
-        (signal.SIGINT, signal.SIGTERM)
+        (signal.SIGINT, signal.SIGTERM)[: 2 if sigterm else 1]
         if threading.current_thread() is threading.main_thread()
         else ()
     )
@@ -399,8 +407,8 @@ def owe_restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None
     if note.exists():
         left = note.read_text().split()
         log(
-            "the previous run was killed before it could restore its results: "
-            f"restoring {', '.join(left) or 'every stage'} now"
+            "the previous run left its results unrestored (killed first, or no room on the "
+            f"disk): restoring {', '.join(left) or 'every stage'} now"
         )
         restore(workdir, log, *left)
     note.parent.mkdir(parents=True, exist_ok=True)
@@ -442,11 +450,19 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     wait_until_free(workdir)  # a `dvc status` of the user's (an editor's, say) lets go soon
     cmd = [*dvc_command(), "checkout", "--force", *stages]
     code, tail = run_group(cmd, workdir, 600, lambda line: None)
+    free = shutil.disk_usage(workdir).free
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
+        paid(workdir)
+    elif free < 2**20:  # DVC says "Is your cache up to date?": the cache is fine, the disk full
+        log(
+            f"disk full: {workdir} has {free / 2**20:.1f} MB free, too little to restore the "
+            "previous results from DVC's cache: free space, and the next run (visionflow repro, "
+            "the flows) restores them first (or `dvc checkout --force`)"
+        )  # the note stays: the next run owes the restore
     else:
         log(f"dvc checkout could not restore the previous results:\n{tail}")
-    paid(workdir)  # done, or not doable: the next run does not try again
+        paid(workdir)  # not doable as things are: the next run does not try again
 
 
 def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 * 24 * 3600) -> int:
@@ -478,8 +494,9 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
         cmd, killed = [*dvc_command(), "repro", *args], len(KILLED)
         code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
         if code != 0:  # failed, stopped or killed: DVC's exit code, whatever it printed
-            restore(workdir, say)
-        paid(workdir)
+            restore(workdir, say)  # drops the note once restored
+        else:
+            paid(workdir)
         if FORWARDED and code != 0:  # stopped: one line and one code, whatever it was doing
             say(f"{stopped('the run', killed)} (exit {STOPPED_EXIT})")
             return STOPPED_EXIT
