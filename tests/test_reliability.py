@@ -17,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -578,17 +580,35 @@ def small_disk(tmp_path) -> Path:
     subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
-def fill(disk: Path) -> Path:
-    """Write to `disk` until it is full, to the last page."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as handle:
+@contextmanager
+def filled(disk: Path) -> Iterator[Path]:
+    """`disk` full to the last page, and kept full (another writer takes any page freed, by DVC
+    say) until the block ends; then the filler file goes."""
+    filler, done = disk / "filler", threading.Event()
+    handle = open(filler, "wb", buffering=0)
+
+    def fill() -> None:
         for size in (2**20, 2**12, 1):
             try:
                 while True:
                     handle.write(b"\0" * size)
             except OSError:
                 pass
-    return filler
+
+    def keep_full() -> None:
+        while not done.wait(0.01):
+            fill()
+
+    fill()
+    keeper = threading.Thread(target=keep_full, daemon=True)
+    keeper.start()
+    try:
+        yield filler
+    finally:
+        done.set()
+        keeper.join()
+        handle.close()
+        filler.unlink()
 
 
 def test_a_disk_that_fills_while_prepare_decodes_is_named_and_the_results_come_back(
@@ -597,16 +617,16 @@ def test_a_disk_that_fills_while_prepare_decodes_is_named_and_the_results_come_b
     project = copy_project(reproduced_base, small_disk / "project")
     params = (project / "params.yaml").read_text()
     folder = {"source": "imagefolder", "path": str(image_folder), "max_bad_fraction": 0.5}
-    write_params(project, {"prepare": {**folder, "workers": 2, "image_size": 64}})  # 12 KB each
+    rgb = {"image_size": 64, "color": "rgb"}  # 12 KB an image: each has pages of its own
+    write_params(project, {"prepare": {**folder, "workers": 2, **rgb}})
     go = tmp_path / "go"  # a worker holds image 3; the disk fills before it writes its pixels
     run = start(project, "-s", "prepare", fault=f"prepare.decode@index=3:pause={go}")
     read_until(run, "fault: pause")
-    filler = fill(small_disk)
-    go.touch()
-    output = run.communicate(timeout=300)[0]
+    with filled(small_disk):
+        go.touch()
+        output = run.communicate(timeout=300)[0]
     assert run.returncode == 255, output
     assert "disk full: no room to write in" in output and "SIGBUS" not in output, output
-    filler.unlink()
     (project / "params.yaml").write_text(params)
     again = repro(project)  # restores first if the full disk kept the first restore from it
     assert again.returncode == 0 and ran(again.stdout) == [], again.stdout + again.stderr
