@@ -30,6 +30,29 @@ from visionflow.params import ParamsError, read_yaml
 from visionflow.project import fill, param_changes
 
 
+def stage_started() -> str | None:
+    """The stage this process was started as (`python -m pipeline.<stage>`, a torchrun rank
+    too); None in a process that imports the flows, or a test."""
+    argv = sys.orig_argv
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    stage = module.removeprefix("pipeline.")
+    return stage if stage != module and stage != "flows" else None
+
+
+def stopped_while_starting(signum, frame) -> None:
+    print("interrupted: stopped while the stage was starting; nothing written", file=sys.stderr)
+    sys.exit(130)  # as a stop at a safe point, and no KeyboardInterrupt traceback
+
+
+# A stop may come while the stage still imports (torch takes seconds): the same quiet exit 130 as
+# a stop later on. `run(main)` installs the handlers for the rest of the stage.
+if stage_started():
+    signal.signal(signal.SIGINT, stopped_while_starting)
+    signal.signal(signal.SIGTERM, stopped_while_starting)
+    if faults.ACTIVE:
+        faults.fault("stage.import", stage=stage_started())
+
+
 class GateError(RuntimeError):
     """A stage's check failed; the message carries the numbers."""
 

@@ -38,8 +38,9 @@ from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.deployments import run_deployment
+from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
-from prefect.states import Completed, Failed, State
+from prefect.states import Cancelled, Completed, Failed, State
 
 from visionflow import runner
 from visionflow.files import flatten
@@ -56,13 +57,17 @@ from visionflow.repo import (
 )
 from visionflow.runner import (
     BUSY_EXIT,
+    STOPPED_EXIT,
     NotAProject,
     Timeout,
     dvc_busy,
     dvc_command,
     find_root,
+    owe_restore,
+    paid,
     restore,
     run_group,
+    stopped,
     wait_until_free,
     workspace_lock,
 )
@@ -111,26 +116,33 @@ def changed(workdir: Path) -> dict:
     retry_delay_seconds=LOCK_WAIT_S,
     retry_condition_fn=only_when_busy,
 )
-def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool:
-    """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was."""
+def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool | State:
+    """`dvc repro --single-item <stage>`; True when DVC brought it up to date, False when it was;
+    a Cancelled state when this process was asked to stop (its previous results restored)."""
     logger = get_run_logger()
     if dvc_busy(workdir):
         raise DvcBusy.at(workdir, stage)
     if unchanged(workdir, stage):
         logger.info(f"Stage '{stage}' didn't change, skipping")
         return False
-    before, stops = locked(workdir, stage), len(runner.FORWARDED)
+    before, stops, killed = locked(workdir, stage), len(runner.FORWARDED), len(runner.KILLED)
     cmd = [*dvc_command(), "repro", "--single-item", stage]
+    # A deployment's run is cancelled by Prefect's runner, which takes the SIGTERM through its own
+    # handler (it tells the run's process first, only while that handler is in place)
+    deployed = bool(runtime.deployment.id)
     try:
-        code, tail = run_group(cmd, workdir, timeout_s, readable(logger.info))
+        code, tail = run_group(cmd, workdir, timeout_s, readable(logger.info), not deployed)
     except Timeout as e:
         restore(workdir, logger.warning, stage)
         raise StageFailed(f"stage {stage}: {e} (stage_timeout_s={timeout_s:g})") from None
-    if len(runner.FORWARDED) > stops:  # this process was asked to stop (a cancellation, say):
-        if code != 0:  # the stage stopped at its safe point; Prefect's runner, which sent the
-            restore(workdir, logger.warning, stage)  # SIGTERM, marks the run Cancelled
-        name = signal.Signals(runner.FORWARDED[-1]).name
-        raise StageFailed(f"stage {stage}: stopped by {name} (exit {code}):\n{tail}")
+    except TerminationSignal:  # that cancellation: the group was stopped as every stop is
+        runner.FORWARDED.append(signal.SIGTERM)
+        code = None
+    if len(runner.FORWARDED) > stops and code != 0:  # asked to stop (a cancellation, say): the
+        restore(workdir, logger.warning, stage)  # stage stopped at its safe point, or was killed
+        message = stopped(f"stage {stage}", killed)
+        logger.warning(message)  # one line; the task (and the flow) end Cancelled
+        return Cancelled(message=message)
     if code == 0:
         return locked(workdir, stage) != before
     if dvc_busy(workdir) or lock_refused(tail, stage):  # DVC could not take its lock back to
@@ -152,7 +164,8 @@ def publish(workdir: Path) -> None:
     ]
     create_table_artifact(rows, key="metrics", description="dvc metrics show")
     diff = dvc(workdir, "metrics", "diff", "--md", doing="publishing")
-    diff = diff or "no change against the last commit"
+    if len([line for line in diff.splitlines() if line.startswith("|")]) <= 2:
+        diff = "no metric changed against the last commit"  # DVC's table: a header, no rows
     create_markdown_artifact(f"## Metrics diff (workspace vs HEAD)\n\n{diff}", key="metrics-diff")
     parity_file = workdir / "results/export/parity.json"
     if parity_file.exists():
@@ -188,15 +201,38 @@ def bring_up_to_date(root: Path, stage_timeout_s: float) -> list[str]:
     """The body of `reproduce`, under the workspace lock."""
     logger = get_run_logger()
     with claimed(root):
+        owe_restore(root, logger.warning)  # first what a killed run left undone
         what = changed(root)
         if not what:
+            paid(root)
             logger.info("pipeline is up to date: nothing to run")
             return []
         logger.info(f"changed: {', '.join(what)}")
-        ran = [stage for stage in stages_in_order(root) if run_stage(root, stage, stage_timeout_s)]
+        ran, stops = [], len(runner.FORWARDED)
+        for stage in stages_in_order(root):
+            state = run_stage(root, stage, stage_timeout_s, return_state=True)
+            if state.is_cancelled():  # stopped: said in one line, no traceback
+                return stopped_run(state.message)
+            if state.result():  # a failed stage raises its error here
+                ran.append(stage)
+            if len(runner.FORWARDED) > stops:  # asked to stop as the stage ended: no more
+                paid(root)
+                message = stopped(f"the run, after stage {stage},", len(runner.KILLED))
+                logger.warning(message)
+                return stopped_run(message)
+        paid(root)
         logger.info(f"ran: {', '.join(ran)}")
         publish(root)
         return ran
+
+
+def stopped_run(message: str) -> State:
+    """The end of a stopped run: Cancelled. A deployment's run (served, on a worker) ends the way
+    Prefect ends a cancelled one, quietly: its engine would log a returned Cancelled state as an
+    unexpected exception, with a traceback."""
+    if runtime.deployment.id:
+        raise TerminationSignal(signal.SIGTERM)
+    return Cancelled(message=message)
 
 
 @contextmanager
@@ -389,7 +425,7 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
             reproduce(str(root), return_state=True)
             if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
                 print("stopped: the run in progress was ended first", flush=True)
-                raise SystemExit(128 + runner.FORWARDED[-1])
+                raise SystemExit(STOPPED_EXIT)
 
 
 def main() -> None:
@@ -422,6 +458,8 @@ def main() -> None:
         serve_deployments(root, args.interval, args.cron)
     else:
         state = reproduce(str(root), args.if_busy, return_state=True)
+        if state.is_cancelled():  # Ctrl-C or SIGTERM: the line is in the log already
+            sys.exit(STOPPED_EXIT)
         if state.is_failed() or state.is_crashed():
             sys.exit(f"error: {state.message}")
         print(json.dumps({"ran": state.result(), "skipped": state.name == "Skipped"}))

@@ -107,6 +107,20 @@ def merge(base: dict, change: dict) -> dict:
     return out
 
 
+def add_stage(project: Path, name: str, cmd: str, out: str) -> None:
+    """A stage of the test's own in the project's dvc.yaml (DVC reads block or flow style)."""
+    spec = yaml.safe_load((project / "dvc.yaml").read_text())
+    spec["stages"][name] = {"cmd": cmd, "outs": [out]}
+    (project / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+# A stage that prints a byte that is not UTF-8 (a Latin-1 file name, say), then succeeds.
+LATIN = (
+    'python -c "import sys; sys.stdout.buffer.write(bytes([99, 97, 102, 233, 10])); '
+    "open('latin.txt', 'w').close()\""
+)
+
+
 def write_params(project: Path, change: dict) -> None:
     path = project / "params.yaml"
     path.write_text(

@@ -504,3 +504,28 @@ def test_class_names_that_differ_only_by_case_spaces_or_invisible_characters_are
         "classes 'bird ' and 'bird'",
     ]
     assert data.look_alike_classes(["0", "1", "cat", "dog"]) == []
+
+
+def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
+    image_folder, tmp_path, monkeypatch
+):
+    """`_stop` reads ProcessPoolExecutor's private `_processes` and `_result_queue`: a Python
+    without them still decodes, and a stop still ends the pool (no AttributeError)."""
+    import concurrent.futures
+
+    class Bare(concurrent.futures.ProcessPoolExecutor):  # the private names hidden
+        def __getattribute__(self, name):
+            if name in ("_processes", "_result_queue") and sys._getframe(1).f_globals is vars(data):
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    monkeypatch.setattr(data, "ProcessPoolExecutor", Bare)
+    source = data.load_source("imagefolder", image_folder)
+    scratch = tmp_path / "x.npy"
+    np.lib.format.open_memmap(
+        scratch, mode="w+", dtype=np.uint8, shape=(len(source.images), 8, 8, 3)
+    )
+    results = data._decode_in_pool(scratch, source.images, data.Decode(8, "rgb"), workers=2)
+    next(results)
+    results.close()  # a stop while the pool works: `_stop` ends it
+    assert len(list(data._decode_in_pool(scratch, source.images, data.Decode(8, "rgb"), 2))) > 0

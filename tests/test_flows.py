@@ -20,7 +20,9 @@ import pytest
 import yaml
 
 from tests.conftest import (
+    LATIN,
     ROOT,
+    add_stage,
     commit,
     copy_project,
     dvc_clean,
@@ -264,6 +266,16 @@ def test_a_second_run_waits_for_the_first_then_finds_nothing_to_do(project, tmp_
     assert "waiting for it to finish" in "".join(waited) and "up to date" in second_err
 
 
+def test_the_metrics_diff_says_when_no_metric_changed(project):
+    from pipeline.flows import reproduce
+
+    note_in_params(project, "reruns check alone: no metric changes")
+    state = reproduce(str(project), return_state=True)
+    assert state.result() == ["check"]
+    diff = artifact("metrics-diff", state.state_details.flow_run_id).data
+    assert "no metric changed against the last commit" in diff, diff
+
+
 def test_a_failing_stage_fails_the_flow_once_with_its_error(project):
     from pipeline.flows import reproduce
 
@@ -303,6 +315,16 @@ def test_a_silent_stage_past_its_timeout_is_killed_with_its_group(project, monke
         state.result()
     assert stage_processes(project) == []  # dvc, the stage, everything in its group
     assert (project / "results/train/model.pt").read_bytes() == model  # restored from the cache
+
+
+def test_a_stage_that_prints_bytes_that_are_not_utf8_runs_to_the_end(project):
+    from pipeline.flows import reproduce
+
+    add_stage(project, "latin", LATIN, "latin.txt")
+    state = reproduce(str(project), return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == ["latin"] and dvc_clean(project)
+    assert_readable(flow_logs(state.state_details.flow_run_id), "caf\\xe9")
 
 
 def test_another_dvc_holding_the_repository_is_waited_out_with_prefect_retries(project, hold):
@@ -579,6 +601,8 @@ def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(proj
             wait_for(at.exists, what="training at epoch 2")
             cancel(flow_run)  # SIGTERM to the flow run's process: epoch 2 finishes, checkpointed
             wait_for(lambda: not stage_processes(project), 30, "no stage process left")
+            assert_stopped_in_one_line(client, flow_run.id, "train")
+            assert (project / "results/train/model.pt").exists()  # restored
             assert (newest_state(project) / "epoch-0002.pt").exists()
             rerun = sh(project, "dvc", "repro", "-s", "train")  # the plain command resumes it
             assert "epoch-0002.pt (epoch 2 done)" in rerun.stdout, rerun.stdout
@@ -600,6 +624,28 @@ def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(proj
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("reproduce/scheduled")
     assert not deployment.paused and deployment.schedules  # still scheduled after it stopped
+
+
+def assert_stopped_in_one_line(client, run_id, stage: str) -> None:
+    """A cancelled run's stopped stage: its task Cancelled, one line saying so, no traceback."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    only = FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+    wait_for(
+        lambda: any(
+            r.state.is_final()
+            for r in client.read_task_runs(flow_run_filter=only)
+            if r.name == stage
+        ),
+        60,
+        f"the {stage} task's final state",
+    )
+    task = next(r for r in client.read_task_runs(flow_run_filter=only) if r.name == stage)
+    assert task.state.is_cancelled(), task.state
+    messages = [log.message for log in flow_logs(run_id)]
+    assert not [m for m in messages if "Traceback" in m], messages
+    said = [m for m in messages if f"stage {stage} stopped by SIGTERM" in m]
+    assert len([m for m in said if not m.startswith("Finished in state")]) == 1, said
 
 
 def test_prefect_yaml_deployments_run_on_a_process_worker(project):
@@ -700,7 +746,7 @@ def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project,
         assert lines.get(timeout=60).startswith("change settled")
         wait_for(lambda: stage_processes(project, "pipeline.train"), what="a paused train stage")
         watcher.send_signal(signal.SIGTERM)
-        assert watcher.wait(timeout=60) == 128 + signal.SIGTERM
+        assert watcher.wait(timeout=60) == 130  # a stopped run, as visionflow repro
         assert lines.get(timeout=5).startswith("stopped: the run in progress was ended first")
     finally:
         if watcher.poll() is None:

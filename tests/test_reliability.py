@@ -7,6 +7,7 @@ invariants: dvc.lock parses, every checkpoint loads with weights_only=True, `dvc
 and a clean run afterwards succeeds.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -24,7 +27,9 @@ import torch
 import yaml
 
 from tests.conftest import (
+    LATIN,
     TINY,
+    add_stage,
     copy_project,
     dvc_clean,
     note_in_params,
@@ -464,3 +469,165 @@ def test_a_grace_period_that_is_no_number_of_seconds_is_refused_up_front(project
     )
     assert result.returncode == 2
     assert f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds >= 0" in result.stderr
+
+
+def test_a_stage_that_prints_bytes_that_are_not_utf8_runs_to_the_end(project):
+    add_stage(project, "latin", LATIN, "latin.txt")
+    done = repro(project, "latin")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "caf\\xe9" in done.stdout and "Traceback" not in done.stderr
+    assert (project / "latin.txt").exists() and dvc_clean(project)
+
+
+def test_a_stop_while_the_stage_imports_exits_130_with_one_line(project, tmp_path):
+    never = tmp_path / "never"  # evaluate paused among its imports (torch's take seconds)
+    run = start(project, "-f", "-s", "evaluate", fault=f"stage.import@stage=evaluate:pause={never}")
+    read_until(run, "fault: pause")
+    os.kill(run.pid, signal.SIGTERM)
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "interrupted: stopped while the stage was starting" in output
+    assert output.count("stopped by SIGTERM") == 1 and "the run stopped by SIGTERM" in output
+    assert "restored the previous results" in output and dvc_clean(project)
+
+
+def test_a_stage_killed_after_a_grace_of_0_says_so_and_exits_130(project, tmp_path):
+    never = tmp_path / "never"
+    run = start(
+        project,
+        "-f",
+        "-s",
+        "train",
+        fault=f"train.loss@epoch=2,step=1:pause={never}",
+        VISIONFLOW_STOP_GRACE_S="0",
+    )
+    read_until(run, "fault: pause")
+    os.kill(run.pid, signal.SIGTERM)
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode == 130, output  # was 247: -9, DVC's own death
+    assert "killed after VISIONFLOW_STOP_GRACE_S=0 s without reaching its safe point" in output
+    assert not trainers(project)
+    failed = repro(project, "-f", "-s", "sanity", fault="stage.start@stage=sanity:raise")
+    assert failed.returncode == 255 and "stopped by" not in failed.stderr  # a failure stays 255
+    assert_invariants(project)
+
+
+def test_a_runner_killed_before_its_restore_leaves_it_to_the_next_run(project, tmp_path):
+    never = tmp_path / "never"  # as Prefect kills a cancelled flow run's process after 30 s
+    run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=1:pause={never}")
+    read_until(run, "fault: pause")
+    os.kill(run.pid, signal.SIGKILL)
+    run.communicate(timeout=300)
+    with open(project / ".dvc/tmp/visionflow-run.lock") as lock:  # the reaper lets go of it
+        fcntl.flock(lock, fcntl.LOCK_EX)  # once the stage is gone (5 s of grace, then SIGKILL)
+    assert not (project / "results/train").exists()  # DVC deleted it; nobody restored it
+    nxt = repro(project)
+    assert nxt.returncode == 0, nxt.stdout + nxt.stderr
+    said = "the previous run left its results unrestored (killed first, or no room on the disk)"
+    assert said in nxt.stderr and "restored the previous results" in nxt.stderr
+    assert ran(nxt.stdout) == [] and dvc_clean(project)  # restored, not retrained
+
+
+def torchrun_train(project: Path) -> None:
+    """The train stage under `torchrun`, two CPU ranks (gloo), as README says to run it."""
+    spec = yaml.safe_load((project / "dvc.yaml").read_text())
+    cmd = spec["stages"]["train"]["cmd"].replace(
+        "python -m", "torchrun --standalone --nproc_per_node 2 -m"
+    )
+    spec["stages"]["train"]["cmd"] = cmd
+    (project / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def test_a_kill_after_the_grace_period_reaches_every_torchrun_rank(project, tmp_path):
+    torchrun_train(project)
+    never = tmp_path / "never"  # every rank paused: none reaches its safe point
+    run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=1,step=1:pause={never}")
+    read_until(run, "fault: pause")
+    ranks = [p for p in trainers(project) if "torchrun" not in " ".join(p.cmdline())]
+    assert len(ranks) == 2 and all(os.getsid(p.pid) == p.pid for p in ranks)  # own sessions
+    shutdown = {p.environ().get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") for p in ranks}
+    os.kill(run.pid, signal.SIGTERM)
+    output = run.communicate(timeout=300)[0]
+    left = [p for p in ranks if p.is_running() and p.status() != "zombie"]
+    for p in left:  # before: both ranks kept training, the workspace free
+        p.kill()
+    assert not left and run.returncode == 130, output
+    assert shutdown == {"5"}  # torchrun waits for its ranks as long as the runner does
+
+
+def test_a_dvc_lock_cut_inside_an_entry_is_named_and_no_restore_is_claimed(project):
+    lock = project / "dvc.lock"
+    text = lock.read_text()
+    lock.write_text(text[: text.rindex("    outs:\n") + len("    outs:\n")])  # YAML still reads
+    result = repro(project)
+    assert result.returncode == 1 and ran(result.stdout) == [], result.stdout + result.stderr
+    assert "dvc.lock is damaged (cut short or edited" in result.stderr
+    assert "git checkout dvc.lock" in result.stderr and "restore" not in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 64 MB tmpfs of its own, to fill (mounting needs root: skipped otherwise)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+@contextmanager
+def filled(disk: Path) -> Iterator[Path]:
+    """`disk` full to the last page, and kept full (another writer takes any page freed, by DVC
+    say) until the block ends; then the filler file goes."""
+    filler, done = disk / "filler", threading.Event()
+    handle = open(filler, "wb", buffering=0)
+
+    def fill() -> None:
+        for size in (2**20, 2**12, 1):
+            try:
+                while True:
+                    handle.write(b"\0" * size)
+            except OSError:
+                pass
+
+    def keep_full() -> None:
+        while not done.wait(0.01):
+            fill()
+
+    fill()
+    keeper = threading.Thread(target=keep_full, daemon=True)
+    keeper.start()
+    try:
+        yield filler
+    finally:
+        done.set()
+        keeper.join()
+        handle.close()
+        filler.unlink()
+
+
+def test_a_disk_that_fills_while_prepare_decodes_is_named_and_the_results_come_back(
+    reproduced_base, small_disk, image_folder, tmp_path
+):
+    project = copy_project(reproduced_base, small_disk / "project")
+    params = (project / "params.yaml").read_text()
+    folder = {"source": "imagefolder", "path": str(image_folder), "max_bad_fraction": 0.5}
+    rgb = {"image_size": 64, "color": "rgb"}  # 12 KB an image: each has pages of its own
+    write_params(project, {"prepare": {**folder, "workers": 2, **rgb}})
+    go = tmp_path / "go"  # a worker holds image 3; the disk fills before it writes its pixels
+    run = start(project, "-s", "prepare", fault=f"prepare.decode@index=3:pause={go}")
+    read_until(run, "fault: pause")
+    with filled(small_disk):
+        go.touch()
+        output = run.communicate(timeout=300)[0]
+    assert run.returncode == 255, output
+    assert "disk full: no room to write in" in output and "SIGBUS" not in output, output
+    (project / "params.yaml").write_text(params)
+    again = repro(project)  # restores first if the full disk kept the first restore from it
+    assert again.returncode == 0 and ran(again.stdout) == [], again.stdout + again.stderr
+    assert dvc_clean(project) and (project / "data/prepared/manifest.json").exists()

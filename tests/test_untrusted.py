@@ -1,6 +1,7 @@
 """Model files and metadata from someone else, predict in a shell pipe, a teammate's incomplete
 remote: each gets a clear answer, never a wrong one and never code run from a file."""
 
+import base64
 import hashlib
 import json
 import os
@@ -277,7 +278,14 @@ def test_class_and_file_names_cannot_drive_the_terminal_or_break_json(
     shutil.copy(digit, folder / b"\xff.png".decode("utf-8", "surrogateescape"))
     line = predict(reproduced_base, folder, "--json", check=True).stdout
     assert line.isascii() and "\\udcff" not in line
-    assert json.loads(line)["file"] == f"{folder}/\\xff.png"
+    assert json.loads(line)["file"] == f"{folder}/\\xff.png"  # for display
+    shutil.copy(digit, folder / "\\xff.png")  # a name that is those four characters
+    lines = [json.loads(x) for x in predict(reproduced_base, folder, "--json").stdout.splitlines()]
+    named = {
+        os.fsdecode(base64.b64decode(x["file_bytes"])) if "file_bytes" in x else x["file"]
+        for x in lines
+    }
+    assert named == {str(p) for p in folder.iterdir()}  # each its own: the names are exact
 
 
 def test_predict_from_a_subfolder_or_with_nowhere_to_write(reproduced_base, digit):

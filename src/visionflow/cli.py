@@ -19,6 +19,7 @@ visionflow doctor [--json]                       versions, GPU, disk, pipeline a
 """
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -159,14 +160,27 @@ def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
 
 def report(path: Path, message: str, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"file": text_of(path), "error": message}))
+        print(json.dumps({**file_fields(path), "error": message}))
     print(f"error: {message}", file=sys.stderr)
 
 
 def json_line(path: Path, ranked: list[tuple[str, float]]) -> str:
     """One JSON object per image on one line (a newline in a file name is escaped)."""
     rows = [{"class": c, "probability": p} for c, p in ranked]
-    return json.dumps({"file": text_of(path), "predictions": rows})
+    return json.dumps({**file_fields(path), "predictions": rows})
+
+
+def file_fields(path: Path) -> dict[str, str]:
+    """`file`: the name as text; for a name that is not UTF-8 (where `file` shows `\\xe9` for
+    the byte, as a name really holding those four characters would), also `file_bytes`: the
+    name's exact bytes in base64 (`os.fsdecode(base64.b64decode(...))` opens it)."""
+    fields = {"file": text_of(path)}
+    raw = os.fsencode(path)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        fields["file_bytes"] = base64.b64encode(raw).decode("ascii")
+    return fields
 
 
 def tsv_line(path: Path, ranked: list[tuple[str, float]]) -> str:

@@ -272,7 +272,7 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
     except BrokenProcessPool:
         processes = _workers(pool)
         pool.shutdown(wait=True)  # the rest are stopped and reaped: their exit codes are known
-        raise DataError(_died(processes, done, len(jobs)), setting="workers") from None
+        raise DataError(_died(processes, done, len(jobs), path), setting="workers") from None
     except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
         _stop(pool)
         raise
@@ -281,8 +281,9 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
 
 
 def _workers(pool: ProcessPoolExecutor) -> list:
-    # all started by the first submit (fork); Python 3.14's terminate_workers() is the public way
-    return list((pool._processes or {}).values())
+    """The pool's processes, all started by the first submit (fork), from its private
+    `_processes` ([] where a Python lacks it: `_stop` then uses 3.14's public kill_workers())."""
+    return list((getattr(pool, "_processes", None) or {}).values())
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -292,6 +293,8 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     pool's reader would wait on for good, since this process holds a writing end of it too:
     closed, the reader sees the pipe's end and the pool ends as broken."""
     processes = _workers(pool)
+    if not processes and hasattr(pool, "kill_workers"):  # Python 3.14's public way
+        pool.kill_workers()
     for process in processes:
         process.terminate()
     for process in processes:
@@ -299,12 +302,18 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    pool._result_queue._writer.close()
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # private: guarded
+    if writer is not None:
+        writer.close()
 
 
-def _died(processes: list, done: int, total: int) -> str:
-    """What a dead decoding process's exit says; the pool itself SIGTERMs the others."""
+def _died(processes: list, done: int, total: int, path: Path) -> str:
+    """What a dead decoding process's exit says; the pool itself SIGTERMs the others. SIGBUS
+    with the disk of `path` (the mapped file) full is a full disk, whatever `reserve` did (a
+    file system without real allocation)."""
     codes = [p.exitcode for p in processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
+    if -signal.SIGBUS in codes and shutil.disk_usage(path.parent).free < 2**20:
+        raise DiskFull.at(path.parent)
     how = "killed, or out of memory"
     if codes and codes[0] < 0:
         how = f"{signal.Signals(-codes[0]).name}: {how}"
@@ -519,11 +528,20 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def reserve(path: Path) -> None:
+    """Allocate every block of a memory-mapped file now. The file is sparse: a write through the
+    map into a hole on a disk that has filled since (another writer, a check made before) kills
+    the process with SIGBUS, which nothing can catch; here it is ENOSPC, named as a full disk."""
+    with open(path, "r+b") as handle:
+        os.posix_fallocate(handle.fileno(), 0, os.fstat(handle.fileno()).st_size)
+
+
 def write_split(path: Path, source: np.ndarray, index: np.ndarray, chunk: int = 4096) -> None:
     """`source[index]` into a new .npy file, a chunk at a time (never the whole split in RAM)."""
     out = np.lib.format.open_memmap(
         path, mode="w+", dtype=source.dtype, shape=(len(index), *source.shape[1:])
     )
+    reserve(path)
     for start in range(0, len(index), chunk):
         out[start : start + chunk] = source[index[start : start + chunk]]
     out.flush()
@@ -593,6 +611,7 @@ def build_cache(
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
     np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape).flush()
+    reserve(scratch)  # the decoding processes write through maps of it
     pixels = None
     try:
         ok, rejected, digests = decode_into(

@@ -14,7 +14,7 @@
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
     sweep.poll:sleep=130                  every `dvc exp show` of a sweep's poll answers 130 s late
 
-The points: stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
+The points: stage.import (stage: its modules are being imported), stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
 taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
 re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was

@@ -62,7 +62,8 @@ def dvc(
             cwd=workdir,
             env=environment(),
             capture_output=True,
-            text=True,
+            encoding="utf-8",
+            errors="backslashreplace",  # a path or message in any bytes: `\xff`, not a crash
             timeout=timeout_s,
         )
     except subprocess.TimeoutExpired:

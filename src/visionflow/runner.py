@@ -10,9 +10,18 @@ running, and a failed stage leaves its outputs deleted (they stay in DVC's cache
   until the group is gone, so no second run starts while a stage of the first still lives;
 - stop the group one way, whatever asked (Ctrl-C, SIGTERM, a timeout, a cancellation, the
   runner's death): SIGINT, which DVC ignores while a stage runs and on which training finishes
-  its epoch and checkpoints it; SIGKILL only after a grace period (VISIONFLOW_STOP_GRACE_S);
+  its epoch and checkpoints it; SIGKILL only after a grace period (VISIONFLOW_STOP_GRACE_S),
+  to the group and to every process descended from it, wherever it is (torchrun starts each
+  rank in a session of its own); torchrun is given the same grace for its ranks
+  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default is 30 s);
 - after a failed `dvc repro` (its exit code, not its words), run `dvc checkout --force`: the
-  previous results come back from the cache.
+  previous results come back from the cache. A run that may need that restore leaves a note
+  in `.dvc/tmp` until it is done; a process killed before (Prefect SIGKILLs a cancelled flow
+  run's process 30 s after its SIGTERM, and a stage at its safe point can take longer) leaves
+  the note behind, and the next run (`visionflow repro`, the flows) restores first, saying so.
+  That restore cannot be cut off for good: the note goes only once it is done;
+- a stopped run (Ctrl-C, SIGTERM, a cancellation) ends with one line and exit code 130
+  (STOPPED_EXIT), whatever the stage was doing; a failed one keeps DVC's code (255).
 
     visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS...]
 """
@@ -35,9 +44,11 @@ from visionflow.project import dvc_root, outs_of, pipeline, preflight
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
+STOPPED_EXIT = 130  # a run stopped by Ctrl-C, SIGTERM or a cancellation (128 + SIGINT)
 STOP_GRACE_S = 120.0  # default seconds a stopped stage gets to reach its safe point before SIGKILL
 FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked to stop
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
+KILLED: list[float] = []  # grace periods after which a stopped group had to be killed
 
 # The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
 # however it ends). A line "stop" means the runner has asked the group to stop (the grace period
@@ -66,8 +77,13 @@ try:
         while time.monotonic() < deadline:
             os.killpg(group, 0)
             time.sleep(0.1)
+    try:
+        from visionflow.runner import kill_family
+    except Exception:  # the group alone, then
+        kill_family = lambda group: None
     end = time.monotonic() + 30
     while time.monotonic() < end:
+        kill_family(group)  # torchrun's ranks too, each in a session of its own
         os.killpg(group, signal.SIGKILL)
         time.sleep(0.05)
 except (ProcessLookupError, PermissionError):
@@ -85,8 +101,12 @@ class Timeout(TimeoutError):
 
 
 def environment() -> dict[str, str]:
-    """Stages run `python -m ...`: this interpreter's folder goes first on PATH."""
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    """Stages run `python -m ...`: this interpreter's folder goes first on PATH. A stage under
+    `torchrun` gives its ranks the runner's grace period before it kills them (torchrun's
+    default is 30 s), unless set already."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    grace = str(math.ceil(stop_grace_s()))  # torchrun takes whole seconds
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace, **os.environ, "PATH": path}
 
 
 def dvc_command() -> list[str]:
@@ -138,6 +158,51 @@ def stop_grace_s() -> float:
     return seconds
 
 
+def family(leader: int) -> set[int]:
+    """The live processes of `leader`'s process group and every process descended from them,
+    whatever group or session it is in (torchrun starts each rank with `setsid`): read from
+    /proc before a kill, since the ranks of a killed launcher are reparented out of reach."""
+    parents, found = {}, set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[0] != "Z":  # a zombie is dead already
+            parents[int(entry)] = int(fields[1])
+            if int(fields[2]) == leader:
+                found.add(int(entry))
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_family(leader: int) -> bool:
+    """SIGKILL `family(leader)`, looking again until none is left (a process may fork as it
+    is killed); True when there was anything to kill."""
+    found = family(leader)
+    for _ in range(10):
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        again = family(leader)
+        if not again - found:
+            break
+        found |= again
+    return bool(found)
+
+
 class Group:
     """A process group `run_group` started (`dvc` leads it), and the one way it is stopped:
     SIGINT first (DVC ignores it while a stage runs, the stage stops at its safe point and DVC
@@ -178,11 +243,13 @@ class Group:
             threading.Thread(target=self.end, daemon=True).start()
 
     def end(self) -> None:
-        """Stop the group, wait for it until the grace period is over, then kill what is left."""
+        """Stop the group, wait for it until the grace period is over, then kill what is left
+        (recorded in KILLED: the stage never reached its safe point)."""
         self.stop()
         while self.signal(0) and time.monotonic() < self.deadline:
             time.sleep(0.1)
-        self.signal(signal.SIGKILL)
+        if kill_family(self.pid):
+            KILLED.append(self.grace_s)
 
 
 def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]:
@@ -194,12 +261,16 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
+        encoding="utf-8",
+        errors="backslashreplace",  # a stage may print any bytes (a file name): `\xff`, not a crash
         start_new_session=True,
     )
     grace_s, output = stop_grace_s(), process.stdout.fileno()
+    source = str(Path(__file__).resolve().parents[1])  # the reaper imports `kill_family`
+    python_path = os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH"))))
     reaper = subprocess.Popen(
         [sys.executable, "-c", REAPER, str(process.pid), str(grace_s), str(output)],
+        env={**os.environ, "PYTHONPATH": python_path},
         stdin=subprocess.PIPE,
         pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone
         start_new_session=True,  # not killed with this process's group
@@ -217,7 +288,7 @@ def supervise(process: subprocess.Popen, group: Group, timeout_s: float):
         if group.deadline is not None or process.returncode < 0:
             group.end()  # stopped, or DVC itself killed: the stage may be checkpointing
         else:
-            group.signal(signal.SIGKILL)
+            kill_family(group.pid)
 
     ended, timed_out = threading.Event(), threading.Event()
 
@@ -241,7 +312,7 @@ def finish(process: subprocess.Popen, group: Group, watcher: threading.Thread) -
         drain = threading.Thread(target=lambda: [None for _ in process.stdout], daemon=True)
         drain.start()  # a stage that cannot print cannot reach its safe point
         group.end()
-    group.signal(signal.SIGKILL)  # nothing may survive this call
+    kill_family(group.pid)  # nothing may survive this call
     watcher.join()
     group.tell_reaper(b"done")
     group.tell_reaper(None)
@@ -249,7 +320,11 @@ def finish(process: subprocess.Popen, group: Group, watcher: threading.Thread) -
 
 
 def run_group(
-    cmd: list[str], workdir: Path, timeout_s: float, log: Callable[[str], None]
+    cmd: list[str],
+    workdir: Path,
+    timeout_s: float,
+    log: Callable[[str], None],
+    sigterm: bool = True,
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
     goes through `Group.end`: SIGINT, a grace period for the stage's safe point
@@ -258,14 +333,15 @@ def run_group(
     does `timeout_s`, printing or silent (then `Timeout` is raised), and an early end of this call
     (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
     its own, whatever is left of its group is killed at once; when it was stopped or killed, the
-    rest of the group gets the grace period.
+    rest of the group gets the grace period. With `sigterm` off, SIGTERM is left to the
+    handler in place (Prefect's, whose exception is an early end of this call).
 
     Returns the exit code and the output's last 4,000 characters.
     """
     process, group = start_group(cmd, workdir)
     watcher, ended, timed_out = supervise(process, group, timeout_s)
     handlers = (
-        (signal.SIGINT, signal.SIGTERM)
+        (signal.SIGINT, signal.SIGTERM)[: 2 if sigterm else 1]
         if threading.current_thread() is threading.main_thread()
         else ()
     )
@@ -318,6 +394,44 @@ def wait_until_free(workdir: Path, timeout_s: float = 60) -> None:
         time.sleep(0.5)
 
 
+def owed(workdir: Path) -> Path:
+    """The note a run that may need a restore keeps while it runs: the stages to restore, one a
+    line (none: every stage)."""
+    return workdir / ".dvc" / "tmp" / "visionflow-restore-owed"
+
+
+def owe_restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
+    """Before a run that may leave outputs deleted: first the restore a killed run still owes
+    (its process died before it could restore), then this run's note. Under the workspace lock."""
+    note = owed(workdir)
+    if note.exists():
+        left = note.read_text().split()
+        log(
+            "the previous run left its results unrestored (killed first, or no room on the "
+            f"disk): restoring {', '.join(left) or 'every stage'} now"
+        )
+        restore(workdir, log, *left)
+    note.parent.mkdir(parents=True, exist_ok=True)
+    note.write_text("".join(f"{stage}\n" for stage in stages))
+
+
+def paid(workdir: Path) -> None:
+    """The run ended without needing a restore (or the restore was done): drop its note."""
+    owed(workdir).unlink(missing_ok=True)
+
+
+def stopped(what: str, killed_before: int) -> str:
+    """The one line for a stopped run: what stopped, by which signal, and whether the stage had
+    to be killed after its grace period."""
+    line = f"{what} stopped by {signal.Signals(FORWARDED[-1]).name}"
+    if len(KILLED) > killed_before:
+        line += (
+            f", killed after VISIONFLOW_STOP_GRACE_S={KILLED[-1]:g} s without reaching its "
+            "safe point"
+        )
+    return line
+
+
 def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     """After a failed run: `dvc checkout --force STAGES` (default: every stage of dvc.yaml) puts
     back the outputs that dvc.lock records (the failed stage's previous results among them) from
@@ -336,10 +450,19 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     wait_until_free(workdir)  # a `dvc status` of the user's (an editor's, say) lets go soon
     cmd = [*dvc_command(), "checkout", "--force", *stages]
     code, tail = run_group(cmd, workdir, 600, lambda line: None)
+    free = shutil.disk_usage(workdir).free
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
+        paid(workdir)
+    elif free < 2**20:  # DVC says "Is your cache up to date?": the cache is fine, the disk full
+        log(
+            f"disk full: {workdir} has {free / 2**20:.1f} MB free, too little to restore the "
+            "previous results from DVC's cache: free space, and the next run (visionflow repro, "
+            "the flows) restores them first (or `dvc checkout --force`)"
+        )  # the note stays: the next run owes the restore
     else:
         log(f"dvc checkout could not restore the previous results:\n{tail}")
+        paid(workdir)  # not doable as things are: the next run does not try again
 
 
 def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 * 24 * 3600) -> int:
@@ -366,8 +489,15 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
         # from here to the end, a stop is recorded, never fatal: the restore must happen
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, lambda signum, frame: FORWARDED.append(signum))
-        cmd = [*dvc_command(), "repro", *args]
+        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        owe_restore(workdir, say)
+        cmd, killed = [*dvc_command(), "repro", *args], len(KILLED)
         code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
         if code != 0:  # failed, stopped or killed: DVC's exit code, whatever it printed
-            restore(workdir, lambda line: print(line, file=sys.stderr, flush=True))
+            restore(workdir, say)  # drops the note once restored
+        else:
+            paid(workdir)
+        if FORWARDED and code != 0:  # stopped: one line and one code, whatever it was doing
+            say(f"{stopped('the run', killed)} (exit {STOPPED_EXIT})")
+            return STOPPED_EXIT
         return code
