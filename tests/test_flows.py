@@ -547,6 +547,10 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(UUID(orphan["flow_run_id"])).state
     assert state.is_crashed() and "its process died while it held" in state.message
+    # DVC's worker outlived its experiment, so it recorded the end and removed its copy
+    status = sh(project, "dvc", "queue", "status").stdout
+    assert "Running" not in status, status
+    assert not [p for p in (project / ".dvc/tmp/exps").glob("tmp*") if p.is_dir()]
 
 
 def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(project, tmp_path):

@@ -158,10 +158,11 @@ def stop_grace_s() -> float:
     return seconds
 
 
-def family(leader: int) -> set[int]:
-    """The live processes of `leader`'s process group and every process descended from them,
-    whatever group or session it is in (torchrun starts each rank with `setsid`): read from
-    /proc before a kill, since the ranks of a killed launcher are reparented out of reach."""
+def family(leader: int, group: bool = True) -> set[int]:
+    """The live processes of `leader`'s process group (or `leader` alone) and every process
+    descended from them, whatever group or session it is in (torchrun starts each rank with
+    `setsid`): read from /proc before a kill, since the ranks of a killed launcher are
+    reparented out of reach."""
     parents, found = {}, set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -172,7 +173,7 @@ def family(leader: int) -> set[int]:
             continue
         if fields[0] != "Z":  # a zombie is dead already
             parents[int(entry)] = int(fields[1])
-            if int(fields[2]) == leader:
+            if (int(fields[2]) if group else int(entry)) == leader:
                 found.add(int(entry))
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
@@ -186,17 +187,17 @@ def family(leader: int) -> set[int]:
     return found
 
 
-def kill_family(leader: int) -> bool:
-    """SIGKILL `family(leader)`, looking again until none is left (a process may fork as it
-    is killed); True when there was anything to kill."""
-    found = family(leader)
+def kill_family(leader: int, group: bool = True) -> bool:
+    """SIGKILL `family(leader, group)`, looking again until none is left (a process may fork as
+    it is killed); True when there was anything to kill."""
+    found = family(leader, group)
     for _ in range(10):
         for pid in found:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        again = family(leader)
+        again = family(leader, group)
         if not again - found:
             break
         found |= again

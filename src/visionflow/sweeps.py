@@ -6,7 +6,6 @@ main metrics). No Prefect here (shared/STYLE.md): the flow makes the tasks and t
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 from visionflow import repo, runner
 from visionflow.files import flatten
 from visionflow.repo import DvcBusy, DvcHung, StageFailed, dvc
-from visionflow.runner import dvc_command, environment, stop_grace_s
+from visionflow.runner import dvc_command, environment, kill_family, stop_grace_s
 
 MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
 
@@ -81,8 +80,8 @@ def stop_queue(
 ) -> None:
     """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
     the worker's process group, so training stops at a safe point), then, the grace period
-    (`stop_grace_s()`) later, SIGKILL to what is left of that group (DVC's forced kill would
-    orphan the stage's own process). When DVC does not answer in time, what the sweep `known`
+    (`stop_grace_s()`) later, SIGKILL to what is left of each experiment's own processes (DVC's
+    forced kill would orphan the stage's own process). When DVC does not answer in time, what the sweep `known`
     last is stopped."""
     try:
         now = Poll(root, say).results(plan, patience_s=30.0)
@@ -102,23 +101,22 @@ def stop_queue(
             dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
     except (StageFailed, DvcBusy) as e:
         say(str(e))
-    groups = set()
-    for pid in filter(None, running.values()):
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:  # ended meanwhile
-            pass
+    # An experiment runs in DVC's queue worker's process group: only the experiment's own
+    # processes are killed, so that the worker records its end and removes its temporary copy
+    # (a SIGKILL of the group took the worker too: `dvc queue status` then showed it Running
+    # with no worker, and its copy stayed in .dvc/tmp/exps).
+    pids = set(filter(None, running.values()))
     deadline = time.monotonic() + stop_grace_s()
-    while groups and time.monotonic() < deadline:
-        groups = {group for group in groups if alive(group)}
+    while pids and time.monotonic() < deadline:
+        pids = {pid for pid in pids if alive(pid)}
         time.sleep(0.2)
-    for group in groups:
-        os.killpg(group, signal.SIGKILL)
+    for pid in pids:
+        kill_family(pid, group=False)
 
 
-def alive(group: int) -> bool:
+def alive(pid: int) -> bool:
     try:
-        os.killpg(group, 0)
+        os.kill(pid, 0)
         return True
     except ProcessLookupError:
         return False
