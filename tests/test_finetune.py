@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from tests.conftest import copy_project, sh, write_params
@@ -78,19 +79,34 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
 
 
 def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path):
+    from pipeline.check import network_problem
+    from visionflow.params import Train
+
     project = copy_project(reproduced_base, tmp_path / "project")
-    cases = {
-        "resnet5O": "train.model: unknown model 'resnet5O'; did you mean resnet50?",
-        "vit_b_16": "train.model: vit_b_16 takes 224 px inputs only; prepare.image_size 8",
-        "inception_v3": "train.model: inception_v3 needs inputs of at least 75 px",
+    write_params(project, {"train": {"model": "resnet5O"}})
+    result = sh(project, "dvc", "repro", "check", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors, result.stderr
+    assert errors[0] == "error: train.model: unknown model 'resnet5O'; did you mean resnet50? " + (
+        "(the project's simple_cnn, small_resnet, resnet18, any of torchvision's classifiers: "
+        "torchvision.models.list_models(), or package.module:Name)"
+    )
+    assert "Traceback" not in result.stderr + result.stdout
+    base = yaml.safe_load((project / "params.yaml").read_text())["train"]
+    cases = {  # (model, pretrained, prepare.image_size): the line's start
+        ("vit_b_16", "DEFAULT", 64): "train.model: vit_b_16 takes 224 px inputs only; "
+        "prepare.image_size 64 gives it 56 px: set prepare.image_size to 256",
+        ("inception_v3", "", 64): "train.model: inception_v3 needs inputs of at least 75 px",
+        ("swin_t", "", 128): "train.model: swin_t needs inputs of at least 224 px",
+        ("efficientnet_b0", "IMAGENET1K_V9", 64): "train.pretrained: efficientnet_b0 has no "
+        "weights 'IMAGENET1K_V9'; it has DEFAULT, IMAGENET1K_V1",
+        ("convnext_tiny", "DEFAULT", 64): None,
     }
-    for model, words in cases.items():
-        write_params(project, {"train": {"model": model}})
-        result = sh(project, "dvc", "repro", "check", check=False)
-        assert result.returncode != 0
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-        assert errors and words in errors[0], result.stderr
-        assert "Traceback" not in result.stderr + result.stdout
+    for (model, pretrained, size), words in cases.items():
+        train = Train(**{**base, "model": model, "pretrained": pretrained})
+        problem = network_problem(train, size)
+        assert (problem or "").startswith(words or ""), problem
+        assert (problem is None) == (words is None), problem
 
 
 @pytest.mark.slow
