@@ -30,13 +30,11 @@ def network_problem(t: Train, image_size: int) -> str | None:
     problem = zoo.unknown_model(t.model)
     if problem:
         return problem
-    if t.pretrained == "imagenet" and t.model not in OWN_MODELS:
+    if t.pretrained == "imagenet" and t.model != "resnet18":
         return "train.pretrained: imagenet is resnet18's name for its weights: use DEFAULT"
-    if t.pretrained and not zoo.WEIGHTS_NAME.match(t.pretrained) and t.pretrained != "imagenet":
+    if t.pretrained and not zoo.is_weights_name(t.pretrained):
         if not Path(t.pretrained).is_file():
             return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
-    if t.model in OWN_MODELS:
-        return None
     try:
         return zoo.size_problem(t.model, image_size, t.pretrained)
     except Unavailable as e:  # an unknown weights name

@@ -43,8 +43,8 @@ from visionflow.engine import (
     sync_buffers,
 )
 from visionflow.errors import DataError, Unavailable
-from visionflow.models import IMAGENET_MEAN, IMAGENET_STD, build_model, load_pretrained, save_atomic
-from visionflow.params import OWN_MODELS, Train, load_params
+from visionflow.models import build_model, save_atomic
+from visionflow.params import Train, from_torchvision, load_params
 from visionflow.training import (
     OutOfMemory,
     Progress,
@@ -61,11 +61,11 @@ from visionflow.training import (
     stepping,
 )
 from visionflow.zoo import (
-    WEIGHTS_NAME,
     FineTune,
     gradient_check,
     input_size,
     is_import_path,
+    is_weights_name,
     preprocessing,
 )
 
@@ -77,11 +77,7 @@ def run_of(params, cache: Path) -> dict:
     depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
     budget resumes a finished run."""
     t = params.train
-    weights = (
-        None
-        if t.pretrained in ("", "imagenet") or WEIGHTS_NAME.match(t.pretrained)
-        else Path(t.pretrained)
-    )
+    weights = None if not t.pretrained or is_weights_name(t.pretrained) else Path(t.pretrained)
     train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
     hashes = {
         "data": data.file_hash(cache / "manifest.json"),
@@ -168,7 +164,7 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
     or those the pretrained weights were trained with) and, for a torchvision classifier, what
     model.pt records of its network (`network_for`)."""
     mean, std, network = d.meta.mean, d.meta.std, None
-    if t.model not in OWN_MODELS and not is_import_path(t.model):
+    if from_torchvision(t.model, t.pretrained):
         network = network_for(t, d, say)
         mean, std = network["mean"], network["std"]
         if d.channels == 1:  # FineTune gives each of the network's channels its own
@@ -182,18 +178,13 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
             t.dropout,
             t.checkpointing,
             network,
-            "" if t.model == "resnet18" else t.pretrained,
+            t.pretrained,
         )
-        if t.model == "resnet18" and t.pretrained:
-            load_pretrained(model, t.pretrained)
-            mean, std = IMAGENET_MEAN[: d.channels], IMAGENET_STD[: d.channels]
-            if d.channels == 1:
-                mean, std = [sum(IMAGENET_MEAN) / 3], [sum(IMAGENET_STD) / 3]
     except Unavailable as e:
         raise GateError(f"train.pretrained: {e}") from None
     except ValueError as e:  # a network of your own that does not build or fit
         raise GateError(str(e)) from None
-    if t.pretrained and not WEIGHTS_NAME.match(t.pretrained) and t.pretrained != "imagenet":
+    if t.pretrained and not is_weights_name(t.pretrained):
         if not Path(t.pretrained).resolve().is_relative_to(Path("data/pretrained").resolve()):
             say(
                 f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "

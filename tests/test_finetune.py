@@ -220,3 +220,22 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients(
     assert not torch.equal(
         model.state_dict()["net.bn1.running_mean"], before["net.bn1.running_mean"]
     )
+
+
+def test_resnet18_from_pretrained_weights_is_torchvisions_and_takes_the_recipe():
+    from tests.conftest import ROOT
+    from visionflow.models import build_model
+    from visionflow.params import ParamsError, parse_params
+
+    def params_with(train: dict) -> dict:
+        raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+        return {**raw, "train": {**raw["train"], **train}}
+
+    recipe = {"model": "resnet18", "pretrained": "DEFAULT", "freeze_epochs": 2}
+    assert parse_params(params_with(recipe)).train.freeze_epochs == 2
+    with pytest.raises(ParamsError, match="train.freeze_epochs is for a torchvision classifier"):
+        parse_params(params_with({"freeze_epochs": 2}))  # simple_cnn, from scratch
+    network = {"input_size": 28, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+    model = build_model("resnet18", 1, 3, 32, network=network)
+    assert model.head == {"fc.weight", "fc.bias"} and model.net.conv1.in_channels == 3
+    assert build_model("resnet18", 1, 3, 32).conv1.in_channels == 1  # the project's own

@@ -215,7 +215,7 @@ def build_model(
     """Build a model and prove with one dummy forward that the shapes fit. `name` is one of the
     project's (MODELS), a torchvision classifier (`network` then says its input size and the
     3-channel mean/std its weights want; `pretrained` loads them: zoo.py), or an import path."""
-    if name in MODELS:
+    if name in MODELS and network is None:  # resnet18 from pretrained weights: torchvision's
         extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
         model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
     elif zoo.is_import_path(name):

@@ -125,6 +125,17 @@ class Health(Section):
 
 
 OWN_MODELS = ("simple_cnn", "small_resnet", "resnet18")
+
+
+def from_torchvision(model: str, pretrained: str) -> bool:
+    """Whether train.model is built from torchvision's registry and fine-tuned (zoo.FineTune):
+    any classifier of it, resnet18 included when it starts from pretrained weights (the
+    project's own resnet18, with a one-channel stem, is for training from scratch)."""
+    if ":" in model:
+        return False
+    return model not in OWN_MODELS or (model == "resnet18" and bool(pretrained))
+
+
 MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")  # a name, or package.module:Name
 
 
@@ -176,8 +187,7 @@ class Train(Section):
 
     @model_validator(mode="after")
     def fine_tuning_needs_a_pretrained_network(self):
-        own = self.model in OWN_MODELS
-        if self.pretrained and own and self.model != "resnet18":
+        if self.pretrained and self.model in ("simple_cnn", "small_resnet"):
             raise ValueError(
                 f"train.pretrained is for resnet18 and torchvision's classifiers, not {self.model}"
             )
@@ -185,18 +195,23 @@ class Train(Section):
             raise ValueError(
                 f"train.pretrained: {self.model} is a network of your own: it loads its own weights"
             )
+        fine_tuned = self.pretrained and from_torchvision(self.model, self.pretrained)
         for key, value, off in (
             ("freeze_epochs", self.freeze_epochs, 0),
             ("backbone_lr_factor", self.backbone_lr_factor, 1.0),
         ):
-            if value != off and (own or not self.pretrained or ":" in self.model):
+            if value != off and not fine_tuned:
                 raise ValueError(
                     f"train.{key} is for a torchvision classifier with train.pretrained "
                     f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
                 )
-        if self.checkpointing and self.model not in ("small_resnet", "resnet18"):
+        if self.checkpointing and (
+            self.model not in ("small_resnet", "resnet18")
+            or from_torchvision(self.model, self.pretrained)
+        ):
             raise ValueError(
-                f"train.checkpointing is for small_resnet and resnet18, not {self.model}"
+                "train.checkpointing is for small_resnet and resnet18 from scratch, not "
+                f"{self.model}{' with train.pretrained' if self.pretrained else ''}"
             )
         return self
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from visionflow.errors import Unavailable
+from visionflow.params import from_torchvision
 
 OWN = ("simple_cnn", "small_resnet", "resnet18")  # models.MODELS: the project's own networks
 WEIGHTS_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DEFAULT, IMAGENET1K_V2, ...
@@ -38,6 +39,11 @@ def registry() -> list[str]:
     import torchvision
 
     return torchvision.models.list_models(module=torchvision.models)
+
+
+def is_weights_name(pretrained: str) -> bool:
+    """A torchvision weights name (`imagenet`: resnet18's old name for its DEFAULT), not a file."""
+    return pretrained == "imagenet" or bool(WEIGHTS_NAME.match(pretrained))
 
 
 def is_import_path(name: str) -> bool:
@@ -80,7 +86,7 @@ def preprocessing(arch: str, pretrained: str) -> dict:
     weights = weights_enum(arch, pretrained)
     transforms = weights.transforms()
     return {
-        "weights": str(weights) if WEIGHTS_NAME.match(pretrained) else Path(pretrained).name,
+        "weights": str(weights) if is_weights_name(pretrained) else Path(pretrained).name,
         "mean": list(transforms.mean),
         "std": list(transforms.std),
         "crop_ratio": transforms.crop_size[0] / transforms.resize_size[0],
@@ -94,14 +100,14 @@ def preprocessing(arch: str, pretrained: str) -> dict:
 def input_size(arch: str, image_size: int, pretrained: str) -> int:
     """The side of the network's input: the cache's side, or with pretrained weights the share
     of it their centre crop keeps (a 256 px cache feeds a 224 px crop to ImageNet weights)."""
-    if not pretrained or arch in OWN or is_import_path(arch):
+    if not pretrained or not from_torchvision(arch, pretrained):
         return image_size
     return round(image_size * preprocessing(arch, pretrained)["crop_ratio"])
 
 
 def size_problem(arch: str, image_size: int, pretrained: str) -> str | None:
     """The line refusing a cache size the architecture cannot take, naming the size it needs."""
-    if arch in OWN or is_import_path(arch):
+    if not from_torchvision(arch, pretrained):
         return None
     pre = preprocessing(arch, pretrained)
     size = input_size(arch, image_size, pretrained)
@@ -159,7 +165,7 @@ def read_weights(source: str) -> dict:
 
 def download(arch: str, name: str) -> dict:
     """torchvision's weights `name`, from torch's cache or downloaded into it (hash checked)."""
-    weights = weights_enum(arch, name)
+    weights = weights_enum(arch, "DEFAULT" if name == "imagenet" else name)
     try:
         return weights.get_state_dict(progress=True, check_hash=True)
     except OSError as e:  # offline (URLError), or the cache unwritable
@@ -250,8 +256,9 @@ def finetune(
     net = build(arch, num_classes)
     head = head_keys(arch, num_classes, net)
     if pretrained:
-        weights = download(arch, pretrained) if WEIGHTS_NAME.match(pretrained) else None
-        weights = weights if weights is not None else read_weights(pretrained)
+        weights = (
+            download(arch, pretrained) if is_weights_name(pretrained) else read_weights(pretrained)
+        )
         load_into(net, arch, weights, head, pretrained)
         if arch in NO_AUX and hasattr(net, "transform_input"):
             net.transform_input = True  # as torchvision does for these weights
