@@ -239,3 +239,40 @@ def test_resnet18_from_pretrained_weights_is_torchvisions_and_takes_the_recipe()
     model = build_model("resnet18", 1, 3, 32, network=network)
     assert model.head == {"fc.weight", "fc.bias"} and model.net.conv1.in_channels == 3
     assert build_model("resnet18", 1, 3, 32).conv1.in_channels == 1  # the project's own
+
+
+def test_a_vit_is_built_for_the_size_check_asks_for():
+    """vit_h_14's DEFAULT weights are 518 px, the size check asks for: the network takes 518 px
+    and a file of those weights fits it (torchvision builds 224 px when given no weights)."""
+    from torchvision.models import get_model
+
+    from visionflow import zoo
+
+    assert zoo.size_problem("vit_h_14", 518, "") is None
+    with torch.device("meta"):  # 632 M parameters: shapes only
+        net = zoo.build("vit_h_14", 3, 518)
+        head = zoo.head_keys("vit_h_14", 3, net, 518)
+        default = get_model("vit_h_14", image_size=518).state_dict()  # DEFAULT's key layout
+    assert net.image_size == 518 and head == {"heads.head.weight", "heads.head.bias"}
+    zoo.load_into(net, "vit_h_14", default, head, "vit_h_14.pth")  # no key or shape refused
+
+
+def test_a_network_that_asserts_its_input_size_is_refused_in_one_line(tmp_path, monkeypatch):
+    """ViT checks its input size with torch._assert (an AssertionError, not a RuntimeError):
+    build_model's dummy forward refuses it as it refuses a shape error, not as a traceback."""
+    from visionflow.models import build_model
+
+    (tmp_path / "sized.py").write_text(
+        "import torch\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self, in_channels, num_classes, image_size):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(in_channels * 8 * 8, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        torch._assert(x.shape[-1] == 8, f'Wrong image width! Expected 8 but got {x.shape[-1]}!')\n"
+        "        return self.fc(x.flatten(1))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert build_model("sized:Net", 1, 3, 8)(torch.zeros(2, 1, 8, 8)).shape == (2, 3)
+    with pytest.raises(ValueError, match=r"sized:Net does not fit input \(2, 1, 16, 16\): Wrong"):
+        build_model("sized:Net", 1, 3, 16)

@@ -229,7 +229,7 @@ def build_model(
     try:
         with torch.no_grad():
             logits = model.eval()(dummy)
-    except RuntimeError as e:
+    except (RuntimeError, AssertionError) as e:  # torch._assert (ViT's size check) asserts
         raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {e}") from None
     if not torch.is_tensor(logits) or logits.shape != (2, num_classes):
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__

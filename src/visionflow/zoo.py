@@ -123,21 +123,27 @@ def size_problem(arch: str, image_size: int, pretrained: str) -> str | None:
     return None
 
 
-def build(arch: str, num_classes: int) -> nn.Module:
-    """torchvision's `arch`, randomly initialised, with a head for `num_classes`."""
+def build(arch: str, num_classes: int, size: int | None = None) -> nn.Module:
+    """torchvision's `arch`, randomly initialised, with a head for `num_classes`. A ViT gets
+    position embeddings for its input `size`, the size `size_problem` asks for (its weights'),
+    as torchvision builds it when it loads them (without, it builds 224: vit_h_14's DEFAULT is
+    518)."""
     from torchvision.models import get_model
 
-    return get_model(arch, weights=None, num_classes=num_classes, **NO_AUX.get(arch, {}))
+    extra = dict(NO_AUX.get(arch, {}))
+    if arch.startswith("vit_") and size:
+        extra["image_size"] = size
+    return get_model(arch, weights=None, num_classes=num_classes, **extra)
 
 
-def head_keys(arch: str, num_classes: int, built: nn.Module) -> set[str]:
+def head_keys(arch: str, num_classes: int, built: nn.Module, size: int | None = None) -> set[str]:
     """The state_dict keys of the head: those whose shape follows the class count (the same
     network built for one class more differs there only; built on the meta device: no memory)."""
     try:
         with torch.device("meta"):
-            other = build(arch, num_classes + 1).state_dict()
+            other = build(arch, num_classes + 1, size).state_dict()
     except (NotImplementedError, RuntimeError):  # a builder that computes with tensors
-        other = build(arch, num_classes + 1).state_dict()
+        other = build(arch, num_classes + 1, size).state_dict()
     return {k for k, v in built.state_dict().items() if other[k].shape != v.shape}
 
 
@@ -253,8 +259,8 @@ def finetune(
     """torchvision's `arch` with a new head, the pretrained weights if any (a file, or a weights
     name), wrapped to take the project's inputs. `norm` is the network's 3-channel (mean, std)
     (a 1-channel project normalises with their averages)."""
-    net = build(arch, num_classes)
-    head = head_keys(arch, num_classes, net)
+    net = build(arch, num_classes, size)
+    head = head_keys(arch, num_classes, net, size)
     if pretrained:
         weights = (
             download(arch, pretrained) if is_weights_name(pretrained) else read_weights(pretrained)
