@@ -126,6 +126,29 @@ def test_an_int8_miss_fails_plain_dvc_repro_and_promotes_nothing(
     assert after == before
 
 
+def test_a_model_onnx_runtime_cannot_quantize_keeps_its_proven_fp32_formats(
+    reproduced_base, tmp_path, monkeypatch
+):
+    """ONNX Runtime's quantizer fails on some graphs (swin_v2_t, docs/zoo.md): the stage says so
+    in one line and int8.json, promotes the fp32 formats that passed parity, and no INT8 file."""
+    project = copy_project(reproduced_base, tmp_path / "project")
+    write_params(project, {"export": {"latency_repeats": 2}})  # reruns export alone
+    monkeypatch.setenv("VISIONFLOW_FAULT", "export.quantize:raise")
+    result = sh(project, "dvc", "repro")
+    monkeypatch.delenv("VISIONFLOW_FAULT")
+    assert ran(result) == ["check", "export"]
+    warned = [line for line in result.stdout.splitlines() if "INT8 cannot quantize" in line]
+    assert warned == [
+        "export: warning: INT8 cannot quantize simple_cnn: FaultInjected: injected fault at "
+        "export.quantize {}"
+    ]
+    out = project / "results/export"
+    assert json.loads((out / "int8.json").read_text())["unavailable"].startswith("FaultInjected")
+    assert json.loads((out / "parity.json").read_text())["passed"] is True
+    assert (out / "model.onnx").exists() and not (out / "model.int8.onnx").exists()
+    assert "int8acc" not in json.loads((out / "metrics.json").read_text())
+
+
 def register(project: Path, name: str, version: str, stage: str | None = None) -> None:
     """Git tags as GTO writes them: `name@version`, and `name#stage#N` for a stage."""
     sh(project, "gto", "register", name, "HEAD", "--version", version)

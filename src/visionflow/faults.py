@@ -11,6 +11,7 @@
     train.loss:oom=64                     torch.OutOfMemoryError for batches over 64 images, as
                                           on a GPU too small for more (no number: every batch)
     export.int8:nan                       the INT8 model's logits become NaN (its accuracy falls)
+    export.quantize:raise                 ONNX Runtime's quantizer fails (as on swin_v2_t)
     train.stop:touch=stopping             create the file `stopping` (an event a test waits on)
     sweep.poll:sleep=130                  every `dvc exp show` of a sweep's poll answers 130 s late
 
@@ -19,6 +20,7 @@ taken), stage.published (stage: its outputs are in place), train.verify (rank: t
 re-hashed), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
 asked), checkpoint.write (epoch), export.int8 (the INT8 model's logits as the gate scores them),
+export.quantize (before the INT8 file is made),
 prepare.decode (index, in the decoding workers), runner.timer
 (before a timeout starts counting), sweep.poll (in the `dvc exp show` process a sweep polls, so
 that the poll's timeout applies). Unset, the normal case, a point costs one test of `ACTIVE`.
