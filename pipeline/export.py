@@ -91,6 +91,22 @@ def int8_miss(r: dict) -> str:
     )
 
 
+def done_line(names: list[str], out: Path, unavailable: dict, exporter: str) -> str:
+    not_made = f"(not {', '.join(unavailable)}: see parity.json) " if unavailable else ""
+    return f"export: {', '.join(names)} in {out} {not_made}(ONNX via the {exporter} exporter)"
+
+
+def say_int8(int8: dict, made: bool, report: dict, out: Path, model: str) -> None:
+    """The INT8 gate's line; a miss fails the stage. Without an INT8 file (ONNX Runtime cannot
+    quantize the model) the fp32 formats, proven, are promoted without it."""
+    if not made:
+        print(f"export: warning: INT8 cannot quantize {model}: {int8['unavailable']}")
+        return
+    print_int8(int8)
+    if not int8["passed"]:
+        refuse({**report, "int8": int8}, out, int8_miss(int8))
+
+
 def refuse(report: dict, out: Path, why: str) -> None:
     """Fail the stage, nothing promoted; the failed report goes beside `out`."""
     miss = out.with_name(out.name + ".miss.json")
@@ -219,12 +235,7 @@ def main() -> None:
         paths["onnx"], predictors["onnx"], onnx_metadata, out, args.data, meta["classes"], spec, e
     )
     data.write_json(out / "int8.json", int8)
-    if int8_predictor is None:  # the fp32 formats are proven: promoted without it
-        print(f"export: warning: INT8 cannot quantize {meta['model']}: {int8['unavailable']}")
-    else:
-        print_int8(int8)
-        if not int8["passed"]:
-            refuse({**report, "int8": int8}, args.out, int8_miss(int8))
+    say_int8(int8, int8_predictor is not None, report, args.out, meta["model"])
     predictors = {"eager": module_predictor(model), **predictors}
     if int8_predictor is not None:
         predictors["onnx_int8"] = int8_predictor
@@ -238,13 +249,8 @@ def main() -> None:
         meta, manifest, metrics, report, latency, spec, int8 if int8_predictor else None
     )
     (out / "MODEL_CARD.md").write_text(card)
-    print(
-        f"export: {', '.join(p.name for p in paths.values())}"
-        + (f", {INT8_FILE}" if int8_predictor else "")
-        + f" in {args.out} "
-        + (f"(not {', '.join(unavailable)}: see parity.json) " if unavailable else "")
-        + f"(ONNX via the {exporter} exporter)"
-    )
+    names = [p.name for p in paths.values()] + ([INT8_FILE] if int8_predictor else [])
+    print(done_line(names, args.out, unavailable, exporter))
 
 
 if __name__ == "__main__":
