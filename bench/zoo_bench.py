@@ -77,19 +77,20 @@ NOTES = [
     "torchvision's Swin pads its windows and runs at 32 px (`swin_t`, `swin_v2_t` checked at "
     "32 and 64 px): from scratch the limit is stricter than the network. `inception_v3` needs "
     "75 px, `alexnet` 63, `efficientnet_v2_*` 33 (their weights' `min_size`).",
-    "- **vit_h_14** (fixed on this branch): its DEFAULT weights are 518 px, the size "
+    "- **vit_h_14** (fixed): its DEFAULT weights are 518 px, the size "
     "`size_problem` asks for, but `zoo.build` built it at torchvision's no-weights default of "
     "224, so at 518 px the dummy forward failed (`AssertionError: Wrong image height! Expected "
     "224 but got 518!`, a traceback: `build_model` caught RuntimeError only) and a file of "
     "the DEFAULT weights was refused (`other shapes encoder.pos_embedding`). `zoo.build` now "
-    "gives a ViT its weights' size, as torchvision's builder does when it loads them.",
+    "gives a ViT its input size (the weights' size), as torchvision's builder does when it "
+    "loads them. At 518 px its training step needs more than the bench's 8 GB.",
     "- `inception_v3` (random weights, one step): its eval-mode logits reach about 2e6 "
     "(BatchNorm's running statistics have seen one batch of 4), so its 4.0 logit difference is "
     "1e-6 of the logits and within the relative tolerance.",
     "- Times come from one shared, niced core: a model's train step and latencies can be off "
     "by 2x against its neighbours (resnet50's step took 2x resnext50_32x4d's). Export takes "
     "10-130 s a model, quantization 1-80 s: 70 models took 78 minutes, and the 10 costliest "
-    "(VGG-16/19, RegNet 32/128 GF, Swin-B, vit_h_14 at 518 px) were left for a longer run.",
+    "(VGG-16/19, RegNet 32/128 GF, Swin-B and V2-B, vit_h_14 at 518 px) 12 minutes more.",
 ]
 
 
