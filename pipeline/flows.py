@@ -23,6 +23,7 @@ Watch:  .venv/bin/python -m pipeline.flows [WORKDIR] --watch [--deployment repro
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -76,6 +77,7 @@ from visionflow.sweeps import (
     Poll,
     exp_run_args,
     guarded,
+    interrupt,
     main_metrics,
     metric_values,
     start_workers,
@@ -375,7 +377,8 @@ def run_queued(
                     started.setdefault(name, time.monotonic())
                     if time.monotonic() - started[name] > timeout_s:
                         logger.error(f"{name}: ran past {timeout_s:.0f} s; killing it")
-                        dvc(root, "queue", "kill", name, doing=f"stopping {name}")
+                        interrupt(root, {name: summary["pid"]}, logger.warning)
+                        started[name] = math.inf  # asked once
             if all(end.done() for end in ends.values()):
                 break
             time.sleep(max(POLL_S, poll.took))  # a slow DVC is asked less often

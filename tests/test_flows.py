@@ -473,6 +473,9 @@ AT_EPOCH_2 = (
     "train.loss@epoch=2,step=2:touch={at};train.loss@epoch=2,step=2:pause={go};"
     "train.stop:touch={go}"
 )
+# ... and the rest of epoch 2 takes a while after the stop (longer than DVC's queue worker took
+# to die when it was interrupted too)
+SLOW_EPOCH_2 = ";train.batch@epoch=2:sleep=5"
 
 
 def newest_state(project: Path) -> Path:
@@ -529,7 +532,11 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
 
     sweep = "import sys\nfrom pipeline.flows import experiments\n"
     sweep += "experiments(sys.argv[1], [['train.lr=0.007']], workers=1)\n"
-    env = flows_env(VISIONFLOW_FAULT=f"stage.start@stage=train:pause={tmp_path / 'never'}")
+    at, go = tmp_path / "at", tmp_path / "go"  # the stop comes at epoch 2, which goes on a while
+    env = flows_env(
+        VISIONFLOW_FAULT=AT_EPOCH_2.format(at=at, go=go) + SLOW_EPOCH_2,
+        VISIONFLOW_STOP_GRACE_S="300",  # the stopped stage reaches its safe point
+    )
     flow = subprocess.Popen(
         [sys.executable, "-c", sweep, str(project)],
         env=env,
@@ -537,9 +544,11 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_for(lambda: stage_processes(project, "pipeline.train"), what="the queued training")
+    wait_for(at.exists, what="the queued training at epoch 2")
     orphan = json.loads((project / ".dvc/tmp/visionflow-flow-run.json").read_text())
-    os.kill(flow.pid, signal.SIGKILL)  # `kill -9` of the flow run's process
+    os.kill(flow.pid, signal.SIGTERM)  # the flow stops its sweep...
+    wait_for(go.exists, what="the stop asked of the experiment")
+    os.kill(flow.pid, signal.SIGKILL)  # ...and is killed meanwhile (Prefect: 30 s after a cancel)
     flow.wait()
     assert reproduce(str(project)) == []  # waits for the guard to stop the sweep, then the work
     assert not stage_processes(project)
@@ -547,7 +556,11 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(UUID(orphan["flow_run_id"])).state
     assert state.is_crashed() and "its process died while it held" in state.message
-    # DVC's worker outlived its experiment, so it recorded the end and removed its copy
+    # The stop reached the experiment's own processes alone, and once (the guard that took over
+    # did not ask again: a second SIGINT stops training at once): training kept its epoch, and
+    # DVC's worker outlived the experiment, so it recorded the end and removed its copy
+    log = sh(project, "dvc", "queue", "logs", f"sweep-{orphan['flow_run_id'][:8]}-1").stdout
+    assert "train stopped after epoch 2" in log, log[-2000:]
     status = sh(project, "dvc", "queue", "status").stdout
     assert "Running" not in status, status
     assert not [p for p in (project / ".dvc/tmp/exps").glob("tmp*") if p.is_dir()]
@@ -621,6 +634,10 @@ def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(proj
             wait_for(at.exists, what="queued training at epoch 2")
             cancel(sweep)
             wait_for(lambda: not stage_processes(project), 60, "no experiment process left")
+            log = sh(project, "dvc", "queue", "logs", f"sweep-{str(sweep.id)[:8]}-1").stdout
+            assert "train stopped after epoch 2" in log, log[-2000:]  # its epoch kept
+            status = sh(project, "dvc", "queue", "status").stdout  # its end recorded
+            assert "Running" not in status, status
             wait_for(lambda: not stage_processes(project, "queue-worker"), 60, "the queue stopped")
     finally:
         os.killpg(server.pid, signal.SIGTERM)

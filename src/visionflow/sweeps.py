@@ -6,6 +6,7 @@ main metrics). No Prefect here (shared/STYLE.md): the flow makes the tasks and t
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 from visionflow import repo, runner
 from visionflow.files import flatten
 from visionflow.repo import DvcBusy, DvcHung, StageFailed, dvc
-from visionflow.runner import dvc_command, environment, kill_family, stop_grace_s
+from visionflow.runner import dvc_command, environment, family, kill_family, stop_grace_s
 
 MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
 
@@ -78,11 +79,9 @@ def guarded(root: Path, names) -> Iterator[None]:
 def stop_queue(
     root: Path, plan, say: Callable[[str], None], known: dict[str, dict] | None = None
 ) -> None:
-    """Drop this sweep's queued experiments and stop its running ones: `dvc queue kill` (SIGINT to
-    the worker's process group, so training stops at a safe point), then, the grace period
-    (`stop_grace_s()`) later, SIGKILL to what is left of each experiment's own processes (DVC's
-    forced kill would orphan the stage's own process). When DVC does not answer in time, what the sweep `known`
-    last is stopped."""
+    """Drop this sweep's queued experiments and stop its running ones: SIGINT to each one's own
+    processes (`interrupt`), then, the grace period (`stop_grace_s()`) later, SIGKILL to what is
+    left of them. When DVC does not answer in time, what the sweep `known` last is stopped."""
     try:
         now = Poll(root, say).results(plan, patience_s=30.0)
     except StageFailed as e:
@@ -94,24 +93,50 @@ def stop_queue(
     running = {
         name: summary["pid"] for name, summary in now.items() if summary["state"] == "running"
     }
-    try:  # best effort: what DVC cannot stop, the SIGKILL below does
-        if queued:
+    if queued:
+        try:  # best effort: a queued one that started meanwhile is stopped below next time
             dvc(root, "queue", "remove", *queued, doing="dropping the sweep's queued experiments")
-        if running:
-            dvc(root, "queue", "kill", *running, doing="stopping the sweep's experiments")
-    except (StageFailed, DvcBusy) as e:
-        say(str(e))
-    # An experiment runs in DVC's queue worker's process group: only the experiment's own
-    # processes are killed, so that the worker records its end and removes its temporary copy
-    # (a SIGKILL of the group took the worker too: `dvc queue status` then showed it Running
-    # with no worker, and its copy stayed in .dvc/tmp/exps).
-    pids = set(filter(None, running.values()))
-    deadline = time.monotonic() + stop_grace_s()
-    while pids and time.monotonic() < deadline:
+        except (StageFailed, DvcBusy) as e:
+            say(str(e))
+    asked = interrupt(root, running, say)
+    pids = set(asked)
+    while pids:
         pids = {pid for pid in pids if alive(pid)}
+        for pid in [pid for pid in pids if time.time() > asked[pid] + stop_grace_s()]:
+            kill_family(pid, group=False)
+            pids.discard(pid)
         time.sleep(0.2)
-    for pid in pids:
-        kill_family(pid, group=False)
+
+
+def interrupt(root: Path, running: dict[str, int | None], say) -> dict[int, float]:
+    """SIGINT to each running experiment's own processes: the stage stops at its safe point and
+    DVC records the failure. Not `dvc queue kill`: an experiment runs in DVC's queue worker's
+    process group, and DVC signals the whole group; the worker, interrupted, died without
+    recording the end (`dvc queue status`: Running with no worker, the copy left in
+    .dvc/tmp/exps). Each is asked once: a second SIGINT stops training at once, losing the epoch,
+    so a guard that takes over from a killed flow keeps the first ask's time (kept in .dvc/tmp).
+    Returns each asked process and when it was asked."""
+    record = root / ".dvc" / "tmp" / "visionflow-sweep-stop.json"
+    try:
+        asked = {int(pid): at for pid, at in json.loads(record.read_text()).items()}
+    except (OSError, ValueError):
+        asked = {}
+    asked = {pid: at for pid, at in asked.items() if alive(pid)}
+    for name, pid in running.items():
+        if pid is None:  # DVC did not say its process: DVC stops it
+            try:
+                dvc(root, "queue", "kill", name, doing=f"stopping {name}")
+            except (StageFailed, DvcBusy) as e:
+                say(str(e))
+        elif pid not in asked:
+            asked[pid] = time.time()
+            for member in family(pid, group=False):
+                try:
+                    os.kill(member, signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+    record.write_text(json.dumps(asked))
+    return {pid: at for pid, at in asked.items() if pid in running.values()}
 
 
 def alive(pid: int) -> bool:
