@@ -300,6 +300,10 @@ def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
         refused = post(url, path)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "2 uploads are being received already (--max-uploads)" in refused.json()["error"]
+        with stalled_upload(url, png[:10], len(png)) as third:  # refused, its body still coming:
+            status, headers, _ = read_answer(third)
+            assert status == 503 and headers["connection"] == "close"
+            assert third.recv(1) == b""  # the server closed the connection (it held it for good)
         with first:
             first.sendall(png[10:])  # the rest of its body: answered, and its slot freed
             assert read_answer(first)[0] == 200
@@ -339,6 +343,45 @@ def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
     assert [row.tolist() for row, _ in answers] == [[0, 0], [1, 1], [20, 20], [30, 30], [4, 4]]
     assert [size for _, size in answers] == [2, 2, 2, 2, 1]  # 4 taken: 2 per model; then 1
     assert stats["sizes"] == {"1": 1, "2": 2} and stats["images"] == 5
+
+
+def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_one_works(
+    tmp_path,
+):
+    """Each request of a failed batch gets an error of its own (one shared by all gathered
+    every request's traceback: thousands of log lines), and /health is a 503 saying why until
+    a batch succeeds again."""
+    from visionflow.serve import Model, Refused, Service, Settings
+
+    def one_row(x):  # passes the one-image check, broken beyond it
+        return x.reshape(len(x), -1)[:1, :2]
+
+    broken = Model(Path("m"), one_row, ["a", "b"], {}, "s", 17, [], None, 0.0)
+
+    async def scenario():
+        service = Service(broken, Settings(), tmp_path)
+        loop = asyncio.get_running_loop()
+
+        def batch(n):
+            return [(broken, np.zeros((1, 1, 2, 2), np.float32), loop.create_future())] * n
+
+        failed = [(m, x, loop.create_future()) for m, x, _ in batch(3)]
+        await service.batcher.run(failed)
+        errors = [done.exception() for _, _, done in failed]
+        failing = await service.health(None)
+        await service.batcher.run(batch(1))
+        return errors, failing, await service.health(None)
+
+    errors, failing, ok = asyncio.run(scenario())
+    assert all(isinstance(e, Refused) and e.status == 500 for e in errors)
+    assert len({id(e) for e in errors}) == 3
+    assert "returned 1 rows of logits for a batch of 3 images" in str(errors[0])
+    report = json.loads(failing.body)
+    assert failing.status_code == 503 and report["status"] == "failing"
+    assert report["batches"]["failed"] == 1 and "batch 1 of 3" in report["batches"]["last_failed"]
+    report = json.loads(ok.body)
+    assert ok.status_code == 200 and report["status"] == "ok"
+    assert report["batches"]["failed"] == 1 and report["batches"]["last_failed"] is None
 
 
 def test_a_lone_request_does_not_wait_out_the_window():
@@ -593,6 +636,7 @@ def test_a_model_that_answers_a_batch_with_the_wrong_rows_is_a_500_and_serving_g
         )
         later = post(url, pngs[0])  # the batcher goes on
         assert later.status_code == 200 and later.json()["batch_size"] == 1
+    assert "Traceback" not in log.read_text()  # one line per failed batch, nothing more
     failed = re.findall(r"serve: batch \d+ of (\d+) images failed: ModelError", log.read_text())
     assert sorted(map(int, failed)) == sorted(
         k for k, n in sizes.items() if k > 1 for _ in range(n)

@@ -363,6 +363,7 @@ class Batcher:
         self.coming = 0  # requests admitted whose image is not queued yet
         self.running = 0  # images in the batch on ONNX Runtime now
         self.sizes: Counter = Counter()  # batch size -> batches run
+        self.failed, self.failing = 0, None  # batches failed; why the last one did, if it did
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="serve-infer")
 
     def put(self, model: Model, x: np.ndarray) -> asyncio.Future:
@@ -410,12 +411,16 @@ class Batcher:
                     f"{len(items)} images: the model file is broken (re-export it)"
                 )
         except Exception as e:  # the runtime or the model failed: each request says so (a
-            # 500), the log says so once, and the batcher goes on
-            log(f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}")
+            # 500, its own exception: one shared would gather every request's traceback), the
+            # log says so once, /health until a batch succeeds, and the batcher goes on
+            self.failed += 1
+            self.failing = f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}"
+            log(self.failing)
             for _, _, done in items:
                 if not done.done():
-                    done.set_exception(e)
+                    done.set_exception(Refused(500, self.failing))
         else:
+            self.failing = None
             for row, (_, _, done) in zip(logits, items, strict=True):
                 if not done.done():
                     done.set_result((row, len(items)))
@@ -428,6 +433,8 @@ class Batcher:
             "count": sum(self.sizes.values()),
             "images": sum(size * n for size, n in self.sizes.items()),
             "sizes": {str(size): n for size, n in sorted(self.sizes.items())},
+            "failed": self.failed,
+            "last_failed": self.failing,  # None once a batch succeeds again
             "waiting": self.queue.qsize(),
             "running": self.running,
             "coming": self.coming,
@@ -608,9 +615,10 @@ class Service:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
+        failing = self.batcher.failing is not None  # a load balancer takes it out (503)
         return JSONResponse(
             {
-                "status": "ok",
+                "status": "failing" if failing else "ok",
                 "model": {"path": str(self.model.path), "sha256": self.model.sha256},
                 "loaded_at": iso(self.model.loaded_at),
                 "reload": {
@@ -621,7 +629,8 @@ class Service:
                 },
                 "uploads": {"receiving": self.uploads, "max": self.settings.max_uploads},
                 "batches": self.batcher.stats(),
-            }
+            },
+            status_code=503 if failing else 200,
         )
 
     async def metadata(self, request):
@@ -715,7 +724,10 @@ class Service:
             Route("/metadata", self.metadata, methods=["GET"]),
         ]
         handlers = {
-            Refused: lambda request, e: error(e.status, str(e), e.headers),
+            # a refusal may come before the body is read (or all of it): the connection closes
+            Refused: lambda request, e: error(
+                e.status, str(e), {"Connection": "close"} | (e.headers or {})
+            ),
             HTTPException: lambda request, e: error(e.status_code, str(e.detail)),
             ClientDisconnect: lambda request, e: error(400, "the client went away"),
             Exception: lambda request, e: error(500, f"{type(e).__name__}: {e}"),  # a bug
