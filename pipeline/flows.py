@@ -376,7 +376,7 @@ def run_queued(
                 if state == "running":
                     started.setdefault(name, time.monotonic())
                     if time.monotonic() - started[name] > timeout_s:
-                        logger.error(f"{name}: ran past {timeout_s:.0f} s; killing it")
+                        logger.error(f"{name}: ran past {timeout_s:.0f} s; stopping it")
                         interrupt(root, {name: summary["pid"]}, logger.warning)
                         started[name] = math.inf  # asked once
             if all(end.done() for end in ends.values()):
