@@ -270,13 +270,18 @@ def read_answer(client: socket.socket) -> tuple[int, dict, dict]:
 
 
 def test_stalled_uploads_are_dropped_with_their_connections_and_files(tmp_path):
-    """Twelve uploads that stall after 1 MB: each is a 408 once --body-timeout passes without a
+    """A request head that stalls is dropped with its connection once --body-timeout passes;
+    twelve uploads that stall after 1 MB: each is a 408 once --body-timeout passes without a
     byte, its connection is closed and its spooled file removed, and the server goes on."""
     png = digit_pngs(tmp_path, 1)[0]
     model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
     env = {"TMPDIR": str(tmp_path)}
     flags = ("--body-timeout", "1", "--reload-interval", "0")
     with serving(model, *flags, env=env) as (url, process):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as head:
+            head.sendall(b"GET /hea")  # a head that never ends: closed (held for good before)
+            assert head.recv(1) == b""
         clients = [stalled_upload(url, os.urandom(2**20), 4 * 2**20) for _ in range(12)]
         for client in clients:
             with client:

@@ -246,7 +246,8 @@ def add_serve(commands) -> None:
         "--body-timeout",
         type=float,
         default=10.0,
-        help="seconds a request body may go without a byte before it is dropped (default 10)",
+        help="seconds a request body may go without a byte, and a request head may take, before "
+        "its connection is dropped (default 10)",
     )
     s.add_argument(
         "--max-uploads",

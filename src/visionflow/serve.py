@@ -58,9 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import h11
 import numpy as np
 import uvicorn
 from PIL import Image, UnidentifiedImageError
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from visionflow import faults
 from visionflow.decode import Decode
@@ -761,6 +763,39 @@ def iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
+class HeadTimeout(H11Protocol):
+    """uvicorn's HTTP/1.1, with a deadline for each request head, which uvicorn has not: a
+    client that sent `GET /hea` and nothing more held its connection for good, and enough of
+    them held every file descriptor (the server then answered nobody). The head must be whole
+    within `head_timeout_s` (--body-timeout) of the connection or of the previous answer."""
+
+    head_timeout_s = 10.0  # serve() sets it
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.deadline is not None and self.conn.their_state is not h11.IDLE:
+            self.deadline.cancel()  # the head is in
+            self.deadline = None
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self.arm()
+
+    def arm(self) -> None:
+        if self.deadline is None and self.conn.their_state is h11.IDLE:
+            self.deadline = self.loop.call_later(self.head_timeout_s, self.head_too_late)
+
+    def head_too_late(self) -> None:
+        self.deadline = None
+        if self.conn.their_state is h11.IDLE:
+            self.timeout_keep_alive_handler()  # closes the connection
+
+
 class Stopped(Exception):
     """SIGTERM, after uvicorn's graceful shutdown."""
 
@@ -833,8 +868,10 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
             )
             return 2
         service = Service(model, settings, scratch)
+        HeadTimeout.head_timeout_s = settings.body_timeout_s
         config = uvicorn.Config(
             service.app(),
+            http=HeadTimeout,
             log_level="warning",
             access_log=False,
             lifespan="on",
