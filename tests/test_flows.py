@@ -557,7 +557,7 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
         state = client.read_flow_run(UUID(orphan["flow_run_id"])).state
     assert state.is_crashed() and "its process died while it held" in state.message
     # The stop reached the experiment's own processes alone, and once (the guard that took over
-    # did not ask again: a second SIGINT stops training at once): training kept its epoch, and
+    # did not ask again: a second SIGINT stops training at once): training reached its safe point, and
     # DVC's worker outlived the experiment, so it recorded the end and removed its copy
     log = sh(project, "dvc", "queue", "logs", f"sweep-{orphan['flow_run_id'][:8]}-1").stdout
     assert "train stopped after epoch 2" in log, log[-2000:]
@@ -635,7 +635,7 @@ def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(proj
             cancel(sweep)
             wait_for(lambda: not stage_processes(project), 60, "no experiment process left")
             log = sh(project, "dvc", "queue", "logs", f"sweep-{str(sweep.id)[:8]}-1").stdout
-            assert "train stopped after epoch 2" in log, log[-2000:]  # its epoch kept
+            assert "train stopped after epoch 2" in log, log[-2000:]  # at its safe point
             status = sh(project, "dvc", "queue", "status").stdout  # its end recorded
             assert "Running" not in status, status
             wait_for(lambda: not stage_processes(project, "queue-worker"), 60, "the queue stopped")
