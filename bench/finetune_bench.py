@@ -50,21 +50,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 from PIL import Image, ImageDraw, ImageFont
+from project_files import FILES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = [
-    "dvc.yaml",
-    "params.yaml",
-    ".dvcignore",
-    ".gitignore",
-    ".dvc/config",
-    ".dvc/.gitignore",
-    ".dvc/plots",
-    "pipeline",
-    "src",
-    "data/raw",
-    "data/pretrained",
-]
 SIZE, CROP = 64, 56  # the cache's side, px; the network's input (ImageNet's 224 of 256)
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # what the stage normalises with
 ARCH = "mobilenet_v3_small"

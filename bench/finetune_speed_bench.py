@@ -42,24 +42,10 @@ from pathlib import Path
 
 import torch
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from photos import generate  # noqa: E402
+from photos import generate  # bench/ is on sys.path: these run as scripts
+from project_files import FILES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = [
-    "dvc.yaml",
-    "params.yaml",
-    ".dvcignore",
-    ".gitignore",
-    ".dvc/config",
-    ".dvc/.gitignore",
-    ".dvc/plots",
-    "pipeline",
-    "src",
-    "data/raw",
-    "data/pretrained",
-]
 ARCH, CLASSES = "mobilenet_v3_small", 5
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 

@@ -24,20 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from project_files import FILES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-FILES = [
-    "dvc.yaml",
-    "params.yaml",
-    ".dvcignore",
-    ".gitignore",
-    ".dvc/config",
-    ".dvc/.gitignore",
-    ".dvc/plots",
-    "pipeline",
-    "src",
-    "data/raw",
-    "data/pretrained",
-]
 
 
 def run(cmd: list[str], cwd: Path, env: dict) -> tuple[float, float]:

@@ -1,0 +1,15 @@
+"""What a benchmark copies of this repository to make a project of its own."""
+
+FILES = [
+    "dvc.yaml",
+    "params.yaml",
+    ".dvcignore",
+    ".gitignore",
+    ".dvc/config",
+    ".dvc/.gitignore",
+    ".dvc/plots",
+    "pipeline",
+    "src",
+    "data/raw",
+    "data/pretrained",
+]
