@@ -513,6 +513,17 @@ def test_a_stage_killed_after_a_grace_of_0_says_so_and_exits_130(project, tmp_pa
     assert_invariants(project)
 
 
+def test_a_stage_lock_file_a_kill_left_half_written_is_mended_by_the_next_run(project):
+    rwlock = project / ".dvc/tmp/rwlock"  # DVC truncates it, then writes: a SIGKILL between
+    rwlock.parent.mkdir(exist_ok=True)  # (`dvc` killed with a stage past its grace) leaves this
+    rwlock.write_text('{"write": {"results/tr')
+    assert "RWLock-file" in sh(project, "dvc", "repro", "-f", "-s", "check", check=False).stderr
+    mended = repro(project, "-f", "-s", "check")
+    assert mended.returncode == 0, mended.stdout + mended.stderr
+    assert "removed DVC's stage lock file (.dvc/tmp/rwlock)" in mended.stderr
+    sh(project, "dvc", "repro", "-f", "-s", "check")  # the plain command works again
+
+
 def test_a_runner_killed_before_its_restore_leaves_it_to_the_next_run(project, tmp_path):
     never = tmp_path / "never"  # as Prefect kills a cancelled flow run's process after 30 s
     run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=1:pause={never}")

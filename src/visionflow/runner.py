@@ -27,6 +27,7 @@ running, and a failed stage leaves its outputs deleted (they stay in DVC's cache
 """
 
 import fcntl
+import json
 import math
 import os
 import shutil
@@ -401,9 +402,26 @@ def owed(workdir: Path) -> Path:
     return workdir / ".dvc" / "tmp" / "visionflow-restore-owed"
 
 
+def mend_rwlock(workdir: Path, log: Callable[[str], None]) -> None:
+    """Remove DVC's stage lock file (`.dvc/tmp/rwlock`) when a `dvc` killed while writing it left
+    it empty or half written: every later `dvc repro` fails on it ("Unable to read RWLock-file ...
+    JSON structure is corrupted"). What it held went with the killed process. Only while no
+    other `dvc` holds the repository (a writer mid-write would be one)."""
+    path = workdir / ".dvc" / "tmp" / "rwlock"
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return
+    except (ValueError, UnicodeDecodeError):
+        if not dvc_busy(workdir):
+            path.unlink(missing_ok=True)
+            log("removed DVC's stage lock file (.dvc/tmp/rwlock), left half written by a kill")
+
+
 def owe_restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     """Before a run that may leave outputs deleted: first the restore a killed run still owes
     (its process died before it could restore), then this run's note. Under the workspace lock."""
+    mend_rwlock(workdir, log)
     note = owed(workdir)
     if note.exists():
         left = note.read_text().split()
@@ -439,6 +457,7 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     DVC's cache, whatever the stage left at their paths (it came from the run that failed, or
     that DVC could not record); the staging folders a killed stage left beside them go too.
     Stage outputs only: data tracked with `dvc add` is the user's, new files in it included."""
+    mend_rwlock(workdir, log)  # `dvc` killed past the grace period, maybe while writing it
     try:
         specs, params = pipeline(workdir)
         outs, stages = [workdir / out for out in outs_of(specs, params)], stages or tuple(specs)
