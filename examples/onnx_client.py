@@ -25,7 +25,8 @@ SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 def preprocess(path: str, spec: dict) -> np.ndarray:
     """One image -> float32 CHW, exactly as in training (visionflow.decode): a JPEG decoded at
     the reduced DCT scale the file records (`jpeg_draft`), EXIF orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
-    colour mode, the resize (in two steps where the file records `reducing_gap`), and
+    colour mode, the centre square or the whole image (`fit`), the resize (in two steps where the
+    file records `reducing_gap`), and
     (pixel / 255 - mean) / std."""
     size = spec["image_size"]
     with Image.open(path) as image:
@@ -47,8 +48,15 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
         image = image.convert("L" if spec["color"] == "grayscale" else "RGB")
         if image.size != (size, size):
             resample = Image.Resampling[spec["resize"].upper()]
+            width, height = image.size
+            box = (0, 0, width, height)  # fit: squash, the whole image
+            if spec["fit"] == "crop":  # the centre square, aspect kept
+                side = min(width, height)
+                left, top = (width - side) / 2, (height - side) / 2
+                box = (left, top, left + side, top + side)
             # a box reduce by a whole factor first, when the file records it (reducing_gap)
-            image = image.resize((size, size), resample, reducing_gap=spec.get("reducing_gap"))
+            gap = spec.get("reducing_gap")
+            image = image.resize((size, size), resample, box=box, reducing_gap=gap)
     pixels = np.asarray(image, dtype=np.uint8).reshape(size, size, -1)
     scaled = pixels.astype(np.float32) / np.float32(255)
     mean = np.asarray(spec["mean"], np.float32)
@@ -56,9 +64,10 @@ def preprocess(path: str, spec: dict) -> np.ndarray:
     return ((scaled - mean) / std).transpose(2, 0, 1)
 
 
-# visionflow's own lists (inference.RESIZE_FILTERS, decode.IMAGE_SUFFIXES), copied: this client
+# visionflow's own lists (decode.RESIZE_FILTERS, decode.FITS, decode.IMAGE_SUFFIXES), copied: this client
 # imports nothing of visionflow
 FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
+FITS = ("crop", "squash")
 
 
 def spec_problems(spec: dict) -> list[str]:
@@ -66,6 +75,8 @@ def spec_problems(spec: dict) -> list[str]:
     found = []
     if spec.get("resize") not in FILTERS:
         found.append(f"resize must be one of {', '.join(FILTERS)}: {spec.get('resize')!r}")
+    if spec.get("fit") not in FITS:
+        found.append(f"fit must be one of {', '.join(FITS)}: {spec.get('fit')!r}")
     for key in ("exif_transpose", "jpeg_draft"):
         if not isinstance(spec[key], bool):
             found.append(f"{key} must be true or false: {spec[key]!r}")
@@ -107,6 +118,7 @@ def open_model(model_path: str) -> tuple[ort.InferenceSession, list[str], dict]:
         spec.setdefault("exif_transpose", True)  # keys a file made before them lacks: as trained
         spec.setdefault("jpeg_draft", False)
         spec.setdefault("reducing_gap", None)
+        spec.setdefault("fit", "squash")
         problems = spec_problems(spec)
         if problems:
             raise ValueError("; ".join(problems))

@@ -42,7 +42,15 @@ def main() -> None:
 def build(params: Params, out: Path) -> dict:
     """Read the source (an archive extracted safely first) and write the cache; its manifest."""
     p = params.prepare
-    decode = data.Decode(p.image_size, p.color, p.background, p.max_pixels, p.formats)
+    decode = data.Decode(
+        p.image_size,
+        p.color,
+        p.background,
+        p.max_pixels,
+        p.formats,
+        resize=p.interpolation,
+        fit=p.fit,
+    )
     # beside the output, not in the system's temp folder (often a small tmpfs); left by a kill,
     # it goes at the next start (and with the runner's restore)
     tmp = out.with_name(out.name.removesuffix(".partial") + ".extract")

@@ -210,9 +210,10 @@ def network_for(t: Train, d: Data, say) -> dict:
         pre = preprocessing(t.model, t.pretrained)
     except Unavailable as e:
         raise GateError(f"train.pretrained: {e}") from None
-    if pre["interpolation"] != "bilinear":
+    if pre["interpolation"] != d.meta.resize:
         say(
-            f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes; the cache is bilinear"
+            f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes, the cache "
+            f"{d.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
         )
     size = input_size(t.model, d.image_size, t.pretrained)
     return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
@@ -246,6 +247,8 @@ def describe(t: Train, seed: int, d: "Data", mean: list, std: list, network: dic
         "background": d.meta.background,
         "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
         "reducing_gap": d.meta.reducing_gap,  # and resized every image
+        "resize": d.meta.resize,
+        "fit": d.meta.fit,
         "checkpointing": t.checkpointing,
         **({"network": network} if network else {}),  # a torchvision classifier's (`network_for`)
         # where mean/std come from (`model_for`)

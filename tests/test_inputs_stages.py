@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from tests.conftest import ROOT, copy_project, solid, write_params
+from visionflow.decode import Decode, pixels_of
 from visionflow.inference import load_images, normalise, preprocess_spec
 
 
@@ -128,11 +129,19 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
     assert made.returncode == 0, made.stderr
     decode = json.loads((tmp_path / "prepared/decode.json").read_text())
     assert decode["jpeg_draft"] is True and decode["reducing_gap"] == 3.0
+    assert decode["fit"] == "crop" and decode["resize"] == "bilinear"  # params.yaml's defaults
     cache = np.concatenate([np.load(tmp_path / f"prepared/{s}_x.npy") for s in SPLITS])
 
-    spec = preprocess_spec(16, 3, [0.5] * 3, [0.25] * 3, decode["background"], True, 3.0)
+    background = decode["background"]
+    spec = preprocess_spec(16, 3, [0.5] * 3, [0.25] * 3, background, True, 3.0, "bilinear", "crop")
     pixels, good, errors = load_images(files, spec)
     assert not errors and rows(pixels) == rows(cache)  # predict's pixels are the cache's
+    # the centre square, as torchvision's Resize + CenterCrop keep it, not the squashed photo
+    square = Decode(16, "rgb", fit="squash")
+    centre = pixels_of(Image.open(pngs[0]).crop((40, 0, 280, 240)), square)
+    squashed = pixels_of(Image.open(pngs[0]), square)
+    cropped = pixels[files.index(pngs[0])].astype(int)
+    assert np.abs(cropped - centre).mean() < 3 < np.abs(cropped - squashed).mean()
     full, _, _ = load_images(files, {**spec, "jpeg_draft": False})
     assert rows(full) != rows(pixels)  # the reduced scale is in effect (full decoding differs)
     one_step, _, _ = load_images(pngs, {**spec, "reducing_gap": None})
@@ -143,7 +152,7 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
         expected = normalise(pixels[i : i + 1], spec)[0]
         assert np.allclose(client["preprocess"](str(path), spec), expected, atol=1e-6), path
     # what a model file records is followed, by predict and the client alike (not assumed)
-    for change in ({"resize": "nearest"}, {"exif_transpose": False}):
+    for change in ({"resize": "nearest"}, {"exif_transpose": False}, {"fit": "squash"}):
         other = {**spec, **change}
         changed, _, _ = load_images(files, other)
         assert rows(changed) != rows(pixels), change

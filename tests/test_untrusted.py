@@ -114,6 +114,7 @@ def test_forged_metadata_is_an_error_naming_what_disagrees(reproduced_base, digi
         "gap below 1": (dict(reducing_gap=0.5), "reducing_gap must be null or a number over 1"),
         "draft": (dict(jpeg_draft="no"), "jpeg_draft must be true or false"),
         "resize": (dict(resize="sinc"), "resize must be one of"),
+        "fit": (dict(fit="stretch"), "fit must be one of"),
     }
     client = [sys.executable, str(ROOT / "examples/onnx_client.py")]
     for name, (change, words) in cases.items():

@@ -687,6 +687,7 @@ def decode_record(decode: Decode) -> dict:
         "exif_transpose": decode.exif_transpose,
         "jpeg_draft": decode.jpeg_draft,
         "reducing_gap": decode.reducing_gap,
+        "fit": decode.fit,
     }
 
 
@@ -697,6 +698,8 @@ class Cache(NamedTuple):
     background: list[int]  # what transparent pixels were composited on
     jpeg_draft: bool  # JPEGs decoded at a reduced DCT scale first (decode.Decode)
     reducing_gap: float | None  # the two-step resize's gap; None: one step (decode.Decode)
+    resize: str  # the resize filter (decode.Decode)
+    fit: str  # crop or squash to the square (decode.Decode)
 
 
 def read_cache_meta(cache: Path) -> Cache:
@@ -705,7 +708,9 @@ def read_cache_meta(cache: Path) -> Cache:
     classes = json.loads((cache / "classes.json").read_text())
     draft = decode.get("jpeg_draft", False)  # a cache made before the draft decode
     gap = decode.get("reducing_gap")  # a cache made before the two-step resize: None
-    return Cache(classes, stats["mean"], stats["std"], decode["background"], draft, gap)
+    fit = decode.get("fit", "squash")  # a cache made before `prepare.fit`
+    meta = stats["mean"], stats["std"], decode["background"], draft, gap, decode["resize"], fit
+    return Cache(classes, *meta)
 
 
 def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:

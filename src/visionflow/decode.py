@@ -22,6 +22,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from visionflow.errors import DataError
 
 RESIZE = "bilinear"  # PIL filter used to reach image_size; exported models record it
+RESIZE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")  # Pillow's
+FITS = ("crop", "squash")  # crop: the centre square (torchvision's Resize + CenterCrop), aspect
+# kept; squash: the whole image pressed into the square (what caches made before `fit` hold)
 REDUCING_GAP = 3.0  # the filter resizes by at least this factor after the box reduce: Pillow's
 # docs call 3 "indistinguishable from fair resampling in most cases"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
@@ -40,6 +43,7 @@ class Decode(NamedTuple):
     reducing_gap: float | None = REDUCING_GAP  # None: one-step resize (models made before it)
     resize: str = RESIZE  # PIL filter name; a model file says which it was trained with
     exif_transpose: bool = True  # turned upright as the camera was held
+    fit: str = "squash"  # FITS; models and caches made before it squashed
 
 
 LINK_SKIPPED = "a link: links are not followed (copy the file or folder in)"
@@ -115,7 +119,14 @@ def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
     image = normalise_mode(image, decode.color, decode.background)
     if image.size != (decode.size, decode.size):
         resample = Image.Resampling[decode.resize.upper()]
-        image = image.resize((decode.size, decode.size), resample, reducing_gap=decode.reducing_gap)
+        width, height = image.size
+        box = (0, 0, width, height)  # squash: all of it
+        if decode.fit == "crop":  # the centre square, resized straight from the source
+            side = min(width, height)
+            left, top = (width - side) / 2, (height - side) / 2
+            box = (left, top, left + side, top + side)
+        size = (decode.size, decode.size)
+        image = image.resize(size, resample, box=box, reducing_gap=decode.reducing_gap)
     pixels = np.asarray(image, dtype=np.uint8)
     return pixels[..., None] if pixels.ndim == 2 else pixels
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visionflow.decode import RESIZE, Decode, to_pixels
+from visionflow.decode import FITS, RESIZE, RESIZE_FILTERS, Decode, to_pixels
 from visionflow.errors import DataError
 
 # torch is imported by the torch runtimes only: the ONNX path runs on ONNX Runtime and NumPy
@@ -30,7 +30,6 @@ JIT_DEPRECATED = r".*torch\.jit\.\w+` is deprecated"  # TorchScript still works 
 CLASSES_KEY, PREPROCESS_KEY = "visionflow.classes", "visionflow.preprocess"
 QUANTIZATION_KEY = "visionflow.quantization"  # an INT8 file's record of what was done
 MAX_IMAGE_SIZE = 1024  # px, as prepare.image_size: a larger size in metadata is forged or a mistake
-RESIZE_FILTERS = ("nearest", "box", "bilinear", "hamming", "bicubic", "lanczos")
 # What loading each format can do beyond reading numbers: these two run code from the file.
 RUNS_CODE = {
     "torchscript": "TorchScript is a program: loading it runs code stored in the file",
@@ -50,6 +49,8 @@ def preprocess_spec(
     background: list[int] = (255, 255, 255),
     jpeg_draft: bool = False,
     reducing_gap: float | None = None,
+    resize: str = RESIZE,
+    fit: str = "squash",
 ) -> dict:
     """How to turn an image file into the model's input, as data (see `load_images`)."""
     return {
@@ -57,7 +58,9 @@ def preprocess_spec(
         # JPEGs: Pillow's Image.draft(mode, (image_size, image_size)) before decoding
         "jpeg_draft": jpeg_draft,
         "color": "grayscale" if channels == 1 else "rgb",
-        "resize": RESIZE,  # PIL resampling filter, to image_size x image_size (aspect not kept)
+        # crop: the centre square of the image (aspect kept), squash: all of it, to image_size
+        "fit": fit,
+        "resize": resize,  # PIL resampling filter, to image_size x image_size
         # Pillow's resize(..., reducing_gap=): a box reduce by a whole factor first, then the
         # filter over the last reducing_gap times or more; null: the filter alone
         "reducing_gap": reducing_gap,
@@ -84,6 +87,8 @@ def spec_of(meta: dict) -> dict:
         meta["background"],
         meta.get("jpeg_draft", False),  # models trained before the draft decode: off
         meta.get("reducing_gap"),  # before the two-step resize: one step
+        meta.get("resize", RESIZE),  # before prepare.interpolation: bilinear
+        meta.get("fit", "squash"),  # before prepare.fit: the whole image squashed
     )
 
 
@@ -111,6 +116,7 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
         reducing_gap=spec.get("reducing_gap"),  # and a one-step resize
         resize=spec["resize"],  # what the file says, checked against RESIZE_FILTERS
         exif_transpose=spec.get("exif_transpose", True),
+        fit=spec.get("fit", "squash"),  # files exported before it: squashed
     )
     for path in paths:
         try:
@@ -388,6 +394,8 @@ def spec_problems(spec) -> list[str]:
         found.append(f"color must be grayscale or rgb: {color!r}")
     if spec.get("resize") not in RESIZE_FILTERS:
         found.append(f"resize must be one of {', '.join(RESIZE_FILTERS)}: {spec.get('resize')!r}")
+    if spec.get("fit", "squash") not in FITS:
+        found.append(f"fit must be one of {', '.join(FITS)}: {spec.get('fit')!r}")
     channels = 1 if color == "grayscale" else 3
     for key in ("mean", "std"):
         values = spec.get(key)

@@ -91,6 +91,10 @@ class Prepare(Section):
     path: str
     download: bool
     image_size: int = Field(ge=8, le=1024)
+    fit: Literal["crop", "squash"] = "crop"
+    interpolation: Literal["nearest", "box", "bilinear", "hamming", "bicubic", "lanczos"] = (
+        "bilinear"
+    )
     color: Literal["grayscale", "rgb"]
     background: tuple[Byte, Byte, Byte] = Field(strict=False)  # a YAML list
     val_fraction: float = Field(gt=0, le=0.5)

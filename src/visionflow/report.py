@@ -27,12 +27,16 @@ def draft_words(spec: dict) -> str:
 
 
 def resize_words(spec: dict) -> str:
+    what = {
+        "crop": "the centre square (aspect kept)",
+        "squash": "the whole image (aspect not kept)",
+    }[spec.get("fit", "squash")]
     if spec.get("reducing_gap"):
         return (
-            f"a box reduce by a whole factor, then {spec['resize']} over the last "
+            f"{what}, a box reduce by a whole factor, then {spec['resize']} over the last "
             f"{spec['reducing_gap']:g}x or more, Pillow's `resize(..., reducing_gap=)`"
         )
-    return spec["resize"]
+    return f"{what}, {spec['resize']}"
 
 
 def data_line(made_from: dict) -> str:
