@@ -336,7 +336,7 @@ def test_split_is_stratified_disjoint_and_seeded():
 
 def test_the_split_is_scikit_learns_index_for_index():
     """prepare splits without importing scikit-learn (1 s of CPU); caches made before, and the
-    README's numbers, depend on its indices and their order staying the same."""
+    the manual's numbers, depend on its indices and their order staying the same."""
     from sklearn.model_selection import train_test_split
 
     rng = np.random.default_rng(0)

@@ -181,7 +181,7 @@ def test_dvc_artifacts_get_fetches_a_tagged_model_from_the_dvc_remote(reproduced
     register(project, "classifier-int8", "v1.1.0")
     v2_int8 = (project / "results/export/model.int8.onnx").read_bytes()
     assert v2_int8 != v1["model.int8.onnx"]
-    # the INT8 numbers of two revisions, side by side, as the README shows
+    # the INT8 numbers of two revisions, side by side, as the manual shows
     diff = sh(project, "dvc", "metrics", "diff", "HEAD~1", "--targets", "results/export/int8.json")
     assert re.search(r"int8\.json\s+calibration_images\s+512\s+64\b", diff.stdout), diff.stdout
     shutil.rmtree(project / ".dvc/cache")  # the DVC remote is the only copy of the data now
@@ -211,6 +211,6 @@ def test_dvc_artifacts_get_fetches_a_tagged_model_from_the_dvc_remote(reproduced
         assert logits.shape == (2, 10)
     assert v1["model.onnx"] == (reproduced_base / "results/export/model.onnx").read_bytes()
 
-    # an artifact with no GTO version yet: DVC says it found none (the README's `dvc get` way)
+    # an artifact with no GTO version yet: DVC says it found none (the manual's `dvc get` way)
     unregistered = sh(fresh, "dvc", "artifacts", "get", str(project), "nothing-here", check=False)
     assert unregistered.returncode != 0 and "Unable to find artifact" in unregistered.stderr

@@ -364,7 +364,7 @@ def test_plots_draw_every_curve_and_read_right(viewed):
     x, y = vega["confusion"]["spec"]["encoding"]["x"], vega["confusion"]["spec"]["encoding"]["y"]
     assert (x["field"], y["field"]) == ("predicted", "actual")  # as confusion.png: true on y
     diff = json.loads(sh(viewed, "dvc", "plots", "diff", "HEAD", "--json").stdout)["data"]
-    assert set(diff) == set(specs)  # the README's `dvc plots diff HEAD` draws the same plots
+    assert set(diff) == set(specs)  # the manual's `dvc plots diff HEAD` draws the same plots
 
 
 @pytest.mark.slow
@@ -384,7 +384,7 @@ def test_parity_differences_survive_dvc_rounding(viewed):
 
 @pytest.mark.slow
 def test_a_teammate_pulls_results_and_experiments_without_training(reproduced_base, tmp_path):
-    """The README's "Share results": push from one clone, pull into a fresh one, nothing retrains."""
+    """The manual's "Share results": push from one clone, pull into a fresh one, nothing retrains."""
     origin, storage = tmp_path / "origin.git", tmp_path / "dvc-storage"
     first = copy_project(reproduced_base, tmp_path / "first")
     sh(tmp_path, "git", "init", "-q", "--bare", "-b", "main", str(origin))

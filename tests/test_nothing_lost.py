@@ -124,7 +124,7 @@ def test_a_failed_plain_dvc_repro_costs_nothing_dvc_checkout_cannot_restore(proj
     lock_after = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
     assert lock_after["export"] == yaml.safe_load(lock)["stages"]["export"]  # not recorded
     assert not (project / "results/export").exists()  # DVC deleted it; the cache keeps it
-    sh(project, "dvc", "checkout")  # the README's one command
+    sh(project, "dvc", "checkout")  # the manual's one command
     after = results(project)
     assert after.pop("results/export.miss.json") and after == before
     assert json.loads((project / "results/export/parity.json").read_text())["passed"] is True

@@ -1,4 +1,5 @@
 import os
+import runpy
 import subprocess
 import sys
 
@@ -184,3 +185,11 @@ def test_values_no_stage_could_use_are_refused_here():
         parse_params(params_with(seed=-1))
     with pytest.raises(ParamsError, match=r"seed: Input should be less than 4294967296"):
         parse_params(params_with(seed=2**32))
+
+
+def test_the_parameter_reference_in_the_docs_is_the_params_models_and_file():
+    made = runpy.run_path(str(ROOT / "docs/make_reference.py"))["reference"](ROOT / "params.yaml")
+    assert "| `prepare.fit` | `crop` \\| `squash` |  | `crop` |" in made  # a choice, a default
+    assert "| `train.lr` | float | > 0 | required | learning rate (> 0) |" in made
+    committed = (ROOT / "docs/reference.md").read_text()
+    assert committed == made, "run: .venv/bin/python docs/make_reference.py"

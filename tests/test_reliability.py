@@ -541,7 +541,7 @@ def test_a_runner_killed_before_its_restore_leaves_it_to_the_next_run(project, t
 
 
 def torchrun_train(project: Path) -> None:
-    """The train stage under `torchrun`, two CPU ranks (gloo), as README says to run it."""
+    """The train stage under `torchrun`, two CPU ranks (gloo), as the manual says to run it."""
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
     cmd = spec["stages"]["train"]["cmd"].replace(
         "python -m", "torchrun --standalone --nproc_per_node 2 -m"

@@ -464,7 +464,7 @@ PLAIN_SGD = {
 
 
 def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
-    """The train stage under `torchrun` with 2 gloo processes, as the README runs it."""
+    """The train stage under `torchrun` with 2 gloo processes, as the manual runs it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints"]

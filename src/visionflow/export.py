@@ -3,7 +3,7 @@
 The torch.export-based ONNX exporter (`dynamo=True`) is tried first; it has had accuracy regressions
 upstream, so parity is a hard gate and the legacy exporter is a recorded fallback. TorchScript is
 deprecated by PyTorch (its calls warn); users still ask for it, so it is exported with those
-warnings silenced here and the deprecation stated in the README.
+warnings silenced here and the deprecation stated in docs/export-and-serving.md.
 """
 
 import time
@@ -93,7 +93,7 @@ def export_torchscript(
     model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
 ) -> None:
     """Traced in eval mode (the parity gate checks the trace at every batch size)."""
-    with warnings.catch_warnings():  # "torch.jit.* is deprecated": known, and said in the README
+    with warnings.catch_warnings():  # "torch.jit.* is deprecated": known, and said in the docs
         warnings.filterwarnings("ignore", message=JIT_DEPRECATED)
         traced = torch.jit.trace(model, example, check_trace=False)
         torch.jit.save(traced, str(path), _extra_files=metadata)
