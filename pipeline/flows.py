@@ -420,15 +420,19 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
     `dvc status`, so a change DVC does not track runs no stage.
     """
     root = root.resolve()
-    for _ in settled_changes(root, settle_s):
-        print("change settled: starting a run", flush=True)
+    for changed in settled_changes(root, settle_s):
+        shown = ", ".join(changed[:3]) + (
+            f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        )
+        print(f"change settled ({shown}): starting a run", flush=True)
         if deployment:
             run_deployment(deployment, parameters={"workdir": str(root)}, timeout=0)
         else:  # a failed run is in its log; the watcher goes on
-            reproduce(str(root), return_state=True)
+            state = reproduce(str(root), return_state=True)
             if runner.FORWARDED:  # stopped during the run: the run has ended, so do we
                 print("stopped: the run in progress was ended first", flush=True)
                 raise SystemExit(STOPPED_EXIT)
+            print(f"run ended: {state.name}", flush=True)
 
 
 def main() -> None:

@@ -1,7 +1,6 @@
 """Shared fixtures: tiny generated data and a temporary git + DVC copy of the project."""
 
 import fcntl
-import hashlib
 import os
 import shutil
 import socket
@@ -14,10 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import (
+    commit,
+    make_project,
+    sh,
+    solid,
+    write_idx,
+)
 
 # Under pytest-xdist each worker gets its share of the cores: torch's default (a thread per core
 # in every stage process of every worker) oversubscribes them, and spinning threads burn the time.
@@ -27,32 +30,6 @@ if WORKERS > 1:
 # A stopped stage gets this long to reach its safe point before SIGKILL (120 s for users). Tests
 # whose stage pauses for good wait it out; those about the safe point give their stage longer.
 os.environ.setdefault("VISIONFLOW_STOP_GRACE_S", "5")
-PROJECT_FILES = [
-    "dvc.yaml",
-    "params.yaml",
-    "prefect.yaml",
-    ".dvcignore",
-    ".gitignore",
-    ".dvc/config",
-    ".dvc/.gitignore",
-    ".dvc/plots",
-    "pipeline",
-    "src",
-    "data/raw",
-    "data/pretrained",
-]
-
-# Small enough for seconds per stage on 2 CPU cores; still the real stages and the real data.
-# Four epochs: enough to kill a run after one checkpoint and resume it from another.
-TINY = {
-    "prepare": {"image_size": 8},
-    "train": {"epochs": 4, "batch_size": 128},
-    "export": {"batch_size": 8, "latency_repeats": 3},
-}
-
-
-def solid(color, size=(12, 10), mode="RGB") -> Image.Image:
-    return Image.new(mode, size, color)
 
 
 @pytest.fixture
@@ -77,13 +54,6 @@ def image_folder(tmp_path) -> Path:
     return root
 
 
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """Write an array in the idx format MNIST ships in (big-endian dims, uint8 data)."""
-    magic = 0x0800 | array.ndim
-    header = magic.to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in array.shape)
-    path.write_bytes(header + array.astype(np.uint8).tobytes())
-
-
 @pytest.fixture
 def mnist_root(tmp_path) -> Path:
     """A tiny MNIST (and FashionMNIST) copy in torchvision's on-disk layout: 40 train, 20 test."""
@@ -100,123 +70,9 @@ def mnist_root(tmp_path) -> Path:
     return root
 
 
-def merge(base: dict, change: dict) -> dict:
-    out = dict(base)
-    for key, value in change.items():
-        out[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
-def add_stage(project: Path, name: str, cmd: str, out: str) -> None:
-    """A stage of the test's own in the project's dvc.yaml (DVC reads block or flow style)."""
-    spec = yaml.safe_load((project / "dvc.yaml").read_text())
-    spec["stages"][name] = {"cmd": cmd, "outs": [out]}
-    (project / "dvc.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-
-
-# A stage that prints a byte that is not UTF-8 (a Latin-1 file name, say), then succeeds.
-LATIN = (
-    'python -c "import sys; sys.stdout.buffer.write(bytes([99, 97, 102, 233, 10])); '
-    "open('latin.txt', 'w').close()\""
-)
-
-
-def write_params(project: Path, change: dict) -> None:
-    path = project / "params.yaml"
-    path.write_text(
-        yaml.safe_dump(merge(yaml.safe_load(path.read_text()), change), sort_keys=False)
-    )
-
-
-def note_in_params(project: Path, note: str) -> None:
-    """The cheapest valid edit: a comment appended to params.yaml reruns `check` alone (its
-    output is the same bytes, and no stage's params changed)."""
-    with open(project / "params.yaml", "a") as params:
-        params.write(f"# {note}\n")
-
-
-def params_recorded(project: Path) -> bool:
-    """dvc.lock's check records the params.yaml on disk (False while DVC rewrites dvc.lock)."""
-    try:
-        deps = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["check"]["deps"]
-    except (KeyError, TypeError, yaml.YAMLError):
-        return False
-    md5 = hashlib.md5((project / "params.yaml").read_bytes()).hexdigest()
-    return any(d["path"] == "params.yaml" and d["md5"] == md5 for d in deps)
-
-
-def dvc_clean(project: Path) -> bool:
-    """`dvc status` finds nothing to do: asked of DVC in this process, the same code and locks
-    as the command (0.15 s; a `dvc` process spends 0.45 s of CPU)."""
-    from dvc.repo import Repo
-
-    with Repo(str(project)) as repo:
-        return repo.status() == {}
-
-
-def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run a command in the project copy with the test's Python first on PATH."""
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(cwd / "src"),
-        "DVC_NO_ANALYTICS": "1",
-    }
-    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
-        )
-    return result
-
-
-def make_project(dest: Path) -> Path:
-    """A committed git + DVC copy of the project with tiny params (DVCLive needs a first commit)."""
-    for name in PROJECT_FILES:
-        src = ROOT / name
-        (dest / name).parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(
-                src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
-            )
-        else:
-            shutil.copy2(src, dest / name)
-    write_params(dest, TINY)
-    sh(dest, "git", "init", "-q", "-b", "main")
-    commit(dest, "init")
-    return dest
-
-
 @pytest.fixture
 def project(tmp_path) -> Path:
     return make_project(tmp_path / "project")
-
-
-def commit(project: Path, message: str) -> None:
-    sh(project, "git", "add", "-A")
-    sh(
-        project,
-        "git",
-        "-c",
-        "user.name=t",
-        "-c",
-        "user.email=t@t",
-        "commit",
-        "-q",
-        "--allow-empty",
-        "-m",
-        message,
-    )
-
-
-def copy_project(src: Path, dest: Path) -> Path:
-    """A copy of a project with its git history and DVC cache (not its .dvc/tmp: locks, state)."""
-
-    def skip(folder, names):
-        return ["tmp"] if Path(folder).name == ".dvc" else []
-
-    shutil.copytree(src, dest, symlinks=True, ignore=skip)
-    return dest
 
 
 def build_base(shared: Path) -> Path:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import solid
+from tests.helpers import solid
 from visionflow import archive, data, loading
 
 RGB8 = data.Decode(8, "rgb")

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.conftest import ROOT, TINY, commit, copy_project, sh, write_params
+from tests.helpers import ROOT, TINY, commit, copy_project, sh, write_params
 from visionflow.inference import load_predictor, normalise
 from visionflow.quantize import calibration_sample
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import ROOT, copy_project, write_params
+from tests.helpers import ROOT, copy_project, write_params
 from visionflow import doctor
 
 

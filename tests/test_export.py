@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from visionflow import loading
 from visionflow.export import (
     check_formats,

@@ -10,7 +10,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.conftest import copy_project, sh, write_params
+from tests.helpers import copy_project, sh, write_params
 
 HEAD = ("classifier.3.weight", "classifier.3.bias")  # mobilenet_v3_small's: the new one
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, digits_cache, write_params
 from visionflow import data, health
 from visionflow.models import build_model
 from visionflow.params import Health
@@ -143,18 +143,14 @@ def caches(tmp_path_factory):
     """Digits at 8x8: as they are, with shuffled labels, and a tiny subset."""
     root = tmp_path_factory.mktemp("health")
     source = data.load_source("digits", None)
-    decode = data.Decode(8, "grayscale")
     rng = np.random.default_rng(0)
-    data.build_cache(source, root / "digits", decode, val_fraction=0.15, test_fraction=0.2, seed=0)
-    shuffled = source._replace(labels=rng.permutation(source.labels))
-    data.build_cache(
-        shuffled, root / "shuffled", decode, val_fraction=0.15, test_fraction=0.2, seed=0
-    )
+    digits_cache(root / "digits", source)
+    digits_cache(root / "shuffled", source._replace(labels=rng.permutation(source.labels)))
     few = rng.choice(len(source.labels), 150, replace=False)
     tiny = source._replace(
         images=source.images[few], labels=source.labels[few], names=[source.names[i] for i in few]
     )
-    data.build_cache(tiny, root / "tiny", decode, val_fraction=0.3, test_fraction=0.2, seed=0)
+    digits_cache(root / "tiny", tiny, val_fraction=0.3)
     return root
 
 

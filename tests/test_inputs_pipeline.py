@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import copy_project, sh
+from tests.helpers import copy_project, sh
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.conftest import ROOT, copy_project, solid, write_params
+from tests.helpers import ROOT, copy_project, solid, write_params
 from visionflow.decode import Decode, pixels_of
 from visionflow.inference import load_images, normalise, preprocess_spec
 

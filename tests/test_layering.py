@@ -4,7 +4,7 @@ never import torch, so the ONNX path of predict and the CLI load without it."""
 
 import ast
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 DATA = ("data", "decode", "files", "archive", "errors", "faults")
 MODEL = (

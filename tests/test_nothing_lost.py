@@ -23,17 +23,22 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.conftest import TINY, commit, copy_project, dvc_clean, sh, write_params
-from tests.test_reliability import (
+from tests.helpers import (
+    TINY,
     assert_invariants,
+    commit,
+    copy_project,
+    dvc_clean,
     env,
     live_metrics,
     ran,
     read_until,
     repro,
     same_weights,
+    sh,
     start,
     trainers,
+    write_params,
 )
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from visionflow.params import (
     Augment,
     Export,

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.conftest import ROOT, TINY, copy_project, sh, write_params
+from tests.helpers import ROOT, TINY, copy_project, sh, write_params
 
 pytestmark = pytest.mark.slow
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]

@@ -8,10 +8,8 @@ and a clean run afterwards succeeds.
 """
 
 import fcntl
-import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,128 +24,34 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import (
+from tests.helpers import (
     LATIN,
+    SAFE_POINT_GRACE,
     TINY,
     add_stage,
+    assert_invariants,
+    assert_resumes_to_the_baseline,
     copy_project,
     dvc_clean,
+    env,
+    file_hashes,
+    live_metrics,
     note_in_params,
     params_recorded,
+    ran,
+    read_until,
+    repro,
+    repro_cmd,
+    same_weights,
     sh,
+    start,
+    state_folder,
+    trainers,
+    weights,
     write_params,
 )
 
 pytestmark = pytest.mark.slow
-
-
-SAFE_POINT_GRACE = {"VISIONFLOW_STOP_GRACE_S": "300"}  # for a stage that must reach its safe point
-
-
-def env(project: Path, fault: str = "", **extra: str) -> dict:
-    return {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(project / "src"),
-        "DVC_NO_ANALYTICS": "1",
-        "VISIONFLOW_FAULT": fault,
-        **extra,
-    }
-
-
-def repro_cmd(*dvc_args: str) -> list[str]:
-    return [sys.executable, "-m", "visionflow.cli", "repro", "--", *dvc_args]
-
-
-def repro(project: Path, *dvc_args: str, fault: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        repro_cmd(*dvc_args),
-        cwd=project,
-        env=env(project, fault, **SAFE_POINT_GRACE),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
-def start(project: Path, *dvc_args: str, fault: str = "", **extra: str) -> subprocess.Popen:
-    """The runner in its own session, as a terminal's foreground job would be."""
-    return subprocess.Popen(
-        repro_cmd(*dvc_args),
-        cwd=project,
-        env=env(project, fault, **extra),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def read_until(process: subprocess.Popen, marker: str, timeout: float = 300) -> str:
-    seen, deadline = "", time.monotonic() + timeout
-    while marker not in seen:
-        line = process.stdout.readline()
-        assert line and time.monotonic() < deadline, f"no {marker!r} in:\n{seen}"
-        seen += line
-    return seen
-
-
-def ran(output: str) -> list[str]:
-    return re.findall(r"Running stage '(\w+)'", output)
-
-
-def trainers(project: Path) -> list[psutil.Process]:
-    """Live training processes started in this project."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if "pipeline.train" in cmd and p.info["cwd"] == str(project) and p.status() != "zombie":
-            found.append(p)
-    return found
-
-
-def weights(project: Path) -> dict:
-    return torch.load(project / "results/train/model.pt", weights_only=True)["state_dict"]
-
-
-def same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def state_folder(project: Path) -> Path:
-    """The resumable state of the newest configuration (one folder per fingerprint)."""
-    folders = [p for p in (project / "checkpoints/train").iterdir() if p.is_dir()]
-    return max(folders, key=lambda p: p.stat().st_mtime)
-
-
-def file_hashes(project: Path) -> dict[str, str]:
-    """sha256 of every file of the project but git's and DVC's own scratch folders."""
-    skip = (project / ".git", project / ".dvc" / "tmp")
-    return {
-        str(p.relative_to(project)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(project.rglob("*"))
-        if p.is_file() and not any(p.is_relative_to(s) for s in skip)
-    }
-
-
-def assert_invariants(project: Path) -> None:
-    lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert set(lock["stages"]) == {"check", "prepare", "sanity", "train", "evaluate", "export"}
-    for path in (project / "checkpoints/train").glob("**/*.pt"):
-        torch.load(path, weights_only=True)
-    assert not trainers(project)
-    clean = repro(project)  # the workspace lock and DVC's own are free again
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert dvc_clean(project)  # DVC's status works
-
-
-def assert_resumes_to_the_baseline(project: Path, epoch: int, baseline: dict) -> None:
-    """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted run."""
-    resumed = repro(project, "-f", "-s", "train")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert re.search(rf"resuming from checkpoints/train/\w+/epoch-{epoch:04d}\.pt", resumed.stdout)
-    assert same_weights(weights(project), baseline)
-    assert_invariants(project)
 
 
 @pytest.fixture
@@ -159,15 +63,6 @@ def project(reproduced_base, tmp_path) -> Path:
 def baseline(reproduced_base) -> dict:
     """The weights of the uninterrupted run with the shipped tiny params."""
     return weights(reproduced_base)
-
-
-def live_metrics(project: Path) -> dict:
-    """DVCLive's last values, timings left out (they differ between any two runs)."""
-    metrics = json.loads((project / "results/train/live/metrics.json").read_text())
-    for timing in ("epoch_seconds", "peak_memory_mb", "data_wait_fraction"):
-        metrics.pop(timing)
-    metrics["train"].pop("images_per_s")
-    return metrics
 
 
 def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(

@@ -9,23 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, write_params
-from visionflow import data
+from tests.helpers import ROOT, digits_cache, write_params
 
 
 @pytest.fixture
 def cache(tmp_path):
     """A small real cache (digits at 8x8) and the shipped params.yaml in a working folder."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    source = data.load_source("digits", None)
-    data.build_cache(
-        source,
-        tmp_path / "prepared",
-        data.Decode(8, "grayscale"),
-        val_fraction=0.15,
-        test_fraction=0.2,
-        seed=0,
-    )
+    digits_cache(tmp_path / "prepared")
     return tmp_path
 
 

@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.conftest import ROOT, write_params
+from tests.helpers import ROOT, write_params
 from visionflow import checkpoint, data, health, loading
 from visionflow.augment import augment
 from visionflow.engine import (

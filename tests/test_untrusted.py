@@ -17,7 +17,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from tests.conftest import ROOT, commit, copy_project, sh
+from tests.helpers import ROOT, commit, copy_project, sh
 
 pytestmark = pytest.mark.slow
 

@@ -3,6 +3,7 @@ filesystem events (inotify, through watchdog), for the flows' `--watch`: no poll
 so an idle watch over 20,000 images costs no measurable CPU (docs/benchmarks.md).
 """
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -11,29 +12,38 @@ from pathlib import Path
 from visionflow.project import all_deps
 
 
-def settled_changes(root: Path, settle_s: float) -> Iterator[None]:
+def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
     """Yields once per burst of changes to the deps of the project at `root`, after `settle_s`
-    seconds without a further change: an editor's save or a copy of many images is one. A dep
-    folder (or one above a dep) that goes and comes back is watched again."""
+    seconds without a further change: an editor's save or a copy of many images is one; what
+    it yields is the burst's changed paths, relative to `root`, sorted. A dep folder (or one
+    above a dep) that goes and comes back is watched again."""
     from watchdog.events import FileSystemEventHandler
     from watchdog.observers import Observer
 
     deps = all_deps(root)
     changed_at: list[float] = []
+    changed: set[Path] = set()  # this burst's paths
+    lock = threading.Lock()
     rewatch = threading.Event()
 
     class Changes(FileSystemEventHandler):
         def on_any_event(self, event) -> None:
             if event.event_type in ("opened", "closed_no_write"):
                 return
+            if event.is_directory and event.event_type == "modified":
+                return  # a file in it came, went or changed: that file's own event says so
             paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
-            if any(path == dep or path.is_relative_to(dep) for path in paths for dep in deps):
-                changed_at[:] = [time.monotonic()]
-            if event.event_type in ("created", "deleted", "moved") and any(
-                dep.is_relative_to(path) for path in paths for dep in deps
-            ):  # a dep folder, or one above a dep, came or went: its watch is gone or due
-                changed_at[:] = [time.monotonic()]
-                rewatch.set()
+            hits = {path for path in paths for dep in deps if path.is_relative_to(dep)}
+            if event.event_type in ("created", "deleted", "moved"):
+                # a dep folder, or one above a dep, came or went: its watch is gone or due
+                above = {path for path in paths for dep in deps if dep.is_relative_to(path)}
+                if above:
+                    rewatch.set()
+                hits |= above
+            if hits:
+                with lock:
+                    changed.update(hits)
+                    changed_at[:] = [time.monotonic()]
 
     observer, handler = Observer(), Changes()
 
@@ -51,8 +61,11 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[None]:
                 rewatch.clear()
                 schedule()
             if changed_at and time.monotonic() - changed_at[0] >= settle_s:
-                changed_at.clear()
-                yield
+                with lock:
+                    burst = sorted(os.path.relpath(path, root) for path in changed)
+                    changed_at.clear()
+                    changed.clear()
+                yield burst
     finally:
         observer.stop()
 
