@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 from photos import generate
 
-from visionflow.files import file_hash, file_stats
+from visionflow.data.files import file_hash, file_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 

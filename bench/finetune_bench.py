@@ -306,10 +306,10 @@ def recalibrated(project: Path) -> float:
     statistics are recomputed over the train split (as evaluation feeds it). torchvision's
     mobilenet_v3_small updates them with momentum 0.01: after the ~150 steps of a small run they
     still hold much of their start, and a model that fits its train split can score at chance."""
-    from visionflow.data import read_cache_meta, read_split
-    from visionflow.engine import evaluate
-    from visionflow.loading import to_model_input
-    from visionflow.models import load_model
+    from visionflow.data.dataset import read_cache_meta, read_split
+    from visionflow.train.engine import evaluate
+    from visionflow.train.loading import to_model_input
+    from visionflow.train.models import load_model
 
     model, meta = load_model(project / "results/train/model.pt")
     mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])

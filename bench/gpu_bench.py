@@ -1,6 +1,6 @@
 """GPU benchmark: train-stage throughput on CIFAR-sized synthetic data, side by side in one run.
 
-For each model (simple_cnn, small_resnet) it times `visionflow.engine.train_one_epoch` with the
+For each model (simple_cnn, small_resnet) it times `visionflow.train.engine.train_one_epoch` with the
 uint8 data held on the GPU, in four settings: fp32 NCHW; bf16 autocast; bf16 + channels_last;
 bf16 + channels_last + torch.compile. It prints images/s per setting and the ratio to fp32.
 Exits with a message when torch sees no CUDA device (CI and the development machines have none).
@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from visionflow.augment import augment
-from visionflow.engine import Split, Step, make_optimizer, train_one_epoch
-from visionflow.models import build_model
+from visionflow.train.augment import augment
+from visionflow.train.engine import Split, Step, make_optimizer, train_one_epoch
+from visionflow.train.models import build_model
 
 SETTINGS = {  # name: (autocast dtype, channels_last, compile)
     "fp32": (None, False, False),
@@ -66,7 +66,7 @@ RESNET50_TRAIN_GFLOPS = 3 * 4.1  # per 224 px image: forward, and backward at tw
 
 
 def finetune(args) -> None:
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (args.images, 256, 256, 3), dtype=torch.uint8, generator=g).cuda()

@@ -5,7 +5,7 @@ classifier's accuracy.
 Generates a photo folder (default 300 JPEGs of 1024x768, 5 classes: each class its own colour
 cast and texture scale, every photo its own noise, brightness and framing), warms the page cache,
 then on the same files and in one process:
-  - full:  visionflow.decode.to_pixels with jpeg_draft off and a one-step resize (before #26)
+  - full:  visionflow.data.decode.to_pixels with jpeg_draft off and a one-step resize (before #26)
   - draft: the same with the cache's defaults, jpeg_draft on and reducing_gap 3 (what prepare,
            predict and the ONNX client do now)
 and prints wall and CPU seconds of each, their ratio, the mean and max absolute pixel difference,
@@ -24,7 +24,7 @@ from photos import generate
 from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 
-from visionflow.decode import Decode, to_pixels
+from visionflow.data.decode import Decode, to_pixels
 
 
 def decode_all(paths: list[Path], decode: Decode) -> tuple[np.ndarray, float, float]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from visionflow import data
+from visionflow.data import dataset
 
 
 def generate(root: Path, count: int, side: int = 128, classes: int = 10) -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         start = time.perf_counter()
         generate(root, args.images, args.source_size)
         print(f"generated {args.images} files in {time.perf_counter() - start:.1f} s")
-        source = data.load_source("imagefolder", root)
+        source = dataset.load_source("imagefolder", root)
         for path in source.images:  # warm the page cache for both contenders
             path.read_bytes()
 
@@ -65,10 +65,10 @@ def main() -> None:
         seconds = {}
         for workers in (1, 0):  # one process, then one per core (the default)
             start = time.perf_counter()
-            data.build_cache(
+            dataset.build_cache(
                 source,
                 Path(tmp) / f"prepared{workers}",
-                data.Decode(args.size, "rgb"),
+                dataset.Decode(args.size, "rgb"),
                 val_fraction=0.1,
                 test_fraction=0.1,
                 seed=0,

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from visionflow.models import build_model
+from visionflow.train.models import build_model
 
 
 def images_per_second(order: str) -> float:

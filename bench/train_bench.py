@@ -5,7 +5,7 @@ batch size (64), same augmentation (random shift of 2 px and rotation of 10 degr
 side by side in one run:
   - plain:   a per-item Dataset returning PIL images with torchvision transforms, DataLoader with
              2 workers, fp32, NCHW: the way tutorials teach it
-  - stage:   visionflow.engine.train_one_epoch: the uint8 cache held in memory, batches sliced,
+  - stage:   visionflow.train.engine.train_one_epoch: the uint8 cache held in memory, batches sliced,
              augmented and normalised as tensors, channels_last, the stage's fused Adam
   - ceiling: the same model and optimizer as the stage, stepping on one batch already in memory
              as a normalised tensor: no data handling at all
@@ -34,10 +34,11 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from visionflow import data, loading
-from visionflow.augment import augment
-from visionflow.engine import Split, Step, evaluate, make_optimizer, train_one_epoch
-from visionflow.models import build_model
+from visionflow.data import dataset
+from visionflow.train import loading
+from visionflow.train.augment import augment
+from visionflow.train.engine import Split, Step, evaluate, make_optimizer, train_one_epoch
+from visionflow.train.models import build_model
 
 SIZE, BATCH = 32, 64
 DEVICE = torch.device("cpu")  # --device
@@ -163,13 +164,13 @@ def sync() -> None:
 
 def digits() -> tuple[np.ndarray, ...]:
     """Train and validation split of the digits at SIZE, and the train statistics."""
-    source = data.load_source("digits", None)
-    decode = data.Decode(SIZE, "grayscale")
-    pixels = np.stack([data.to_pixels(image, decode) for image in source.images])
-    splits = data.split_indices(source.labels, 0.15, 0.2, 0)
+    source = dataset.load_source("digits", None)
+    decode = dataset.Decode(SIZE, "grayscale")
+    pixels = np.stack([dataset.to_pixels(image, decode) for image in source.images])
+    splits = dataset.split_indices(source.labels, 0.15, 0.2, 0)
     x, y = pixels[splits["train"]], source.labels[splits["train"]]
     xv, yv = pixels[splits["val"]], source.labels[splits["val"]]
-    return x, y, xv, yv, *data.channel_stats(x)
+    return x, y, xv, yv, *dataset.channel_stats(x)
 
 
 def one(name: str, seed: int, epochs: int, target: float) -> dict:

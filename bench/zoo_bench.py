@@ -113,7 +113,7 @@ def failure(e: BaseException) -> dict:
 
 def smallest_size(name: str) -> tuple[int, str | None]:
     """32 px, or the size zoo.size_problem names for a network from scratch; and its line."""
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     problem = zoo.size_problem(name, SMALL, "")
     if problem is None:
@@ -164,15 +164,15 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
     """export_onnx with the stage's metadata, then ONNX parity as check_formats checks it."""
     import torch
 
-    from visionflow.export import check_parity, export_onnx
-    from visionflow.inference import (
+    from visionflow.deploy.export import check_parity, export_onnx
+    from visionflow.deploy.inference import (
         describe,
         load_predictor,
         module_predictor,
         normalise,
         preprocess_spec,
     )
-    from visionflow.loading import to_model_input
+    from visionflow.train.loading import to_model_input
 
     model.eval()
     spec = preprocess_spec(size, 3, MEAN, STD)
@@ -215,8 +215,8 @@ def int8(path: Path, size: int, spec: dict, metadata: dict) -> dict:
     """quantize_onnx, then the INT8 file against the fp32 one on random images."""
     import numpy as np
 
-    from visionflow.inference import load_predictor, normalise
-    from visionflow.quantize import quantize_onnx
+    from visionflow.deploy.inference import load_predictor, normalise
+    from visionflow.deploy.quantize import quantize_onnx
 
     out = path.with_name("model.int8.onnx")
     start = time.perf_counter()
@@ -239,8 +239,8 @@ def int8(path: Path, size: int, spec: dict, metadata: dict) -> dict:
 def latency(path: Path, size: int, spec: dict) -> dict:
     """Median ms per call of the fp32 ONNX file at batch 1 (5 calls) and 32 (3, or 1 when a
     call takes over 20 s), one thread."""
-    from visionflow.export import latency_ms
-    from visionflow.inference import load_predictor, normalise
+    from visionflow.deploy.export import latency_ms
+    from visionflow.deploy.inference import load_predictor, normalise
 
     run = load_predictor("onnx", path, onnx_options=ort_options())[0]
     x1 = normalise(random_pixels(1, size, 4), spec)
@@ -261,8 +261,8 @@ def measure(name: str, save) -> None:
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
-    from visionflow.models import build_model
     from visionflow.params import load_params
+    from visionflow.train.models import build_model
 
     e = load_params(ROOT / "params.yaml").export
     save(step="size")
@@ -365,7 +365,7 @@ def static(name: str) -> tuple[int | None, int | None]:
     of a model without a record (not run, or stopped before it was built)."""
     import torch
 
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     try:
         size = smallest_size(name)[0]
@@ -590,7 +590,7 @@ def run_one(name: str, budget: float, max_rss: float) -> dict:
 
 def cost(name: str) -> float:
     """torchvision's GFLOPs for its default weights, scaled to the size run (the order to run in)."""
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     meta = zoo.weights_enum(name, "").meta
     crop = zoo.preprocessing(name, "")["crop_size"]
@@ -649,7 +649,7 @@ def main() -> None:
     if args.child:
         return child(args.child, args.progress)
 
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     names = zoo.registry()
     if args.table:

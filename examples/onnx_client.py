@@ -23,7 +23,7 @@ SIXTEEN_BIT = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
 def preprocess(path: str, spec: dict) -> np.ndarray:
-    """One image -> float32 CHW, exactly as in training (visionflow.decode): a JPEG decoded at
+    """One image -> float32 CHW, exactly as in training (visionflow.data.decode): a JPEG decoded at
     the reduced DCT scale the file records (`jpeg_draft`), EXIF orientation, 16-bit scaled (not clipped) to 8 bits, alpha over the background, then the
     colour mode, the centre square or the whole image (`fit`), the resize (in two steps where the
     file records `reducing_gap`), and

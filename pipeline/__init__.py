@@ -23,11 +23,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from visionflow import faults, project
+from visionflow import faults
+from visionflow.data.files import file_hash, file_stats
 from visionflow.errors import DataError, DiskFull
-from visionflow.files import file_hash, file_stats
+from visionflow.ops import project
+from visionflow.ops.project import fill, param_changes
 from visionflow.params import ParamsError, read_yaml
-from visionflow.project import fill, param_changes
 
 
 def stage_started() -> str | None:

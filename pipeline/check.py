@@ -18,12 +18,13 @@ from pathlib import Path
 
 from pipeline import GateError, run
 from visionflow.errors import Unavailable
-from visionflow.params import OWN_MODELS, Train, load_params, read_file
+from visionflow.params import Train, load_params, read_file
+from visionflow.train import OWN_MODELS
 
 
 def network_problem(t: Train, image_size: int) -> str | None:
     """The line refusing train.model / train.pretrained, or None."""
-    from visionflow import zoo  # torch: only for what is not the project's own
+    from visionflow.train import zoo  # torch: only for what is not the project's own
 
     if zoo.is_import_path(t.model):
         return own_code_problem(t.model)

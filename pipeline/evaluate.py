@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow import data, loading, scores, viz
-from visionflow.engine import evaluate
-from visionflow.models import load_model
+from visionflow.data import dataset
+from visionflow.deploy import viz
 from visionflow.params import load_params
+from visionflow.train import loading, scores
+from visionflow.train.engine import evaluate
+from visionflow.train.models import load_model
 
 
 def main() -> None:
@@ -29,14 +31,14 @@ def main() -> None:
     p = load_params().evaluate
 
     model, meta = load_model(args.model, map_location="cpu")
-    data.verify_cache(args.data)
-    classes = data.read_cache_meta(args.data).classes
+    dataset.verify_cache(args.data)
+    classes = dataset.read_cache_meta(args.data).classes
     if len(classes) != len(meta["classes"]) or classes != meta["classes"]:
         raise GateError(
             f"the model has {len(meta['classes'])} classes {meta['classes']}, but the "
             f"cache's classes.json has {len(classes)}: {classes}"
         )
-    x, y = (torch.from_numpy(a) for a in data.read_split(args.data, "test"))
+    x, y = (torch.from_numpy(a) for a in dataset.read_split(args.data, "test"))
     mean, std = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
     loss_accuracy, logits = evaluate(model, x, y, mean, std, p.batch_size)
     metrics = {
@@ -46,16 +48,16 @@ def main() -> None:
     }
 
     out = staged(args.out)  # moved to args.out when the stage succeeds
-    data.write_json(out / "scores.json", metrics)
+    dataset.write_json(out / "scores.json", metrics)
     summary = {  # short names, so that `dvc exp show` stays narrow
         "accuracy": metrics["accuracy"],
         "macro_f1": metrics["macro_f1"],
         "top_k_acc": metrics["top_k_accuracy"],
         "loss": metrics["loss"],
     }
-    data.write_json(out / "metrics.json", summary)
+    dataset.write_json(out / "metrics.json", summary)
     predicted = logits.argmax(1).tolist()
-    data.write_json(
+    dataset.write_json(
         out / "predictions.json",
         [
             {"actual": classes[a], "predicted": classes[b]}

@@ -43,10 +43,10 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.states import Cancelled, Completed, Failed, State
 
-from visionflow import runner
-from visionflow.files import flatten
-from visionflow.project import preflight
-from visionflow.repo import (
+from visionflow.data.files import flatten
+from visionflow.ops import runner
+from visionflow.ops.project import preflight
+from visionflow.ops.repo import (
     DvcBusy,
     StageFailed,
     dvc,
@@ -56,7 +56,7 @@ from visionflow.repo import (
     stages_in_order,
     unchanged,
 )
-from visionflow.runner import (
+from visionflow.ops.runner import (
     BUSY_EXIT,
     STOPPED_EXIT,
     NotAProject,
@@ -72,7 +72,7 @@ from visionflow.runner import (
     wait_until_free,
     workspace_lock,
 )
-from visionflow.sweeps import (
+from visionflow.ops.sweeps import (
     ENDED,
     Poll,
     exp_run_args,
@@ -84,7 +84,7 @@ from visionflow.sweeps import (
     stop_queue,
     sweep_table,
 )
-from visionflow.watching import settled_changes
+from visionflow.ops.watching import settled_changes
 
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
 POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import run, staged
-from visionflow import archive, data
+from visionflow.data import archive, dataset
 from visionflow.errors import DataError
 from visionflow.params import Params, load_params
 
@@ -42,7 +42,7 @@ def main() -> None:
 def build(params: Params, out: Path) -> dict:
     """Read the source (an archive extracted safely first) and write the cache; its manifest."""
     p = params.prepare
-    decode = data.Decode(
+    decode = dataset.Decode(
         p.image_size,
         p.color,
         p.background,
@@ -60,18 +60,18 @@ def build(params: Params, out: Path) -> dict:
         if p.source == "imagefolder" and archive.is_archive(path):
             path = archive.extract(path, tmp, p.max_extract_mb * 2**20)
             print(f"prepare: extracted {p.path} safely into {tmp}")
-        source = data.load_source(p.source, path, p.download)
+        source = dataset.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
-        for warning in data.look_alike_classes(source.classes):
+        for warning in dataset.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
-        return data.build_cache(
+        return dataset.build_cache(
             source,
             out,
             decode,
             val_fraction=p.val_fraction,
             test_fraction=p.test_fraction,
             seed=params.seed,
-            workers=p.workers or data.cores(),  # 0: one per core this process may use
+            workers=p.workers or dataset.cores(),  # 0: one per core this process may use
             max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,

@@ -16,17 +16,19 @@ import numpy as np
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow import data, loading, viz
-from visionflow.augment import augment
+from visionflow.data import dataset
+from visionflow.deploy import viz
 from visionflow.params import load_params
+from visionflow.train import loading
+from visionflow.train.augment import augment
 
 
 def scan(cache: Path, classes: list[str]) -> dict:
     """Counts per split and class; label range and image/label count mismatches are errors."""
     expected = json.loads((cache / "manifest.json").read_text())["counts"]
     report = {"num_classes": len(classes), "splits": {}}
-    for split in data.SPLITS:
-        x, y = data.read_split(cache, split, mmap=True)
+    for split in dataset.SPLITS:
+        x, y = dataset.read_split(cache, split, mmap=True)
         if len(x) != len(y):
             raise GateError(f"{split}: {len(x)} images but {len(y)} labels")
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
@@ -73,7 +75,7 @@ def main() -> None:
     args = parser.parse_args()
     params = load_params()
 
-    meta = data.read_cache_meta(args.data)
+    meta = dataset.read_cache_meta(args.data)
     report = scan(args.data, meta.classes)
     # the trainer's loader: the split memory-mapped, read a batch at a time (any size fits)
     x, y = loading.load_for_training(args.data, "train", torch.device("cpu"), max_bytes=0)
@@ -104,11 +106,11 @@ def main() -> None:
     viz.counts_figure(counts).savefig(out / "counts.png", dpi=100)
     (out / "counts").mkdir(exist_ok=True)
     for split, per_class in counts.items():
-        data.write_json(
+        dataset.write_json(
             out / "counts" / f"{split}.json",
             [{"class": c, "images": n} for c, n in per_class.items()],
         )
-    data.write_json(out / "scan.json", report)
+    dataset.write_json(out / "scan.json", report)
     print(
         f"sanity: {args.out}/labels.png, augmented.png, counts.png; "
         + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())

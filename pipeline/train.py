@@ -30,8 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import GateError, Interrupted, code_digest, run, staged, when_published
-from visionflow import checkpoint, data, faults, health, loading, project
-from visionflow.engine import (
+from visionflow import faults
+from visionflow.data import dataset
+from visionflow.errors import DataError, Unavailable
+from visionflow.ops import project
+from visionflow.params import Train, load_params
+from visionflow.train import checkpoint, from_torchvision, health, loading
+from visionflow.train.engine import (
     NonFiniteLoss,
     Step,
     amp_dtype,
@@ -42,10 +47,8 @@ from visionflow.engine import (
     step_scheduler,
     sync_buffers,
 )
-from visionflow.errors import DataError, Unavailable
-from visionflow.models import build_model, save_atomic
-from visionflow.params import Train, from_torchvision, load_params
-from visionflow.training import (
+from visionflow.train.models import build_model, save_atomic
+from visionflow.train.training import (
     OutOfMemory,
     Progress,
     StopRequest,
@@ -60,7 +63,7 @@ from visionflow.training import (
     start_distributed,
     stepping,
 )
-from visionflow.zoo import (
+from visionflow.train.zoo import (
     FineTune,
     gradient_check,
     input_size,
@@ -80,9 +83,9 @@ def run_of(params, cache: Path) -> dict:
     weights = None if not t.pretrained or is_weights_name(t.pretrained) else Path(t.pretrained)
     train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
     hashes = {
-        "data": data.file_hash(cache / "manifest.json"),
+        "data": dataset.file_hash(cache / "manifest.json"),
         "code": code_digest("train"),
-        "pretrained weights": data.file_hash(weights) if weights else None,
+        "pretrained weights": dataset.file_hash(weights) if weights else None,
     }
     return {"seed": params.seed, "train": train, "hashes": hashes}
 
@@ -114,7 +117,7 @@ class Data:
     y_train: torch.Tensor
     x_val: torch.Tensor | np.ndarray
     y_val: torch.Tensor
-    meta: data.Cache  # classes, train-split mean/std, background
+    meta: dataset.Cache  # classes, train-split mean/std, background
 
     @property
     def channels(self) -> int:
@@ -137,7 +140,7 @@ def verify_once(cache: Path, rank: int, world: int) -> None:
         if faults.ACTIVE:
             faults.fault("train.verify", rank=rank)
         try:
-            data.verify_cache(cache)
+            dataset.verify_cache(cache)
         except DataError as e:
             problem = str(e)
     if world > 1:
@@ -156,7 +159,7 @@ def load_data(cache: Path, t: Train, device: torch.device) -> Data:
         subset = t.overfit_batches * t.batch_size
         x_train, y_train = x_train[:subset], y_train[:subset]
         x_val, y_val = x_train, y_train
-    return Data(x_train, y_train, x_val, y_val, data.read_cache_meta(cache))
+    return Data(x_train, y_train, x_val, y_val, dataset.read_cache_meta(cache))
 
 
 def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list, dict]:
@@ -352,7 +355,7 @@ def recorded(folder: Path, out: Path) -> bool:
 
 
 def mark_published(folder: Path, out: Path) -> None:
-    data.write_json(folder / PUBLISHED, {"model.pt": data.file_hash(out / "model.pt", "md5")})
+    dataset.write_json(folder / PUBLISHED, {"model.pt": dataset.file_hash(out / "model.pt", "md5")})
 
 
 def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int) -> GateError:
@@ -367,7 +370,7 @@ def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int
         message = f"{error}; the last good checkpoint is kept in {args.checkpoints}"
     if rank == 0:
         report = args.out.with_name(args.out.name + ".health.json")
-        data.write_json(report, monitor.report())
+        dataset.write_json(report, monitor.report())
         print(monitor.summary(str(report)))
     return GateError(message)
 
@@ -563,11 +566,11 @@ def write_outputs(
         shutil.rmtree(folder, ignore_errors=True)
         raise GateError(f"{best_path} was deleted during the run; run again to start fresh")
     report = monitor.report()
-    data.write_json(out / "health.json", report)
+    dataset.write_json(out / "health.json", report)
     best = progress.best
     compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
     compared |= {k: report[k] for k in ("healthy", "findings")}
-    data.write_json(out / "metrics.json", compared)
+    dataset.write_json(out / "metrics.json", compared)
     print(monitor.summary(str(final / "health.json")))
     # once the outputs are in place: a refused run (a dep changed while it ran) is not marked
     when_published(lambda: mark_published(folder, final))

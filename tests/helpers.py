@@ -58,11 +58,11 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 def digits_cache(out: Path, source=None, val_fraction: float = 0.15) -> Path:
     """A real cache at `out`: scikit-learn's digits (or `source`) at 8x8 grayscale, split as the
     shipped params split them."""
-    from visionflow import data
+    from visionflow.data import dataset
 
-    source = source or data.load_source("digits", None)
-    decode = data.Decode(8, "grayscale")
-    data.build_cache(source, out, decode, val_fraction=val_fraction, test_fraction=0.2, seed=0)
+    source = source or dataset.load_source("digits", None)
+    decode = dataset.Decode(8, "grayscale")
+    dataset.build_cache(source, out, decode, val_fraction=val_fraction, test_fraction=0.2, seed=0)
     return out
 
 

@@ -1,6 +1,6 @@
 import torch
 
-from visionflow.augment import augment
+from visionflow.train.augment import augment
 
 
 def images(n=64, size=12):

@@ -14,9 +14,10 @@ import torch
 from PIL import Image
 
 from tests.helpers import solid
-from visionflow import archive, data, loading
+from visionflow.data import archive, dataset
+from visionflow.train import loading
 
-RGB8 = data.Decode(8, "rgb")
+RGB8 = dataset.Decode(8, "rgb")
 
 
 def build(source, out, decode=RGB8, **kwargs):
@@ -29,39 +30,41 @@ def build(source, out, decode=RGB8, **kwargs):
         "min_per_class": 1,
         **kwargs,
     }
-    return data.build_cache(source, out, decode, **options)
+    return dataset.build_cache(source, out, decode, **options)
 
 
 def test_digits_is_the_real_offline_dataset():
-    source = data.load_source("digits", None)
+    source = dataset.load_source("digits", None)
     assert len(source.labels) == 1797 and source.classes == [str(i) for i in range(10)]
-    pixels = data.to_pixels(source.images[0], data.Decode(16, "grayscale"))
+    pixels = dataset.to_pixels(source.images[0], dataset.Decode(16, "grayscale"))
     assert pixels.shape == (16, 16, 1) and pixels.dtype == np.uint8 and pixels.max() > 200
 
 
 def test_imagefolder_classes_files_and_pixels(image_folder):
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "green", "red"]  # sorted; .ipynb_checkpoints is no class
     assert np.bincount(source.labels).tolist() == [8, 8, 8]  # nested .jpg count; hidden files don't
     assert ".hidden.png" not in " ".join(source.names)
     assert source.skipped == {
         f"{c}/notes.txt": "not an image file type (.txt)" for c in ("blue", "green", "red")
     }
-    red = data.to_pixels(source.images[source.names.index("red/5.png")], data.Decode(12, "rgb"))
+    red = dataset.to_pixels(
+        source.images[source.names.index("red/5.png")], dataset.Decode(12, "rgb")
+    )
     assert (red[4:] == [255, 0, 0]).all()  # solid stays exactly red through the resize
     assert red[0, 5, 1] > 60 and red[0, 0].tolist() == [255, 0, 0]  # the grey mark stays in place
-    gray = data.to_pixels(
-        source.images[source.names.index("blue/0.png")], data.Decode(8, "grayscale")
+    gray = dataset.to_pixels(
+        source.images[source.names.index("blue/0.png")], dataset.Decode(8, "grayscale")
     )
     assert gray.shape == (8, 8, 1) and int(gray[-1, -1, 0]) == 29  # PIL's luma of pure blue
 
 
 def test_imagefolder_empty_or_missing_class_is_named(image_folder, tmp_path):
     (image_folder / "zebra").mkdir()
-    with pytest.raises(data.DataError, match="class 'zebra'"):
-        data.load_source("imagefolder", image_folder)
-    with pytest.raises(data.DataError, match="nothing-here"):
-        data.load_source("imagefolder", tmp_path / "nothing-here")
+    with pytest.raises(dataset.DataError, match="class 'zebra'"):
+        dataset.load_source("imagefolder", image_folder)
+    with pytest.raises(dataset.DataError, match="nothing-here"):
+        dataset.load_source("imagefolder", tmp_path / "nothing-here")
 
 
 def test_class_below_min_per_class_is_named(image_folder, tmp_path):
@@ -70,8 +73,8 @@ def test_class_below_min_per_class_is_named(image_folder, tmp_path):
         *(image_folder / "green").rglob("*.jpg"),
     ]:
         f.unlink()  # green keeps 0.png and 1.png
-    source = data.load_source("imagefolder", image_folder)
-    with pytest.raises(data.DataError, match=r"minimum of 5 images: \{.green.: 2\}"):
+    source = dataset.load_source("imagefolder", image_folder)
+    with pytest.raises(dataset.DataError, match=r"minimum of 5 images: \{.green.: 2\}"):
         build(source, tmp_path / "out", min_per_class=5)
 
 
@@ -86,7 +89,7 @@ def test_links_are_never_followed_so_no_image_gets_two_labels(image_folder, tmp_
     (image_folder / "red" / "dangling.png").symlink_to(tmp_path / "gone.png")
     (image_folder / "red_alias").symlink_to(image_folder / "red")
     (image_folder / "blue" / "loop").symlink_to(image_folder)
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "green", "red"]
     links = [
         "blue/loop",
@@ -109,16 +112,20 @@ def test_links_are_never_followed_so_no_image_gets_two_labels(image_folder, tmp_
 def test_a_class_of_links_only_says_its_links_were_skipped(image_folder, tmp_path):
     (image_folder / "links").mkdir()
     (image_folder / "links" / "a.png").symlink_to(image_folder / "red" / "0.png")
-    with pytest.raises(data.DataError, match=r"class 'links' .* no image files \(1 links skipped"):
-        data.load_source("imagefolder", image_folder)
+    with pytest.raises(
+        dataset.DataError, match=r"class 'links' .* no image files \(1 links skipped"
+    ):
+        dataset.load_source("imagefolder", image_folder)
 
 
 def test_a_single_class_is_refused_before_anything_trains(image_folder, tmp_path):
     """Before, one class trained to test accuracy 1.0000 and exported a 1-class model."""
     for name in ("blue", "green"):
         shutil.rmtree(image_folder / name)
-    source = data.load_source("imagefolder", image_folder)
-    with pytest.raises(data.DataError, match=r"1 class \(red\): a classifier needs at least two"):
+    source = dataset.load_source("imagefolder", image_folder)
+    with pytest.raises(
+        dataset.DataError, match=r"1 class \(red\): a classifier needs at least two"
+    ):
         build(source, tmp_path / "out")
 
 
@@ -133,7 +140,7 @@ def bad_files(folder):
 
 def test_bad_files_are_rejected_with_a_reason_each(image_folder, tmp_path):
     bad_files(image_folder / "red")
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     manifest = build(source, tmp_path / "out", dedupe=False)
     rejects = json.loads((tmp_path / "out/rejects.json").read_text())
     files = rejects["files"]
@@ -147,35 +154,35 @@ def test_bad_files_are_rejected_with_a_reason_each(image_folder, tmp_path):
 
 def test_too_many_bad_files_fail_listing_them(image_folder, tmp_path):
     bad_files(image_folder / "red")
-    source = data.load_source("imagefolder", image_folder)
-    with pytest.raises(data.DataError) as e:
+    source = dataset.load_source("imagefolder", image_folder)
+    with pytest.raises(dataset.DataError) as e:
         build(source, tmp_path / "out", max_bad_fraction=0.05)
     assert "6 of 30 files rejected" in str(e.value) and "red/truncated.jpg" in str(e.value)
 
 
 def test_image_modes_are_normalised_not_mangled(tmp_path):
-    white_bg = data.Decode(4, "rgb", background=(255, 255, 255))
+    white_bg = dataset.Decode(4, "rgb", background=(255, 255, 255))
     rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))  # fully transparent red
     rgba.putpixel((0, 0), (0, 0, 255, 255))
     rgba.save(tmp_path / "rgba.png")
-    pixels = data.to_pixels(tmp_path / "rgba.png", white_bg)
+    pixels = dataset.to_pixels(tmp_path / "rgba.png", white_bg)
     assert pixels[0, 0].tolist() == [0, 0, 255] and pixels[3, 3].tolist() == [255, 255, 255]
     half = Image.new("LA", (4, 4), (0, 128))  # black at half opacity over white
     half.save(tmp_path / "la.png")
-    assert data.to_pixels(tmp_path / "la.png", white_bg)[0, 0].tolist() == [127, 127, 127]
+    assert dataset.to_pixels(tmp_path / "la.png", white_bg)[0, 0].tolist() == [127, 127, 127]
     palette = Image.new("P", (4, 4), 1)
     palette.putpalette([0, 0, 0, 10, 200, 30] + [0] * 762)
     palette.info["transparency"] = 1
     palette.save(tmp_path / "p.png", transparency=1)
-    green_bg = data.Decode(4, "rgb", background=(0, 255, 0))
-    assert data.to_pixels(tmp_path / "p.png", green_bg)[1, 1].tolist() == [0, 255, 0]
+    green_bg = dataset.Decode(4, "rgb", background=(0, 255, 0))
+    assert dataset.to_pixels(tmp_path / "p.png", green_bg)[1, 1].tolist() == [0, 255, 0]
     Image.new("CMYK", (4, 4), (0, 255, 255, 0)).save(tmp_path / "cmyk.jpg", quality=100)
-    red = data.to_pixels(tmp_path / "cmyk.jpg", white_bg)[2, 2].astype(int)
+    red = dataset.to_pixels(tmp_path / "cmyk.jpg", white_bg)[2, 2].astype(int)
     assert red[0] > 240 and red[1] < 15 and red[2] < 15
     sixteen = np.array([[0, 32896], [65535, 257]], dtype=np.uint16)
     Image.fromarray(sixteen).save(tmp_path / "16bit.png")
     assert Image.open(tmp_path / "16bit.png").mode.startswith("I")
-    gray = data.to_pixels(tmp_path / "16bit.png", data.Decode(2, "grayscale"))[..., 0]
+    gray = dataset.to_pixels(tmp_path / "16bit.png", dataset.Decode(2, "grayscale"))[..., 0]
     assert gray.tolist() == [[0, 128], [255, 1]]  # scaled by 257, not clipped at 255
 
 
@@ -186,7 +193,7 @@ def test_exif_orientation_is_applied(tmp_path):
     exif[0x0112] = 6  # "rotate 90 CW to display"
     path = tmp_path / "rotated.jpg"
     image.save(path, exif=exif, quality=100)
-    upright = data.to_pixels(path, data.Decode(10, "grayscale"))[..., 0]
+    upright = dataset.to_pixels(path, dataset.Decode(10, "grayscale"))[..., 0]
     assert upright[:4].mean() > 200 and upright[-4:].mean() < 50  # white now on top
 
 
@@ -194,20 +201,22 @@ def test_oversized_and_bomb_images_are_rejected_without_decoding(tmp_path):
     bomb = tmp_path / "bomb.png"
     Image.new("1", (9500, 9500)).save(bomb, optimize=True)  # 90 Mpx in a few KB
     assert bomb.stat().st_size < 200_000
-    with pytest.raises(data.DataError, match=r"9500x9500 = 90250000 px is over max_pixels"):
-        data.to_pixels(bomb, data.Decode(8, "rgb", max_pixels=50_000_000))
-    with pytest.raises(data.DataError, match="decompression bomb"):  # Pillow's guard, as an error
-        data.to_pixels(bomb, data.Decode(8, "rgb", max_pixels=10**9))
+    with pytest.raises(dataset.DataError, match=r"9500x9500 = 90250000 px is over max_pixels"):
+        dataset.to_pixels(bomb, dataset.Decode(8, "rgb", max_pixels=50_000_000))
+    with pytest.raises(
+        dataset.DataError, match="decompression bomb"
+    ):  # Pillow's guard, as an error
+        dataset.to_pixels(bomb, dataset.Decode(8, "rgb", max_pixels=10**9))
 
 
 def test_only_allowed_formats_are_opened(tmp_path):
     solid((1, 2, 3)).save(tmp_path / "photo.jpg")
-    with pytest.raises(data.DataError, match=r"allowed formats \(PNG\)"):
-        data.to_pixels(tmp_path / "photo.jpg", data.Decode(8, "rgb", formats=("PNG",)))
+    with pytest.raises(dataset.DataError, match=r"allowed formats \(PNG\)"):
+        dataset.to_pixels(tmp_path / "photo.jpg", dataset.Decode(8, "rgb", formats=("PNG",)))
 
 
 def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folder, tmp_path):
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     build(source, tmp_path / "serial", workers=1)
     build(source, tmp_path / "parallel", workers=2)
     names = sorted(p.name for p in (tmp_path / "serial").iterdir())
@@ -219,18 +228,18 @@ def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folde
         ).read_bytes(), name
     manifest = json.loads((tmp_path / "serial/manifest.json").read_text())
     for name, entry in manifest["files"].items():
-        assert data.file_hash(tmp_path / "serial" / name) == entry["sha256"]
+        assert dataset.file_hash(tmp_path / "serial" / name) == entry["sha256"]
 
 
 DIES = """
 import sys
 from pathlib import Path
-from visionflow import data
-source = data.load_source("imagefolder", Path(sys.argv[1]))
+from visionflow.data import dataset
+source = dataset.load_source("imagefolder", Path(sys.argv[1]))
 try:
-    data.build_cache(source, Path(sys.argv[2]), data.Decode(8, "rgb"), val_fraction=0.25,
+    dataset.build_cache(source, Path(sys.argv[2]), dataset.Decode(8, "rgb"), val_fraction=0.25,
                      test_fraction=0.25, seed=0, workers=2, max_bad_fraction=0.5)
-except data.DataError as e:
+except dataset.DataError as e:
     sys.exit(f"error: {e}")
 """
 
@@ -256,10 +265,10 @@ def test_a_decoding_process_that_dies_is_one_clear_error_not_a_hang(image_folder
 def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, tmp_path, capsys):
     """DVC's captured output and the Prefect logs get a few lines with the count, the rate and
     the time left, not a progress bar redrawn per file."""
-    build(data.load_source("imagefolder", image_folder), tmp_path / "out")
+    build(dataset.load_source("imagefolder", image_folder), tmp_path / "out")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decode")]
     assert "\r" not in "".join(lines) and lines  # the end, and a line every 5 s before it
-    progress = data.Progress(24, every=0)  # a line at every step: each says count, rate, left
+    progress = dataset.Progress(24, every=0)  # a line at every step: each says count, rate, left
     for _ in range(3):
         progress(8)
     lines = lines[:-1] + [line for line in capsys.readouterr().err.splitlines()]
@@ -272,7 +281,7 @@ def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
     splits = {"train": np.array([0, 1]), "val": np.array([2, 3]), "test": np.array([4, 5])}
     digests = ["a", "b", "a", "c", "c", "d"]  # 2 repeats train's 0; 4 repeats val's 3
     names = [f"img{i}" for i in range(6)]
-    kept, report = data.find_duplicates(splits, digests, names, remove=True)
+    kept, report = dataset.find_duplicates(splits, digests, names, remove=True)
     assert report["across_splits"] == 2 and report["removed"] == 2
     assert {(p["image"], p["same_as"]) for p in report["pairs"]} == {
         ("img2", "img0"),
@@ -283,7 +292,7 @@ def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
         and kept["test"].tolist() == [5]
         and kept["train"].tolist() == [0, 1]
     )
-    kept, report = data.find_duplicates(splits, digests, names, remove=False)
+    kept, report = dataset.find_duplicates(splits, digests, names, remove=False)
     assert report["removed"] == 0 and kept["val"].tolist() == [2, 3]
 
 
@@ -292,46 +301,46 @@ def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_pat
         (image_folder / "red" / f"copy{i}.png").write_bytes(
             (image_folder / "red/0.png").read_bytes()
         )
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     manifest = build(source, tmp_path / "out", dedupe=True)
     duplicates = json.loads((tmp_path / "out/duplicates.json").read_text())
     assert duplicates["across_splits"] == manifest["duplicates"] > 0
     seen = set()
-    for split in data.SPLITS:  # no val or test image equals one of an earlier split
-        rows = {row.tobytes() for row in data.read_split(tmp_path / "out", split)[0]}
+    for split in dataset.SPLITS:  # no val or test image equals one of an earlier split
+        rows = {row.tobytes() for row in dataset.read_split(tmp_path / "out", split)[0]}
         assert not rows & seen, split
         seen |= rows
 
 
 def test_torchvision_sources_read_a_local_copy(mnist_root):
     for name in ("mnist", "fashion_mnist"):
-        source = data.load_source(name, mnist_root, download=False)
+        source = dataset.load_source(name, mnist_root, download=False)
         assert len(source.labels) == 60 and len(source.classes) == 10
         assert source.is_test.sum() == 20
-        splits = data.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
+        splits = dataset.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
         assert np.array_equal(splits["test"], np.arange(40, 60))  # the official test split is kept
         assert len(splits["val"]) == 10 and len(splits["train"]) == 30
 
 
 def test_cifar10_missing_copy_is_a_clear_error(tmp_path):
-    with pytest.raises(data.DataError, match=r"cifar10 not usable .*downloading is off"):
-        data.load_source("cifar10", tmp_path, download=False)
+    with pytest.raises(dataset.DataError, match=r"cifar10 not usable .*downloading is off"):
+        dataset.load_source("cifar10", tmp_path, download=False)
 
 
 def test_split_is_stratified_disjoint_and_seeded():
     labels = np.repeat(np.arange(4), 50)
-    splits = data.split_indices(labels, 0.25, 0.2, seed=1)
+    splits = dataset.split_indices(labels, 0.25, 0.2, seed=1)
     everything = np.concatenate(list(splits.values()))
     assert sorted(everything.tolist()) == list(range(200))  # disjoint and complete
     for index in splits.values():
         counts = np.bincount(labels[index], minlength=4)
         assert counts.max() - counts.min() <= 1  # each class in the same share
-    again = data.split_indices(labels, 0.25, 0.2, seed=1)
-    other = data.split_indices(labels, 0.25, 0.2, seed=2)
+    again = dataset.split_indices(labels, 0.25, 0.2, seed=1)
+    other = dataset.split_indices(labels, 0.25, 0.2, seed=2)
     assert all(np.array_equal(splits[s], again[s]) for s in splits)
     assert not np.array_equal(splits["test"], other["test"])
-    with pytest.raises(data.DataError, match="per-class counts"):
-        data.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
+    with pytest.raises(dataset.DataError, match="per-class counts"):
+        dataset.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
 
 
 def test_the_split_is_scikit_learns_index_for_index():
@@ -350,32 +359,32 @@ def test_the_split_is_scikit_learns_index_for_index():
             expected = train_test_split(index, test_size=size, stratify=labels, random_state=seed)
         except ValueError:
             with pytest.raises(ValueError):
-                data.stratified_split(index, labels, size, seed)
+                dataset.stratified_split(index, labels, size, seed)
             continue
-        got = data.stratified_split(index, labels, size, seed)
+        got = dataset.stratified_split(index, labels, size, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), case
 
 
 def test_stats_use_the_train_split_only(tmp_path):
-    source = data.load_source("digits", None)
+    source = dataset.load_source("digits", None)
     manifest = build(
         source,
         tmp_path / "a",
-        decode=data.Decode(8, "grayscale"),
+        decode=dataset.Decode(8, "grayscale"),
         val_fraction=0.15,
         test_fraction=0.2,
     )
-    x, y = data.read_split(tmp_path / "a", "train")
+    x, y = dataset.read_split(tmp_path / "a", "train")
     assert (
         x.dtype == np.uint8
         and y.dtype == np.int64
         and len(x) == sum(manifest["counts"]["train"].values())
     )
-    meta = data.read_cache_meta(tmp_path / "a")
+    meta = dataset.read_cache_meta(tmp_path / "a")
     assert meta.mean == pytest.approx([(x / 255).mean()]) and meta.std == pytest.approx(
         [(x / 255).std()]
     )
-    test_x, _ = data.read_split(tmp_path / "a", "test")
+    test_x, _ = dataset.read_split(tmp_path / "a", "test")
     assert meta.mean != pytest.approx([(test_x / 255).mean()], abs=1e-6)
 
 
@@ -428,7 +437,7 @@ def test_good_archives_extract_to_the_image_folder(tmp_path):
         assert archive.is_archive(path)
         root = archive.extract(path, tmp_path / f"x-{path.name}", max_bytes=10**6)
         assert sorted(p.name for p in root.iterdir()) == ["cat", "dog"]
-        assert data.load_source("imagefolder", root).classes == ["cat", "dog"]
+        assert dataset.load_source("imagefolder", root).classes == ["cat", "dog"]
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink", "device"])
@@ -447,7 +456,7 @@ def test_malicious_tar_is_refused_naming_the_member(tmp_path, kind):
     path = tmp_path / "evil.tar"
     make_tar(path, [(tarfile.TarInfo("cat/ok.png"), png_bytes()), (evil, payload)])
     dest = tmp_path / "dest" / "inside"
-    with pytest.raises(data.DataError, match=f"member '{evil.name}'"):
+    with pytest.raises(dataset.DataError, match=f"member '{evil.name}'"):
         archive.extract(path, dest, max_bytes=10**6)
     assert not (tmp_path / "evil.png").exists() and not os.path.exists("/tmp/evil-abs.png")
     assert not dest.exists() or not any(dest.rglob("*"))  # refused before anything is written
@@ -458,16 +467,18 @@ def test_zip_slip_and_zip_bomb_are_refused(tmp_path):
     with zipfile.ZipFile(slip, "w") as zf:
         zf.writestr("cat/1.png", png_bytes())
         zf.writestr("../../evil.png", png_bytes())
-    with pytest.raises(data.DataError, match=r"member '\.\./\.\./evil.png' climbs out"):
+    with pytest.raises(dataset.DataError, match=r"member '\.\./\.\./evil.png' climbs out"):
         archive.extract(slip, tmp_path / "d1" / "x", max_bytes=10**6)
     assert not (tmp_path / "evil.png").exists()
     bomb = tmp_path / "bomb.zip"
     with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("cat/zeros.png", b"\0" * (30 * 2**20))  # 30 MB of zeros, ~30 KB compressed
-    with pytest.raises(data.DataError, match=r"member 'cat/zeros.png' expands .* \(zip bomb\?\)"):
+    with pytest.raises(
+        dataset.DataError, match=r"member 'cat/zeros.png' expands .* \(zip bomb\?\)"
+    ):
         archive.extract(bomb, tmp_path / "d2", max_bytes=10**12)
     assert not (tmp_path / "d2").exists() or not any((tmp_path / "d2").rglob("*"))
-    with pytest.raises(data.DataError, match="over the limit of 100 bytes"):
+    with pytest.raises(dataset.DataError, match="over the limit of 100 bytes"):
         archive.extract(_ok_zip(tmp_path), tmp_path / "d3", max_bytes=100)
 
 
@@ -484,26 +495,26 @@ def test_class_folders_equal_once_unicode_normalised_are_refused_naming_both(ima
     nfc, nfd = "caf\u00e9", "cafe\u0301"
     (image_folder / "green").rename(image_folder / "caff")  # sorts between the two forms
     shutil.copytree(image_folder / "red", image_folder / nfd)
-    source = data.load_source("imagefolder", image_folder)
+    source = dataset.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "caff", nfc, "red"]  # the NFC name, in its NFC place
     labels = dict(zip(source.names, source.labels.tolist(), strict=True))
     assert [labels[n] for n in labels if n.startswith(nfd)] == [2] * 8
     shutil.copytree(image_folder / "red", image_folder / nfc)
-    with pytest.raises(data.DataError) as refused:
-        data.load_source("imagefolder", image_folder)
+    with pytest.raises(dataset.DataError) as refused:
+        dataset.load_source("imagefolder", image_folder)
     message = str(refused.value)
     assert r"'caf\xe9'" in message and r"'cafe\u0301'" in message and str(image_folder) in message
     assert "merge them into one folder or rename one" in message
 
 
 def test_class_names_that_differ_only_by_case_spaces_or_invisible_characters_are_named():
-    found = data.look_alike_classes(["Cat", "cat", "dog", "dog\u200b", "bird ", "bird", "ox"])
+    found = dataset.look_alike_classes(["Cat", "cat", "dog", "dog\u200b", "bird ", "bird", "ox"])
     assert [w.split(" differ")[0] for w in found] == [
         "classes 'Cat' and 'cat'",
         r"classes 'dog' and 'dog\u200b'",
         "classes 'bird ' and 'bird'",
     ]
-    assert data.look_alike_classes(["0", "1", "cat", "dog"]) == []
+    assert dataset.look_alike_classes(["0", "1", "cat", "dog"]) == []
 
 
 def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
@@ -515,17 +526,21 @@ def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
 
     class Bare(concurrent.futures.ProcessPoolExecutor):  # the private names hidden
         def __getattribute__(self, name):
-            if name in ("_processes", "_result_queue") and sys._getframe(1).f_globals is vars(data):
+            if name in ("_processes", "_result_queue") and sys._getframe(1).f_globals is vars(
+                dataset
+            ):
                 raise AttributeError(name)
             return super().__getattribute__(name)
 
-    monkeypatch.setattr(data, "ProcessPoolExecutor", Bare)
-    source = data.load_source("imagefolder", image_folder)
+    monkeypatch.setattr(dataset, "ProcessPoolExecutor", Bare)
+    source = dataset.load_source("imagefolder", image_folder)
     scratch = tmp_path / "x.npy"
     np.lib.format.open_memmap(
         scratch, mode="w+", dtype=np.uint8, shape=(len(source.images), 8, 8, 3)
     )
-    results = data._decode_in_pool(scratch, source.images, data.Decode(8, "rgb"), workers=2)
+    results = dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), workers=2)
     next(results)
     results.close()  # a stop while the pool works: `_stop` ends it
-    assert len(list(data._decode_in_pool(scratch, source.images, data.Decode(8, "rgb"), 2))) > 0
+    assert (
+        len(list(dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), 2))) > 0
+    )

@@ -21,8 +21,8 @@ import yaml
 from PIL import Image
 
 from tests.helpers import ROOT, TINY, commit, copy_project, sh, write_params
-from visionflow.inference import load_predictor, normalise
-from visionflow.quantize import calibration_sample
+from visionflow.deploy.inference import load_predictor, normalise
+from visionflow.deploy.quantize import calibration_sample
 
 pytestmark = pytest.mark.slow
 

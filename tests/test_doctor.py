@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, copy_project, write_params
-from visionflow import doctor
+from visionflow.ops import doctor
 
 
 def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None, cwd=ROOT):

@@ -240,12 +240,12 @@ def test_the_import_reading_sees_what_python_loads():
     ours = {str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "pipeline")} | {
         str(f.relative_to(ROOT)) for f in files if f.is_relative_to(ROOT / "src/visionflow")
     }
-    assert "src/visionflow/health.py" in ours and ours <= project_modules("pipeline.train")
+    assert "src/visionflow/train/health.py" in ours and ours <= project_modules("pipeline.train")
 
 
 @pytest.mark.slow
 def test_editing_a_module_the_stage_imports_makes_it_stale(project):
-    health = project / "src/visionflow/health.py"
+    health = project / "src/visionflow/train/health.py"
     text = health.read_text()
     health.write_text(text + "\n# an edit\n")
     try:

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT
-from visionflow import loading
-from visionflow.export import (
+from visionflow.deploy.export import (
     check_formats,
     check_parity,
     compare,
@@ -20,14 +19,15 @@ from visionflow.export import (
     export_torchscript,
     latency_table,
 )
-from visionflow.inference import (
+from visionflow.deploy.inference import (
     describe,
     load_predictor,
     module_predictor,
     normalise,
     preprocess_spec,
 )
-from visionflow.models import build_model
+from visionflow.train import loading
+from visionflow.train.models import build_model
 
 MEAN, STD = [0.3], [0.25]
 

@@ -168,7 +168,7 @@ def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduce
     result = sh(project, "dvc", "repro", "train", check=False)
     assert "error: train.model: mynets.py is not among the train stage's deps" in result.stderr
     dvc_yaml = (project / "dvc.yaml").read_text()
-    anchor = "      - src/visionflow/zoo.py\n"
+    anchor = "      - src/visionflow/train/zoo.py\n"
     (project / "dvc.yaml").write_text(dvc_yaml.replace(anchor, anchor + "      - mynets.py\n", 1))
     sh(project, "dvc", "repro", "train")
     report = json.loads((project / "results/train/health.json").read_text())
@@ -184,8 +184,8 @@ def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_
     from safetensors.torch import save_file
     from torchvision.models import get_model
 
-    from visionflow import zoo
     from visionflow.errors import Unavailable
+    from visionflow.train import zoo
 
     torch.manual_seed(0)
     weights = get_model("squeezenet1_1").state_dict()  # the head is a 1x1 convolution here
@@ -203,7 +203,7 @@ def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_
 
 
 def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients():
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     torch.manual_seed(0)
     model = zoo.finetune("resnet18", 3, 4, 32, ([0.5] * 3, [0.25] * 3))
@@ -224,8 +224,8 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients(
 
 def test_resnet18_from_pretrained_weights_is_torchvisions_and_takes_the_recipe():
     from tests.conftest import ROOT
-    from visionflow.models import build_model
     from visionflow.params import ParamsError, parse_params
+    from visionflow.train.models import build_model
 
     def params_with(train: dict) -> dict:
         raw = yaml.safe_load((ROOT / "params.yaml").read_text())
@@ -246,7 +246,7 @@ def test_a_vit_is_built_for_the_size_check_asks_for():
     and a file of those weights fits it (torchvision builds 224 px when given no weights)."""
     from torchvision.models import get_model
 
-    from visionflow import zoo
+    from visionflow.train import zoo
 
     assert zoo.size_problem("vit_h_14", 518, "") is None
     with torch.device("meta"):  # 632 M parameters: shapes only
@@ -260,7 +260,7 @@ def test_a_vit_is_built_for_the_size_check_asks_for():
 def test_a_network_that_asserts_its_input_size_is_refused_in_one_line(tmp_path, monkeypatch):
     """ViT checks its input size with torch._assert (an AssertionError, not a RuntimeError):
     build_model's dummy forward refuses it as it refuses a shape error, not as a traceback."""
-    from visionflow.models import build_model
+    from visionflow.train.models import build_model
 
     (tmp_path / "sized.py").write_text(
         "import torch\n"

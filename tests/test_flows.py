@@ -436,7 +436,7 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
 
 def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project, monkeypatch):
     from pipeline.flows import experiments
-    from visionflow.sweeps import Poll
+    from visionflow.ops.sweeps import Poll
 
     # Every `dvc exp show` the sweep asks answers 3 s late, and a poll's first timeout is 1 s:
     # the first asks are ended unanswered, whatever the machine's speed (what stopped sweeps).

@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from tests.helpers import ROOT, copy_project, solid, write_params
-from visionflow.decode import Decode, pixels_of
-from visionflow.inference import load_images, normalise, preprocess_spec
+from visionflow.data.decode import Decode, pixels_of
+from visionflow.deploy.inference import load_images, normalise, preprocess_spec
 
 
 def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:

@@ -1,34 +1,48 @@
-"""The layering shared/STYLE.md keeps, held against the imports: the library's compute modules
-take values (never the params models, the stages, the flows or the app), and its data modules
-never import torch, so the ONNX path of predict and the CLI load without it."""
+"""The layering shared/STYLE.md keeps, held against the imports and read from the packages, so a
+new module is covered by where it lives:
+
+    visionflow/data     image files to pixels, sources, the cache: torch-free
+    visionflow/train    the model side: takes values, never the params models, the stages or ops
+    visionflow/deploy   export, inference, serving: the model side's values and files
+    visionflow/ops      DVC and processes: torch-free, never the model side
+    visionflow/         errors and faults (below all), params (the file), cli (on top)
+
+No module of the library imports the stages (`pipeline`) or Prefect (the flows add it)."""
 
 import ast
+from pathlib import Path
 
 from tests.helpers import ROOT
 
-DATA = ("data", "decode", "files", "archive", "errors", "faults")
-MODEL = (
-    "augment",
-    "checkpoint",
-    "engine",
-    "export",
-    "health",
-    "inference",
-    "loading",
-    "models",
-    "quantize",
-    "report",
-    "scores",
-    "training",
-    "viz",
-)
-APP = ("cli", "doctor", "verify", "runner", "project", "repo", "serve", "sweeps", "watching")
+SRC = ROOT / "src"
+# what each package may import of visionflow: its own modules and the layers below it
+MAY_IMPORT = {
+    "data": {"data", "errors", "faults"},
+    "train": {"train", "data", "errors", "faults"},
+    "deploy": {"deploy", "train", "data", "errors", "faults"},
+    "ops": {"ops", "data", "errors", "faults", "params"},
+}
+TORCH_FREE = ("data", "ops")  # at import: the ONNX path of predict, the CLI, the runner
 
 
-def imported(module: str, at_import: bool = False) -> set[str]:
-    """What `module` imports anywhere; with `at_import`, only what importing it loads (not the
+def modules() -> dict[str, Path]:
+    """Every module of the library by dotted name (a package's __init__ by the package's)."""
+    found = {}
+    for path in sorted((SRC / "visionflow").rglob("*.py")):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def package(module: str) -> str:
+    """The layer a module belongs to: its sub-package, or its own name at the top."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def imported(path: Path, at_import: bool = False) -> set[str]:
+    """What the file imports anywhere; with `at_import`, only what importing it loads (not the
     imports inside functions, made on use)."""
-    tree = ast.parse((ROOT / "src/visionflow" / f"{module}.py").read_text())
+    tree = ast.parse(path.read_text())
     names = set()
     for node in tree.body if at_import else ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -39,31 +53,41 @@ def imported(module: str, at_import: bool = False) -> set[str]:
     return names
 
 
-def test_model_and_data_modules_take_values_not_params_stages_flows_or_the_app():
-    banned = {"visionflow.params", "pipeline", "prefect"} | {f"visionflow.{m}" for m in APP}
-    for module in DATA + MODEL:
+def test_every_module_lives_in_a_layer():
+    top = {m for m in modules() if "." not in m.removeprefix("visionflow.")} - {"visionflow"}
+    layers = {f"visionflow.{p}" for p in MAY_IMPORT}
+    assert top - layers == {f"visionflow.{m}" for m in ("cli", "errors", "faults", "params")}
+
+
+def test_each_layer_imports_only_itself_and_the_layers_below():
+    for module, path in modules().items():
+        layer = package(module)
+        if layer not in MAY_IMPORT:
+            continue
         found = {
-            n for n in imported(module) if any(n == b or n.startswith(b + ".") for b in banned)
+            n
+            for n in imported(path)
+            if n.startswith("visionflow.") and n.split(".")[1] not in MAY_IMPORT[layer]
         }
-        assert not found, f"visionflow/{module}.py imports {sorted(found)}"
+        found |= {n for n in imported(path) if n.split(".")[0] == "pipeline"}
+        assert not found, f"{module} ({layer}) imports {sorted(found)}"
 
 
-def test_data_modules_are_torch_free():
-    for module in DATA:
-        loaded = imported(module, at_import=True)
-        torch = {n for n in loaded if n.split(".")[0] in ("torch", "torchvision")}
-        assert not torch, f"visionflow/{module}.py imports {sorted(torch)}"
+def test_data_and_ops_are_torch_free():
+    for module, path in modules().items():
+        if package(module) in TORCH_FREE:
+            loaded = imported(path, at_import=True)
+            torch = {n for n in loaded if n.split(".")[0] in ("torch", "torchvision")}
+            assert not torch, f"{module} imports {sorted(torch)}"
 
 
 def test_the_library_never_imports_prefect():
-    """The flows (pipeline/flows.py) add Prefect to the library's App modules, never the reverse.
+    """The flows (pipeline/flows.py) add Prefect to the library's ops, never the reverse.
     `visionflow doctor` alone reads Prefect's configured API URL (a profile may set it), on use."""
-    for path in sorted((ROOT / "src/visionflow").glob("*.py")):
-        if path.stem == "doctor":
-            assert "prefect" not in {n.split(".")[0] for n in imported("doctor", at_import=True)}
-            continue
-        found = {n for n in imported(path.stem) if n.split(".")[0] == "prefect"}
-        assert not found, f"visionflow/{path.name} imports {sorted(found)}"
+    for module, path in modules().items():
+        names = imported(path, at_import=module == "visionflow.ops.doctor")
+        found = {n for n in names if n.split(".")[0] == "prefect"}
+        assert not found, f"{module} imports {sorted(found)}"
 
 
 def functions(path):
@@ -77,7 +101,7 @@ def test_functions_fit_on_a_screen_and_the_step_reads_in_one():
     """No function in src/ or pipeline/ over 80 lines (docstring included); the training step,
     `train_one_epoch`, at most 60 lines and 8 parameters (shared/STYLE.md: the two loops a
     reader sees at once)."""
-    paths = [*(ROOT / "src/visionflow").glob("*.py"), *(ROOT / "pipeline").glob("*.py")]
+    paths = [*(ROOT / "src/visionflow").rglob("*.py"), *(ROOT / "pipeline").glob("*.py")]
     long = [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
         for path in sorted(paths)
@@ -87,7 +111,7 @@ def test_functions_fit_on_a_screen_and_the_step_reads_in_one():
     assert not long, long
     (step, lines), *_ = (
         (node, lines)
-        for node, lines in functions(ROOT / "src/visionflow/engine.py")
+        for node, lines in functions(ROOT / "src/visionflow/train/engine.py")
         if node.name == "train_one_epoch"
     )
     parameters = len(step.args.args) + len(step.args.kwonlyargs)

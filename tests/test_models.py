@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from visionflow.errors import Unavailable
-from visionflow.models import MODELS, build_model, load_pretrained
+from visionflow.train.models import MODELS, build_model, load_pretrained
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

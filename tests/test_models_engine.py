@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from visionflow.engine import Split, Step, evaluate, pick_device, train_one_epoch
-from visionflow.models import build_model, load_model, save_model
+from visionflow.train.engine import Split, Step, evaluate, pick_device, train_one_epoch
+from visionflow.train.models import build_model, load_model, save_model
 
 
 def toy_data(n=64, seed=0):

@@ -144,7 +144,7 @@ def test_an_mtime_only_touch_mid_run_keeps_the_run(project, tmp_path):
     refuses them."""
     fresh_config(project)  # never ran here: DVC hashes the deps, finds a change, runs train
     go = tmp_path / "go"
-    touched = ("src/visionflow/engine.py", "params.yaml", "data/prepared/train_x.npy")
+    touched = ("src/visionflow/train/engine.py", "params.yaml", "data/prepared/train_x.npy")
 
     def touch_mid_run(*force: str) -> str:
         run = start_dvc(
@@ -213,7 +213,7 @@ def test_a_new_config_never_deletes_the_state_of_the_current_run(project):
 def test_a_code_change_does_not_resume_the_old_codes_checkpoint(project):
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=2:kill")
     assert killed.returncode != 0 and states(project)
-    engine = project / "src/visionflow/engine.py"
+    engine = project / "src/visionflow/train/engine.py"
     engine.write_text(engine.read_text() + "\n# a fix\n")
     rerun = repro(project, "-s", "train")
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr

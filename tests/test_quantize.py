@@ -1,4 +1,4 @@
-"""INT8 ONNX (visionflow.quantize): a real ONNX Runtime quantizer on a real exported model."""
+"""INT8 ONNX (visionflow.deploy.quantize): a real ONNX Runtime quantizer on a real exported model."""
 
 import json
 
@@ -8,16 +8,16 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from visionflow import loading
-from visionflow.export import export_onnx
-from visionflow.inference import describe, load_predictor, normalise, preprocess_spec
-from visionflow.models import build_model
-from visionflow.quantize import (
+from visionflow.deploy.export import export_onnx
+from visionflow.deploy.inference import describe, load_predictor, normalise, preprocess_spec
+from visionflow.deploy.quantize import (
     QUANTIZATION_KEY,
     calibration_sample,
     int8_check,
     quantize_onnx,
 )
+from visionflow.train import loading
+from visionflow.train.models import build_model
 
 MEAN, STD = [0.3], [0.25]
 SPEC = preprocess_spec(8, 1, MEAN, STD)

@@ -28,7 +28,7 @@ import pytest
 from onnx import TensorProto, helper
 from PIL import Image
 
-from visionflow.inference import ModelError, describe, preprocess_spec
+from visionflow.deploy.inference import ModelError, describe, preprocess_spec
 
 URL = re.compile(r"http://127\.0\.0\.1:\d+")
 
@@ -135,7 +135,7 @@ def replace(dest: Path, data: bytes) -> None:
 
 
 def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
-    from visionflow.serve import load_model, onnx_opset
+    from visionflow.deploy.serve import load_model, onnx_opset
 
     for opset in (13, 17, 18):
         path = tiny_onnx(tmp_path / f"m{opset}.onnx", ["a", "b", "c"], opset=opset)
@@ -149,7 +149,7 @@ def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
 
 
 def test_a_model_that_cannot_be_served_is_refused_naming_the_file(tmp_path):
-    from visionflow.serve import load_model
+    from visionflow.deploy.serve import load_model
 
     bad = {
         "junk.onnx": lambda p: p.write_bytes(b"\x08not a model at all"),
@@ -171,7 +171,7 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
     path = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
     code = (
         "import sys; from pathlib import Path; import numpy as np; import visionflow.cli; "
-        "import visionflow.serve as s; import uvicorn, starlette.applications; "
+        "import visionflow.deploy.serve as s; import uvicorn, starlette.applications; "
         "m = s.load_model(Path(sys.argv[1]), Path(sys.argv[2])); "
         "print(m.predictor(np.zeros((2, 1, 4, 4), np.float32)).shape); "
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'torchvision', 'onnx')))"
@@ -188,8 +188,8 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
 def test_metadata_says_a_model_is_int8(tmp_path):
     """An INT8 file written by the project's quantizer is served as INT8 (/metadata says so,
     with the file's record of what was done); the float32 file it came from as float32."""
-    from visionflow.inference import describe as metadata_of
-    from visionflow.quantize import quantize_onnx
+    from visionflow.deploy.inference import describe as metadata_of
+    from visionflow.deploy.quantize import quantize_onnx
 
     classes, spec = ["a", "b", "c"], preprocess_spec(4, 1, [0.5], [0.25])
     fp32 = tiny_onnx(tmp_path / "model.onnx", classes)
@@ -319,7 +319,7 @@ def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
 
 def fake_model(scale: float):
     """A Model whose network multiplies its input's first two pixels by `scale`."""
-    from visionflow.serve import Model
+    from visionflow.deploy.serve import Model
 
     def predictor(x):
         return x.reshape(len(x), -1)[:, :2] * scale
@@ -330,7 +330,7 @@ def fake_model(scale: float):
 def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
     """Images queued for two models (a reload between them) run as one batch per model, each
     answer is its own image's row, and at most max_batch images are taken at once."""
-    from visionflow.serve import Batcher
+    from visionflow.deploy.serve import Batcher
 
     async def scenario():
         batcher = Batcher(max_batch=4, window_s=3600)  # an hour: a wait would hang the test
@@ -356,7 +356,7 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
     """Each request of a failed batch gets an error of its own (one shared by all gathered
     every request's traceback: thousands of log lines), and /health is a 503 saying why until
     a batch succeeds again."""
-    from visionflow.serve import Model, Refused, Service, Settings
+    from visionflow.deploy.serve import Model, Refused, Service, Settings
 
     def one_row(x):  # passes the one-image check, broken beyond it
         return x.reshape(len(x), -1)[:1, :2]
@@ -390,7 +390,7 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
 
 
 def test_a_lone_request_does_not_wait_out_the_window():
-    from visionflow.serve import Batcher
+    from visionflow.deploy.serve import Batcher
 
     async def scenario():
         batcher = Batcher(max_batch=32, window_s=3600)  # an hour: a wait would hang the test
@@ -751,7 +751,7 @@ def test_images_decoding_at_once_stay_within_the_pixel_budget():
     """A tiny upload can decode to hundreds of MB (a 49 Mpx 16-bit PNG of 381 KB took 0.8 GB):
     the pixels decoding at once, over all the threads, stay within --max-pixels; an image that
     does not fit beside the others waits for them, and one alone always goes."""
-    from visionflow.serve import PixelBudget
+    from visionflow.deploy.serve import PixelBudget
 
     budget, inside, release, seen = PixelBudget(100), threading.Event(), threading.Event(), []
     trying = threading.Event()

@@ -64,7 +64,7 @@ def test_sanity_fails_on_image_label_count_mismatch(cache):
 
 
 def test_evaluate_refuses_a_model_with_another_class_count(cache):
-    from visionflow.models import build_model, save_model
+    from visionflow.train.models import build_model, save_model
 
     model = build_model("simple_cnn", 1, 3, 8)
     meta = {

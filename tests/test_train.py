@@ -20,9 +20,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.helpers import ROOT, write_params
-from visionflow import checkpoint, data, health, loading
-from visionflow.augment import augment
-from visionflow.engine import (
+from visionflow.data import dataset
+from visionflow.train import checkpoint, health, loading
+from visionflow.train.augment import augment
+from visionflow.train.engine import (
     NonFiniteLoss,
     Split,
     Step,
@@ -32,8 +33,8 @@ from visionflow.engine import (
     step_scheduler,
     train_one_epoch,
 )
-from visionflow.loading import normalise, to_unit
-from visionflow.models import build_model
+from visionflow.train.loading import normalise, to_unit
+from visionflow.train.models import build_model
 
 
 def toy(n=64, seed=0):
@@ -420,11 +421,11 @@ def test_fingerprint_follows_the_run_and_a_fresh_start_names_what_changed(tmp_pa
 def workdir(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 5, "batch_size": 32}})
-    source = data.load_source("digits", None)
-    data.build_cache(
+    source = dataset.load_source("digits", None)
+    dataset.build_cache(
         source,
         tmp_path / "prepared",
-        data.Decode(8, "grayscale"),
+        dataset.Decode(8, "grayscale"),
         val_fraction=0.15,
         test_fraction=0.2,
         seed=0,
@@ -531,7 +532,7 @@ def test_ddp_with_accumulation_and_a_short_last_micro_batch_matches_one_big_batc
         np.save(cache / f"train_{part}.npy", array)
     manifest = json.loads((cache / "manifest.json").read_text())
     for part in ("x", "y"):
-        manifest["files"][f"train_{part}.npy"]["sha256"] = data.file_hash(
+        manifest["files"][f"train_{part}.npy"]["sha256"] = dataset.file_hash(
             cache / f"train_{part}.npy"
         )
     (cache / "manifest.json").write_text(json.dumps(manifest))
@@ -596,8 +597,8 @@ def retry_on_rank(rank: int, port: int, where: str, out: Path) -> None:
     rank ended with to out/<rank>.json."""
     import datetime
 
-    from visionflow import engine, health
-    from visionflow.training import Trainer, stepping
+    from visionflow.train import engine, health
+    from visionflow.train.training import Trainer, stepping
 
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     timeout = datetime.timedelta(seconds=60)  # a hang fails the test, not the suite
@@ -703,9 +704,14 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
-    source = data.load_source("digits", None)
-    data.build_cache(
-        source, tmp_path, data.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2, seed=0
+    source = dataset.load_source("digits", None)
+    dataset.build_cache(
+        source,
+        tmp_path,
+        dataset.Decode(8, "grayscale"),
+        val_fraction=0.15,
+        test_fraction=0.2,
+        seed=0,
     )
     cpu = torch.device("cpu")
     mapped = loading.load_for_training(tmp_path, "train", cpu, max_bytes=0)
@@ -854,7 +860,7 @@ def test_a_checkpointed_model_trains_and_evaluates_exactly_like_the_plain_one():
 def _ranks_evaluate(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from visionflow.engine import evaluate, sync_buffers
+    from visionflow.train.engine import evaluate, sync_buffers
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

@@ -38,7 +38,7 @@ DEFAULT_MODELS = {
 
 def expand(inputs: list[Path]) -> tuple[list[Path], dict[Path, str]]:
     """Files as given; folders searched for image files (hidden entries skipped), sorted."""
-    from visionflow.decode import IMAGE_SUFFIXES, is_hidden
+    from visionflow.data.decode import IMAGE_SUFFIXES, is_hidden
 
     files, errors = [], {}
     for path in inputs:
@@ -64,7 +64,7 @@ BATCH = 256  # images decoded and run at once: memory stays flat however long th
 
 def predict(args: argparse.Namespace) -> int:
     """Predict every image, in order, a batch at a time, printing each batch as it is done."""
-    from visionflow.inference import ModelError, load_predictor
+    from visionflow.deploy.inference import ModelError, load_predictor
 
     if sys.stdout is None:  # `>&-`: nowhere to print, and nothing to tell apart from success
         print("error: standard output is closed: nowhere to write the predictions", file=sys.stderr)
@@ -122,7 +122,7 @@ def check_model_path(model: Path) -> None:
     if model.is_dir():
         raise ValueError(f"{model} is a folder: name the model file in it with --model")
     if not model.exists():
-        from visionflow.project import missing_output
+        from visionflow.ops.project import missing_output
 
         raise FileNotFoundError(missing_output(model, "model file"))
     if not model.is_file():
@@ -134,7 +134,7 @@ def progress_for(total: int):
     a batch whose results go to a file or a pipe (in a terminal, the results are the progress)."""
     if total <= BATCH or sys.stdout.isatty():
         return lambda n: None
-    from visionflow.data import Progress
+    from visionflow.data.dataset import Progress
 
     return Progress(total, what="predict")
 
@@ -142,7 +142,7 @@ def progress_for(total: int):
 def default_model(runtime: str) -> Path:
     """The pipeline's model file for `runtime`, found from anywhere inside the project (a
     subfolder too); outside one, relative to the current folder."""
-    from visionflow.project import dvc_root
+    from visionflow.ops.project import dvc_root
 
     root = dvc_root(Path.cwd())
     relative = Path(DEFAULT_MODELS[runtime])
@@ -151,7 +151,7 @@ def default_model(runtime: str) -> Path:
 
 def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
     """Top-k classes of the images that decode, and an error line for each one that does not."""
-    from visionflow.inference import load_images, normalise, top_k
+    from visionflow.deploy.inference import load_images, normalise, top_k
 
     pixels, good, failed = load_images(files, spec)
     ranked = top_k(predictor(normalise(pixels, spec)), classes, args.top_k) if good else []
@@ -258,8 +258,8 @@ def add_serve(commands) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from visionflow.serve import MAX_PIXELS, MB, Settings
-    from visionflow.serve import serve as run
+    from visionflow.deploy.serve import MAX_PIXELS, MB, Settings
+    from visionflow.deploy.serve import serve as run
 
     max_pixels = MAX_PIXELS if args.max_pixels is None else args.max_pixels
     checks = {
@@ -340,18 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--json", action="store_true", help="print JSON instead of lines")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        from visionflow.doctor import doctor
+        from visionflow.ops.doctor import doctor
 
         return doctor(Path.cwd(), args.json)
     if args.command == "serve":
         return serve(args, parser)
     if args.command == "repro":
-        from visionflow.runner import repro
+        from visionflow.ops.runner import repro
 
         return repro(Path.cwd(), args.dvc_args, wait=args.if_busy == "wait")
     if args.command == "verify":
-        from visionflow.runner import NotAProject, find_root
-        from visionflow.verify import verify
+        from visionflow.ops.runner import NotAProject, find_root
+        from visionflow.ops.verify import verify
 
         try:
             root = find_root(Path.cwd())

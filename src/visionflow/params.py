@@ -28,6 +28,8 @@ from pydantic import (
     model_validator,
 )
 
+from visionflow.train import from_torchvision
+
 
 def read_yaml(path: str | Path):
     """A YAML file as DVC reads params.yaml (`dvc.utils.serialize.parse_yaml`: ruamel, safe)."""
@@ -126,18 +128,6 @@ class Health(Section):
     max_grad_norm: float = Field(1000.0, gt=0)
     min_grad_norm: float = Field(1e-7, ge=0)
     overfit_epochs: int = Field(3, ge=1)
-
-
-OWN_MODELS = ("simple_cnn", "small_resnet", "resnet18")
-
-
-def from_torchvision(model: str, pretrained: str) -> bool:
-    """Whether train.model is built from torchvision's registry and fine-tuned (zoo.FineTune):
-    any classifier of it, resnet18 included when it starts from pretrained weights (the
-    project's own resnet18, with a one-channel stem, is for training from scratch)."""
-    if ":" in model:
-        return False
-    return model not in OWN_MODELS or (model == "resnet18" and bool(pretrained))
 
 
 MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")  # a name, or package.module:Name

@@ -7,7 +7,7 @@ import re
 import stat
 from pathlib import Path
 
-from visionflow.files import Stat
+from visionflow.data.files import Stat
 from visionflow.params import ParamsError, overlap, read_file, read_yaml, refuse_link, stage_outputs
 
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from visionflow.project import all_deps
+from visionflow.ops.project import all_deps
 
 
 def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:

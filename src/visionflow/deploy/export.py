@@ -16,14 +16,14 @@ import onnx
 import torch
 from torch import nn
 
-from visionflow.inference import (
+from visionflow.deploy.inference import (
     JIT_DEPRECATED,
     Predictor,
     load_predictor,
     module_predictor,
     normalise,
 )
-from visionflow.loading import to_model_input
+from visionflow.train.loading import to_model_input
 
 EXPORTER_KEY = "visionflow.exporter"  # in model.onnx: which torch.onnx exporter wrote it
 FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.torchscript.pt"}

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from visionflow import faults
-from visionflow.project import dvc_root, outs_of, pipeline, preflight
+from visionflow.ops.project import dvc_root, outs_of, pipeline, preflight
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
@@ -79,7 +79,7 @@ try:
             os.killpg(group, 0)
             time.sleep(0.1)
     try:
-        from visionflow.runner import kill_family
+        from visionflow.ops.runner import kill_family
     except Exception:  # the group alone, then
         kill_family = lambda group: None
     end = time.monotonic() + 30
@@ -268,7 +268,7 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
         start_new_session=True,
     )
     grace_s, output = stop_grace_s(), process.stdout.fileno()
-    source = str(Path(__file__).resolve().parents[1])  # the reaper imports `kill_family`
+    source = str(Path(__file__).resolve().parents[2])  # src/: the reaper imports `kill_family`
     python_path = os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH"))))
     reaper = subprocess.Popen(
         [sys.executable, "-c", REAPER, str(process.pid), str(grace_s), str(output)],

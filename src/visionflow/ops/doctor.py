@@ -150,7 +150,7 @@ def workspace(workdir: Path) -> list[dict]:
             )
         ]
     results = [check("dvc repo", "ok", str(workdir))]
-    from visionflow.project import preflight  # here: doctor must run without pydantic too
+    from visionflow.ops.project import preflight  # here: doctor must run without pydantic too
 
     problems = preflight(workdir)  # what makes `dvc status` fail, hang or lose an edit
     if problems:  # each line names the file and the fix; `dvc status` would only fail or hang

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from visionflow.errors import Unavailable
-from visionflow.params import from_torchvision
+from visionflow.train import from_torchvision
 
 OWN = ("simple_cnn", "small_resnet", "resnet18")  # models.MODELS: the project's own networks
 WEIGHTS_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DEFAULT, IMAGENET1K_V2, ...

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from visionflow.data import read_split
+from visionflow.data.dataset import read_split
 
 
 class MemmapBatches(Dataset):

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from visionflow import faults
 from visionflow.errors import Unavailable
-from visionflow.loading import batches, normalise, to_model_input, to_unit
+from visionflow.train.loading import batches, normalise, to_model_input, to_unit
 
 
 class NonFiniteLoss(RuntimeError):

@@ -33,7 +33,7 @@ from onnxruntime.quantization import (
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from visionflow.inference import QUANTIZATION_KEY, Predictor, normalise
+from visionflow.deploy.inference import QUANTIZATION_KEY, Predictor, normalise
 
 METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy}
 EVAL_BATCH = 256  # test images per ONNX Runtime call while scoring: bounded memory at any size

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from visionflow import faults, zoo
+from visionflow import faults
 from visionflow.errors import DiskFull, Unavailable
+from visionflow.train import zoo
 
 
 class SimpleCNN(nn.Module):

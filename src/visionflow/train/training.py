@@ -24,9 +24,10 @@ from dvclive import Live
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from visionflow import faults, health
-from visionflow.augment import augment
-from visionflow.engine import Split, Step, train_one_epoch
+from visionflow import faults
+from visionflow.train import health
+from visionflow.train.augment import augment
+from visionflow.train.engine import Split, Step, train_one_epoch
 
 
 def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:

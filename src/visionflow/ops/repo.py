@@ -10,9 +10,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from visionflow.ops.project import special_files
+from visionflow.ops.runner import dvc_busy, dvc_command, environment
 from visionflow.params import read_yaml
-from visionflow.project import special_files
-from visionflow.runner import dvc_busy, dvc_command, environment
 
 DVC_TIMEOUT_S = (
     120.0  # a helper `dvc` call (status, metrics, exp show, queue) that takes longer hangs

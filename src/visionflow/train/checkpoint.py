@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from visionflow.files import flatten
-from visionflow.models import save_atomic
+from visionflow.data.files import flatten
+from visionflow.train.models import save_atomic
 
 KEEP = 2  # newest checkpoints kept in a fingerprint's folder; older ones go after each save
 KEEP_RUNS = 3  # fingerprint folders kept (the current one and the newest others)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from visionflow.decode import FITS, RESIZE, RESIZE_FILTERS, Decode, to_pixels
+from visionflow.data.decode import FITS, RESIZE, RESIZE_FILTERS, Decode, to_pixels
 from visionflow.errors import DataError
 
 # torch is imported by the torch runtimes only: the ONNX path runs on ONNX Runtime and NumPy
@@ -214,8 +214,8 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
     import torch
 
-    from visionflow import zoo
-    from visionflow.models import MODELS, model_from
+    from visionflow.train import zoo
+    from visionflow.train.models import MODELS, model_from
 
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)

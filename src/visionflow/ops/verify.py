@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from visionflow.data.files import file_hash, verify_cache
 from visionflow.errors import DataError
-from visionflow.files import file_hash, verify_cache
 
 
 def uncached_outs(root: Path) -> set[str]:

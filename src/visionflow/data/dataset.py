@@ -4,7 +4,7 @@ The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
 array and what the cache was made from (source, path, split fractions and seed), a rejects report
 and a duplicates report. Class names are NFC-normalised folder names. Normalisation happens at
-load time (`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.loading`
+load time (`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.train.loading`
 is the torch half (the splits on the device, batches, normalisation).
 
 Files users did not make themselves are decoded defensively: broken, empty, non-image and
@@ -35,7 +35,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from visionflow import faults
-from visionflow.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one place to import from)
+from visionflow.data.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one place to import from)
     IMAGE_SUFFIXES,
     LINK_SKIPPED,
     RESIZE,
@@ -45,8 +45,8 @@ from visionflow.decode import (  # noqa: F401  (data.Decode, data.to_pixels: one
     pixels_of,
     to_pixels,
 )
+from visionflow.data.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
 from visionflow.errors import DataError, DiskFull
-from visionflow.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
 
 SPLITS = ("train", "val", "test")
 

@@ -65,8 +65,8 @@ from PIL import Image, UnidentifiedImageError
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from visionflow import faults
-from visionflow.decode import Decode
-from visionflow.inference import (
+from visionflow.data.decode import Decode
+from visionflow.deploy.inference import (
     NAMES,
     QUANTIZATION_KEY,
     ModelError,

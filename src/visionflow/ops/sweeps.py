@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from visionflow import repo, runner
-from visionflow.files import flatten
-from visionflow.repo import DvcBusy, DvcHung, StageFailed, dvc
-from visionflow.runner import dvc_command, environment, family, kill_family, stop_grace_s
+from visionflow.data.files import flatten
+from visionflow.ops import repo, runner
+from visionflow.ops.repo import DvcBusy, DvcHung, StageFailed, dvc
+from visionflow.ops.runner import dvc_command, environment, family, kill_family, stop_grace_s
 
 MAIN_METRICS = {"results/evaluate/metrics.json": ("accuracy", "macro_f1")}
 
