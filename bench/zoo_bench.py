@@ -166,7 +166,7 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
 
     from visionflow.deploy.export import check_parity, export_onnx
     from visionflow.deploy.inference import (
-        describe,
+        file_metadata,
         load_predictor,
         module_predictor,
         normalise,
@@ -176,7 +176,7 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
 
     model.eval()
     spec = preprocess_spec(size, 3, MEAN, STD)
-    metadata = describe([f"class{i}" for i in range(CLASSES)], spec)
+    metadata = file_metadata([f"class{i}" for i in range(CLASSES)], spec)
     pixels = random_pixels(PARITY_IMAGES, size, seed=1)
     example = torch.from_numpy(normalise(pixels, spec))
     path = folder / "model.onnx"

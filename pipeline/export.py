@@ -29,7 +29,7 @@ import torch
 
 from pipeline import GateError, run, staged
 from visionflow import faults
-from visionflow.data import dataset
+from visionflow.data.dataset import read_split, write_json
 from visionflow.deploy.export import (
     EXPORTER_KEY,
     CannotExport,
@@ -41,11 +41,11 @@ from visionflow.deploy.export import (
 )
 from visionflow.deploy.inference import (
     Predictor,
-    describe,
+    file_metadata,
     load_predictor,
     module_predictor,
-    normalise,
     spec_of,
+    to_input,
 )
 from visionflow.deploy.quantize import calibration_sample, int8_check, quantize_onnx
 from visionflow.deploy.report import model_card
@@ -111,7 +111,7 @@ def say_int8(int8: dict, made: bool, report: dict, out: Path, model: str) -> Non
 def refuse(report: dict, out: Path, why: str) -> None:
     """Fail the stage, nothing promoted; the failed report goes beside `out`."""
     miss = out.with_name(out.name + ".miss.json")
-    dataset.write_json(miss, report)
+    write_json(miss, report)
     raise GateError(f"{why}; nothing promoted; the failed report is {miss}")
 
 
@@ -134,7 +134,7 @@ def int8_gate(
     the whole test split beside `fp32` (model.onnx as the parity check loaded it). Returns the
     gate's report and the INT8 predictor."""
     calibration = calibration_sample(
-        dataset.read_split(cache, "train", mmap=True)[0], e.int8_calibration_images
+        read_split(cache, "train", mmap=True)[0], e.int8_calibration_images
     )
     int8_path = folder / INT8_FILE
     try:
@@ -149,7 +149,7 @@ def int8_gate(
     int8, file_classes, file_spec = load_predictor("onnx", int8_path)
     if faults.ACTIVE:  # tests: an INT8 model that lost its accuracy (export.int8:nan)
         int8 = faulty(int8)
-    test_x, test_y = dataset.read_split(cache, "test", mmap=True)
+    test_x, test_y = read_split(cache, "test", mmap=True)
     check = int8_check(fp32, int8, test_x, test_y, file_spec, e.int8_max_accuracy_drop)
     if (file_classes, file_spec) != (classes, spec):
         check.update(passed=False, metadata="the INT8 file's classes or preprocessing differ")
@@ -187,10 +187,8 @@ def main() -> None:
     model, meta = load_model(args.model, map_location="cpu")  # eval mode, CPU, fp32
     spec = spec_of(meta)
     # real test images, uint8: the first few, read from a memory map (not the whole split)
-    pixels = np.ascontiguousarray(
-        dataset.read_split(args.data, "test", mmap=True)[0][: e.batch_size]
-    )
-    example = torch.from_numpy(normalise(pixels, spec))
+    pixels = np.ascontiguousarray(read_split(args.data, "test", mmap=True)[0][: e.batch_size])
+    example = torch.from_numpy(to_input(pixels, spec))
 
     out = staged(args.out)  # moved to args.out only when parity and the INT8 gate pass
     # three formats of about the model's size, the quantizer's copy and INT8 file, and the
@@ -198,7 +196,7 @@ def main() -> None:
     needed = 6 * args.model.stat().st_size + 2**20
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
-    metadata = describe(meta["classes"], spec)
+    metadata = file_metadata(meta["classes"], spec)
     try:
         paths, exporter, unavailable = export_all(model, example, out, e.opset, metadata)
     except CannotExport as error:
@@ -232,22 +230,20 @@ def main() -> None:
             f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol {e.rtol} "
             f"atol {e.atol})",
         )
-    dataset.write_json(out / "parity.json", report)
+    write_json(out / "parity.json", report)
     onnx_metadata = {**metadata, EXPORTER_KEY: exporter}  # as export_onnx wrote it
     int8, int8_predictor = int8_gate(
         paths["onnx"], predictors["onnx"], onnx_metadata, out, args.data, meta["classes"], spec, e
     )
-    dataset.write_json(out / "int8.json", int8)
+    write_json(out / "int8.json", int8)
     say_int8(int8, int8_predictor is not None, report, args.out, meta["model"])
     predictors = {"eager": module_predictor(model), **predictors}
     if int8_predictor is not None:
         predictors["onnx_int8"] = int8_predictor
     latency = latency_table(predictors, example.numpy(), (1, 64), e.latency_repeats)
     sizes = int8.get("size_bytes", {"onnx": paths["onnx"].stat().st_size})
-    dataset.write_json(
-        out / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes}
-    )
-    dataset.write_json(out / "metrics.json", summary(report, int8))
+    write_json(out / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes})
+    write_json(out / "metrics.json", summary(report, int8))
     metrics = json.loads(args.metrics.read_text())
     manifest = json.loads((args.data / "manifest.json").read_text())  # the source and split
     card = model_card(

@@ -236,7 +236,9 @@ def checked_network(t: Train, model: nn.Module, d: Data, monitor: health.Monitor
     monitor.model_check = {"gradient_check": result}
 
 
-def describe(t: Train, seed: int, d: "Data", mean: list, std: list, network: dict | None) -> dict:
+def model_metadata(
+    t: Train, seed: int, d: "Data", mean: list, std: list, network: dict | None
+) -> dict:
     """What model.pt says about itself: plain values only, so it loads with weights_only=True.
     The export stage's model card states only what this (and the cache) say."""
     return {
@@ -441,7 +443,7 @@ def main() -> None:
     model, norm_mean, norm_std, network = model_for(t, d, device, say)
     norm = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
     trainer = trainer_for(model, t, params.seed, rank, world, d.image_size)
-    model_meta = describe(t, params.seed, d, norm_mean, norm_std, network)
+    model_meta = model_metadata(t, params.seed, d, norm_mean, norm_std, network)
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
     run = run_of(params, args.data)

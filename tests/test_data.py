@@ -268,7 +268,7 @@ def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, 
     build(dataset.load_source("imagefolder", image_folder), tmp_path / "out")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decode")]
     assert "\r" not in "".join(lines) and lines  # the end, and a line every 5 s before it
-    progress = dataset.Progress(24, every=0)  # a line at every step: each says count, rate, left
+    progress = dataset.ProgressBar(24, every=0)  # a line at every step: each says count, rate, left
     for _ in range(3):
         progress(8)
     lines = lines[:-1] + [line for line in capsys.readouterr().err.splitlines()]

@@ -20,11 +20,11 @@ from visionflow.deploy.export import (
     latency_table,
 )
 from visionflow.deploy.inference import (
-    describe,
+    file_metadata,
     load_predictor,
     module_predictor,
-    normalise,
     preprocess_spec,
+    to_input,
 )
 from visionflow.train import loading
 from visionflow.train.models import build_model
@@ -59,7 +59,7 @@ def example(pixels):
 
 
 SPEC = preprocess_spec(8, 1, MEAN, STD)
-META = describe(["a", "b", "c", "d"], SPEC)
+META = file_metadata(["a", "b", "c", "d"], SPEC)
 
 
 def test_onnx_client_path_matches_eager_at_each_batch_size(model, pixels, tmp_path):
@@ -70,7 +70,7 @@ def test_onnx_client_path_matches_eager_at_each_batch_size(model, pixels, tmp_pa
     assert classes == ["a", "b", "c", "d"] and spec == SPEC
     results = check_parity(
         eager_on_pixels(model),
-        lambda p: predictor(normalise(p, spec)),
+        lambda p: predictor(to_input(p, spec)),
         pixels,
         [1, 3, 16],
         rtol=1e-3,
@@ -120,12 +120,12 @@ def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runt
 
 def test_gate_catches_wrong_normalisation_constants(model, pixels, tmp_path):
     path = tmp_path / "model.onnx"
-    wrong = describe(["a", "b", "c", "d"], preprocess_spec(8, 1, [0.5], [0.5]))
+    wrong = file_metadata(["a", "b", "c", "d"], preprocess_spec(8, 1, [0.5], [0.5]))
     export_onnx(model, example(pixels), path, 18, wrong)
     predictor, _, spec = load_predictor("onnx", path)
     results = check_parity(
         eager_on_pixels(model),
-        lambda p: predictor(normalise(p, spec)),
+        lambda p: predictor(to_input(p, spec)),
         pixels,
         [3],
         rtol=1e-3,
@@ -174,7 +174,7 @@ def test_the_same_commit_exported_in_another_folder_gives_the_same_files(reprodu
     """torch recorded the source lines of each traced node, with this checkout's and its venv's
     absolute paths, and they went into every node of model.onnx and model.int8.onnx and into
     model.pt2: another folder gave another sha256 (and a user's home path shipped in them)."""
-    from tests.conftest import copy_project, sh
+    from tests.helpers import copy_project, sh
 
     project = copy_project(reproduced_base, tmp_path / "elsewhere")
     sh(

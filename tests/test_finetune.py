@@ -223,7 +223,7 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients(
 
 
 def test_resnet18_from_pretrained_weights_is_torchvisions_and_takes_the_recipe():
-    from tests.conftest import ROOT
+    from tests.helpers import ROOT
     from visionflow.params import ParamsError, parse_params
     from visionflow.train.models import build_model
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from tests.helpers import ROOT, copy_project, solid, write_params
 from visionflow.data.decode import Decode, pixels_of
-from visionflow.deploy.inference import load_images, normalise, preprocess_spec
+from visionflow.deploy.inference import load_images, preprocess_spec, to_input
 
 
 def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -149,7 +149,7 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
 
     client = runpy.run_path(str(ROOT / "examples/onnx_client.py"))  # not run as __main__
     for i, path in enumerate(files):
-        expected = normalise(pixels[i : i + 1], spec)[0]
+        expected = to_input(pixels[i : i + 1], spec)[0]
         assert np.allclose(client["preprocess"](str(path), spec), expected, atol=1e-6), path
     # what a model file records is followed, by predict and the client alike (not assumed)
     for change in ({"resize": "nearest"}, {"exif_transpose": False}, {"fit": "squash"}):
@@ -157,7 +157,7 @@ def test_photos_decode_at_a_reduced_scale_and_predict_sees_the_cache_pixels(tmp_
         changed, _, _ = load_images(files, other)
         assert rows(changed) != rows(pixels), change
         for i, path in enumerate(files[:3]):
-            expected = normalise(changed[i : i + 1], other)[0]
+            expected = to_input(changed[i : i + 1], other)[0]
             assert np.allclose(client["preprocess"](str(path), other), expected, atol=1e-6)
 
 

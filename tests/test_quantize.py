@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from visionflow.deploy.export import export_onnx
-from visionflow.deploy.inference import describe, load_predictor, normalise, preprocess_spec
+from visionflow.deploy.inference import file_metadata, load_predictor, preprocess_spec, to_input
 from visionflow.deploy.quantize import (
     QUANTIZATION_KEY,
     calibration_sample,
@@ -22,7 +22,7 @@ from visionflow.train.models import build_model
 MEAN, STD = [0.3], [0.25]
 SPEC = preprocess_spec(8, 1, MEAN, STD)
 CLASSES = ["a", "b", "c", "d"]
-META = describe(CLASSES, SPEC)
+META = file_metadata(CLASSES, SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_int8_file_is_qdq_carries_the_metadata_and_runs_as_the_fp32_file(
     for n in (1, 5):
         assert session.run(None, {"image": np.zeros((n, 1, 8, 8), np.float32)})[0].shape == (n, 4)
     reference, _, _ = load_predictor("onnx", fp32)
-    x = normalise(pixels, SPEC)
+    x = to_input(pixels, SPEC)
     expected, actual = reference(x), predictor(x)
     # close, not equal (an untrained model: its logits are small and near each other)
     assert 0 < np.abs(actual - expected).max() < 0.2 * np.abs(expected).max()
@@ -88,7 +88,7 @@ def test_the_ranges_come_from_the_calibration_images(fp32, tmp_path):
     """The image's range in the INT8 file is the calibration images' range (MinMax): dark
     images give a narrow one. Calibrated on other images than these, it would not match."""
     dark = np.random.default_rng(2).integers(0, 51, (16, 8, 8, 1), dtype=np.uint8)
-    low, high = float(normalise(dark, SPEC).min()), float(normalise(dark, SPEC).max())
+    low, high = float(to_input(dark, SPEC).min()), float(to_input(dark, SPEC).max())
     quantize_onnx(fp32, tmp_path / "dark.onnx", dark, SPEC, "minmax", META)
     got = input_range(tmp_path / "dark.onnx")
     assert got == pytest.approx((min(low, 0), max(high, 0)), abs=0.02)
@@ -117,7 +117,7 @@ def test_int8_check_reports_both_accuracies_and_fails_past_the_allowed_drop():
         return logits
 
     pixels = np.arange(20, dtype=np.uint8).reshape(20, 1, 1, 1)
-    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index
+    spec = {"mean": [0.0], "std": [1 / 255]}  # to_input(pixels) == the index
     r = int8_check(fp32, int8, pixels, labels, spec, max_drop=0.0)
     assert r["fp32_accuracy"] == 1.0 and r["int8_accuracy"] == 0.9
     assert r["top1_agreement"] == 0.9 and r["accuracy_drop"] == pytest.approx(0.1)
@@ -136,7 +136,7 @@ def test_a_drop_of_exactly_the_allowed_amount_passes():
     """0.99 - 0.98 is 0.010000000000000009 in floating point: still a drop of 0.01."""
     labels = np.zeros(100, np.int64)
     pixels = np.arange(100, dtype=np.uint8).reshape(100, 1, 1, 1)
-    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index
+    spec = {"mean": [0.0], "std": [1 / 255]}  # to_input(pixels) == the index
 
     def wrong_below(k):  # class 1 for the first k images, class 0 (right) for the others
         return lambda x: np.stack([x[:, 0, 0, 0] >= k, x[:, 0, 0, 0] < k], 1).astype(np.float32)
@@ -151,7 +151,7 @@ def lost(n: int, k: int, max_drop: float) -> dict:
     labels = np.zeros(n, np.int64)
     pixels = (np.arange(n) % 256).astype(np.uint8).reshape(n, 1, 1, 1)
     index = np.arange(n)
-    spec = {"mean": [0.0], "std": [1 / 255]}  # normalise(pixels) == the index mod 256
+    spec = {"mean": [0.0], "std": [1 / 255]}  # to_input(pixels) == the index mod 256
     fp32 = lambda x: np.tile([1.0, 0.0], (len(x), 1)).astype(np.float32)  # noqa: E731
     calls = iter(range(0, n, 256))
 

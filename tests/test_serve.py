@@ -28,7 +28,7 @@ import pytest
 from onnx import TensorProto, helper
 from PIL import Image
 
-from visionflow.deploy.inference import ModelError, describe, preprocess_spec
+from visionflow.deploy.inference import ModelError, file_metadata, preprocess_spec
 
 URL = re.compile(r"http://127\.0\.0\.1:\d+")
 
@@ -106,7 +106,7 @@ def tiny_onnx(
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
     model.ir_version = 8
     spec = preprocess_spec(size, 1, [0.5], [0.25])
-    helper.set_model_props(model, {**describe(classes, spec), **(meta or {})})
+    helper.set_model_props(model, {**file_metadata(classes, spec), **(meta or {})})
     onnx.save(model, str(path))
     return path
 
@@ -135,13 +135,13 @@ def replace(dest: Path, data: bytes) -> None:
 
 
 def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
-    from visionflow.deploy.serve import load_model, onnx_opset
+    from visionflow.deploy.serve import load_served, onnx_opset
 
     for opset in (13, 17, 18):
         path = tiny_onnx(tmp_path / f"m{opset}.onnx", ["a", "b", "c"], opset=opset)
         assert onnx.load(str(path)).opset_import[0].version == opset
         assert onnx_opset(path.read_bytes()) == opset
-        model = load_model(path, tmp_path)
+        model = load_served(path, tmp_path)
         assert model.opset == opset and model.classes == ["a", "b", "c"]
         assert model.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert onnx_opset(b"\x08\x08\x42\xff") is None  # truncated: no opset, no exception
@@ -149,7 +149,7 @@ def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
 
 
 def test_a_model_that_cannot_be_served_is_refused_naming_the_file(tmp_path):
-    from visionflow.deploy.serve import load_model
+    from visionflow.deploy.serve import load_served
 
     bad = {
         "junk.onnx": lambda p: p.write_bytes(b"\x08not a model at all"),
@@ -159,11 +159,11 @@ def test_a_model_that_cannot_be_served_is_refused_naming_the_file(tmp_path):
     for name, make in bad.items():
         make(tmp_path / name)
         with pytest.raises(ModelError, match=re.escape(str(tmp_path / name))):
-            load_model(tmp_path / name, tmp_path)
+            load_served(tmp_path / name, tmp_path)
     with pytest.raises(ModelError, match="no model file"):
-        load_model(tmp_path / "missing.onnx", tmp_path)
+        load_served(tmp_path / "missing.onnx", tmp_path)
     assert "network has 4 outputs" in str(
-        pytest.raises(ModelError, load_model, tmp_path / "forged.onnx", tmp_path).value
+        pytest.raises(ModelError, load_served, tmp_path / "forged.onnx", tmp_path).value
     )
 
 
@@ -172,7 +172,7 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
     code = (
         "import sys; from pathlib import Path; import numpy as np; import visionflow.cli; "
         "import visionflow.deploy.serve as s; import uvicorn, starlette.applications; "
-        "m = s.load_model(Path(sys.argv[1]), Path(sys.argv[2])); "
+        "m = s.load_served(Path(sys.argv[1]), Path(sys.argv[2])); "
         "print(m.predictor(np.zeros((2, 1, 4, 4), np.float32)).shape); "
         "print(sorted(k for k in sys.modules if k.split('.')[0] in ('torch', 'torchvision', 'onnx')))"
     )
@@ -188,7 +188,7 @@ def test_serve_loads_and_runs_a_model_without_torch(tmp_path):
 def test_metadata_says_a_model_is_int8(tmp_path):
     """An INT8 file written by the project's quantizer is served as INT8 (/metadata says so,
     with the file's record of what was done); the float32 file it came from as float32."""
-    from visionflow.deploy.inference import describe as metadata_of
+    from visionflow.deploy.inference import file_metadata as metadata_of
     from visionflow.deploy.quantize import quantize_onnx
 
     classes, spec = ["a", "b", "c"], preprocess_spec(4, 1, [0.5], [0.25])
@@ -318,13 +318,13 @@ def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
 
 
 def fake_model(scale: float):
-    """A Model whose network multiplies its input's first two pixels by `scale`."""
-    from visionflow.deploy.serve import Model
+    """A ServedModel whose network multiplies its input's first two pixels by `scale`."""
+    from visionflow.deploy.serve import ServedModel
 
     def predictor(x):
         return x.reshape(len(x), -1)[:, :2] * scale
 
-    return Model(Path("m"), predictor, ["a", "b"], {}, str(scale), 17, [], None, 0.0)
+    return ServedModel(Path("m"), predictor, ["a", "b"], {}, str(scale), 17, [], None, 0.0)
 
 
 def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
@@ -356,12 +356,12 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
     """Each request of a failed batch gets an error of its own (one shared by all gathered
     every request's traceback: thousands of log lines), and /health is a 503 saying why until
     a batch succeeds again."""
-    from visionflow.deploy.serve import Model, Refused, Service, Settings
+    from visionflow.deploy.serve import Refused, ServedModel, Service, Settings
 
     def one_row(x):  # passes the one-image check, broken beyond it
         return x.reshape(len(x), -1)[:1, :2]
 
-    broken = Model(Path("m"), one_row, ["a", "b"], {}, "s", 17, [], None, 0.0)
+    broken = ServedModel(Path("m"), one_row, ["a", "b"], {}, "s", 17, [], None, 0.0)
 
     async def scenario():
         service = Service(broken, Settings(), tmp_path)

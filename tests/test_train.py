@@ -810,7 +810,7 @@ def test_each_configuration_keeps_its_own_state_and_old_ones_are_pruned(tmp_path
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_known_setup_failures_are_one_line_naming_the_key(reproduced_base, tmp_path):
     """`train.device: cuda` without a GPU, or `train.pretrained` that is not there: before, tracebacks."""
-    from tests.conftest import copy_project, sh
+    from tests.helpers import copy_project, sh
 
     project = copy_project(reproduced_base, tmp_path / "project")
     stage = [

@@ -134,9 +134,9 @@ def progress_for(total: int):
     a batch whose results go to a file or a pipe (in a terminal, the results are the progress)."""
     if total <= BATCH or sys.stdout.isatty():
         return lambda n: None
-    from visionflow.data.dataset import Progress
+    from visionflow.data.dataset import ProgressBar
 
-    return Progress(total, what="predict")
+    return ProgressBar(total, what="predict")
 
 
 def default_model(runtime: str) -> Path:
@@ -151,10 +151,10 @@ def default_model(runtime: str) -> Path:
 
 def predict_batch(files, predictor, classes, spec, args) -> tuple[dict, dict]:
     """Top-k classes of the images that decode, and an error line for each one that does not."""
-    from visionflow.deploy.inference import load_images, normalise, top_k
+    from visionflow.deploy.inference import load_images, to_input, top_k
 
     pixels, good, failed = load_images(files, spec)
-    ranked = top_k(predictor(normalise(pixels, spec)), classes, args.top_k) if good else []
+    ranked = top_k(predictor(to_input(pixels, spec)), classes, args.top_k) if good else []
     return dict(zip(good, ranked, strict=True)), failed
 
 

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from visionflow.errors import ParamsError
 from visionflow.train import from_torchvision
 
 
@@ -36,11 +37,6 @@ def read_yaml(path: str | Path):
     from ruamel.yaml import YAML
 
     return YAML(typ="safe").load(Path(path).read_text())
-
-
-class ParamsError(ValueError):
-    """params.yaml (or dvc.yaml beside it) cannot be used; the message names the file and every
-    offending key."""
 
 
 def read_file(path: Path):

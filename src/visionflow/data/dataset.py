@@ -331,7 +331,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60:.0f} min {seconds % 60:.0f} s"
 
 
-class Progress:
+class ProgressBar:
     """Images decoded of the total, the rate and the time left, on stderr: tqdm's bar in a
     terminal; elsewhere (DVC's captured output, the Prefect logs) a plain line every `every`
     seconds and one at the end, never a redraw per file (a quick decode is one line)."""
@@ -377,12 +377,12 @@ def decode_into(
 
     Files are decoded in `workers` processes, each writing its rows of the memory-mapped file;
     arrays are decoded in this one. `progress(n)` is called as each n more images are done
-    (default: a `Progress` on stderr). Returns the mask of decoded images, the reason for each
+    (default: a `ProgressBar` on stderr). Returns the mask of decoded images, the reason for each
     rejected index, and a digest of each image's pixels.
     """
     ok = np.zeros(len(images), dtype=bool)
     rejected, digests = {}, [""] * len(images)
-    progress = progress or Progress(len(images))
+    progress = progress or ProgressBar(len(images))
     files = len(images) > 0 and not isinstance(images[0], np.ndarray)
     parallel = workers > 1 and files
     chunks = (

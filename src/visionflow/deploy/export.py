@@ -21,8 +21,9 @@ from visionflow.deploy.inference import (
     Predictor,
     load_predictor,
     module_predictor,
-    normalise,
+    to_input,
 )
+from visionflow.errors import CannotExport
 from visionflow.train.loading import to_model_input
 
 EXPORTER_KEY = "visionflow.exporter"  # in model.onnx: which torch.onnx exporter wrote it
@@ -129,10 +130,6 @@ def check_parity(
     }
 
 
-class CannotExport(RuntimeError):
-    """No ONNX exporter can express the model: nothing else is worth making."""
-
-
 def export_all(
     model: nn.Module, example: torch.Tensor, folder: Path, opset: int, metadata: dict[str, str]
 ) -> tuple[dict[str, Path], str, dict[str, str]]:
@@ -188,7 +185,7 @@ def check_formats(
         if runtime == "onnx":
             parity[runtime] = check_parity(
                 lambda p: eager(to_model_input(torch.from_numpy(p), mean, std).numpy()),
-                lambda p, r=predictor, s=file_spec: r(normalise(p, s)),
+                lambda p, r=predictor, s=file_spec: r(to_input(p, s)),
                 pixels,
                 batch_sizes,
                 *onnx_tol,

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from visionflow.data.decode import FITS, RESIZE, RESIZE_FILTERS, Decode, to_pixels
-from visionflow.errors import DataError
+from visionflow.errors import DataError, ModelError
 
 # torch is imported by the torch runtimes only: the ONNX path runs on ONNX Runtime and NumPy
 
@@ -35,10 +35,6 @@ RUNS_CODE = {
     "torchscript": "TorchScript is a program: loading it runs code stored in the file",
     "pt2": "torch.export.load unpickles some weights with weights_only=False, which can run code",
 }
-
-
-class ModelError(ValueError):
-    """A model file that cannot be used as it is: untrusted code, bad or mismatched metadata."""
 
 
 def preprocess_spec(
@@ -92,12 +88,12 @@ def spec_of(meta: dict) -> dict:
     )
 
 
-def describe(classes: list[str], spec: dict) -> dict[str, str]:
+def file_metadata(classes: list[str], spec: dict) -> dict[str, str]:
     """The metadata written into every exported file."""
     return {CLASSES_KEY: json.dumps(classes), PREPROCESS_KEY: json.dumps(spec, sort_keys=True)}
 
 
-def normalise(pixels: np.ndarray, spec: dict) -> np.ndarray:
+def to_input(pixels: np.ndarray, spec: dict) -> np.ndarray:
     """uint8 NHWC -> float32 NCHW, as in training (`loading.to_model_input`), in NumPy."""
     mean = np.asarray(spec["mean"], np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(spec["std"], np.float32).reshape(1, -1, 1, 1)
@@ -242,7 +238,7 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
         raise ModelError(
             f"{path}: its weights do not fit the network its meta describes: {words[:300]}"
         ) from None
-    return module_predictor(model), describe(meta["classes"], spec_of(meta))
+    return module_predictor(model), file_metadata(meta["classes"], spec_of(meta))
 
 
 def meta_problems(meta, models) -> str:

@@ -33,7 +33,7 @@ from onnxruntime.quantization import (
 )
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-from visionflow.deploy.inference import QUANTIZATION_KEY, Predictor, normalise
+from visionflow.deploy.inference import QUANTIZATION_KEY, Predictor, to_input
 
 METHODS = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy}
 EVAL_BATCH = 256  # test images per ONNX Runtime call while scoring: bounded memory at any size
@@ -58,7 +58,7 @@ class CalibrationImages(CalibrationDataReader):
         if self.next >= len(self.pixels):
             return None
         self.next += 1
-        return {self.input_name: normalise(self.pixels[self.next - 1 : self.next], self.spec)}
+        return {self.input_name: to_input(self.pixels[self.next - 1 : self.next], self.spec)}
 
 
 @contextmanager
@@ -118,7 +118,7 @@ def top1(predictor: Predictor, pixels: np.ndarray, spec: dict) -> np.ndarray:
     """The top-1 class index per image, in batches of EVAL_BATCH (pixels may be memory-mapped)."""
     return np.concatenate(
         [
-            predictor(normalise(np.asarray(pixels[s : s + EVAL_BATCH]), spec)).argmax(1)
+            predictor(to_input(np.asarray(pixels[s : s + EVAL_BATCH]), spec)).argmax(1)
             for s in range(0, len(pixels), EVAL_BATCH)
         ]
     )

@@ -11,7 +11,7 @@
 
 Starlette on uvicorn (a standard ASGI stack) in one process. Each request's image is decoded in a
 pool of threads (Pillow and ONNX Runtime release the GIL) with the exact code and metadata
-`visionflow predict` uses (`inference.load_images`, `normalise`), so the same file gives the same
+`visionflow predict` uses (`inference.load_images`, `to_input`), so the same file gives the same
 pixels; the body is spooled to a private temporary file for it. Decoded images wait in one queue:
 a batch runs as soon as `max_batch` images are waiting, `window` has passed since its first one,
 or no other request is on its way (one client pays no window). Batches run one at a time on ONNX
@@ -74,7 +74,7 @@ from visionflow.deploy.inference import (
     file_format,
     load_images,
     load_predictor,
-    normalise,
+    to_input,
     top_k,
 )
 
@@ -100,7 +100,7 @@ class Settings(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Model:
+class ServedModel:
     """A loaded, validated model and what identifies it."""
 
     path: Path
@@ -135,7 +135,7 @@ def file_stat(path: Path) -> tuple | None:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def load_model(path: Path, scratch: Path) -> Model:
+def load_served(path: Path, scratch: Path) -> ServedModel:
     """Load `path` and validate it fully, from a snapshot of its bytes (so the bytes hashed are
     the bytes run, even while someone replaces the file); any problem is a ModelError naming
     `path`, a file changing meanwhile is Changing."""
@@ -174,7 +174,7 @@ def load_model(path: Path, scratch: Path) -> Model:
         snapshot.unlink(missing_ok=True)
     shape = input_shape(spec)
     quantization = json_or_text(meta.get(QUANTIZATION_KEY))
-    return Model(
+    return ServedModel(
         Path(path), predictor, classes, spec, sha, opset, shape, before, time.time(), quantization
     )
 
@@ -346,10 +346,10 @@ def image_input(path: Path, spec: dict, budget: PixelBudget) -> np.ndarray:
         reason = errors[path].removeprefix(f"cannot decode {path}: ")
         too_big = "max_pixels" in reason or "decompression bomb" in reason
         raise Refused(413 if too_big else 400, reason)
-    return normalise(pixels, spec)
+    return to_input(pixels, spec)
 
 
-def infer(model: Model, number: int, x: np.ndarray) -> np.ndarray:
+def infer(model: ServedModel, number: int, x: np.ndarray) -> np.ndarray:
     """One batch on ONNX Runtime (in the inference thread)."""
     if faults.ACTIVE:
         faults.fault("serve.infer", batch=number, size=len(x))
@@ -368,7 +368,7 @@ class Batcher:
         self.failed, self.failing = 0, None  # batches failed; why the last one did, if it did
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="serve-infer")
 
-    def put(self, model: Model, x: np.ndarray) -> asyncio.Future:
+    def put(self, model: ServedModel, x: np.ndarray) -> asyncio.Future:
         """Queue one image; the future gives its logits and the size of the batch it ran in."""
         done = asyncio.get_running_loop().create_future()
         self.queue.put_nowait((model, x, done))
@@ -557,7 +557,7 @@ async def spool_form(request, dest: Path) -> None:
 class Service:
     """The state of one server: the model served, the batcher, reloads, scratch space."""
 
-    def __init__(self, model: Model, settings: Settings, scratch: Path):
+    def __init__(self, model: ServedModel, settings: Settings, scratch: Path):
         self.model, self.settings, self.scratch = model, settings, scratch
         self.batcher = Batcher(settings.max_batch, settings.window_s)
         # threads, not processes: 0.7 ms less CPU per image (no pickling, no pipes), and
@@ -689,7 +689,7 @@ class Service:
             return
         loop = asyncio.get_running_loop()
         try:
-            model = await loop.run_in_executor(None, load_model, path, self.scratch)
+            model = await loop.run_in_executor(None, load_served, path, self.scratch)
         except Changing:
             return  # being written: the next look tries again
         except ModelError as e:
@@ -855,7 +855,7 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="visionflow-serve-"))
     try:
         try:
-            model = load_model(model_path, scratch)
+            model = load_served(model_path, scratch)
             sock = listen(host, port)
         except (ModelError, Changing) as e:
             print(f"error: {e}", file=sys.stderr)

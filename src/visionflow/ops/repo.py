@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from visionflow.errors import DvcBusy, DvcHung, StageFailed
 from visionflow.ops.project import special_files
 from visionflow.ops.runner import dvc_busy, dvc_command, environment
 from visionflow.params import read_yaml
@@ -17,22 +18,6 @@ from visionflow.params import read_yaml
 DVC_TIMEOUT_S = (
     120.0  # a helper `dvc` call (status, metrics, exp show, queue) that takes longer hangs
 )
-
-
-class StageFailed(RuntimeError):
-    """A stage or a dvc command failed; the message carries the end of its output."""
-
-
-class DvcHung(StageFailed):
-    """A helper dvc command ran past DVC_TIMEOUT_S."""
-
-
-class DvcBusy(RuntimeError):
-    """Another `dvc` process holds the repository's lock (a user's own `dvc` command, say)."""
-
-    @classmethod
-    def at(cls, workdir: Path, what: str) -> "DvcBusy":
-        return cls(f"{what}: another dvc process holds {workdir}/.dvc/tmp/lock")
 
 
 # `dvc ARGS` with the fault point argv[1] first, in the dvc process, so that its timeout applies

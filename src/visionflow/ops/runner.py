@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from visionflow import faults
+from visionflow.errors import NotAProject, Timeout
 from visionflow.ops.project import dvc_root, outs_of, pipeline, preflight
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
@@ -90,15 +91,6 @@ try:
 except (ProcessLookupError, PermissionError):
     pass
 """
-
-
-class NotAProject(RuntimeError):
-    """No `.dvc` folder here or above."""
-
-
-class Timeout(TimeoutError):
-    """A command ran past its time and was stopped with its whole process group (SIGINT, then
-    SIGKILL after the grace period)."""
 
 
 def environment() -> dict[str, str]:

@@ -21,12 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from visionflow import faults
-from visionflow.errors import Unavailable
+from visionflow.errors import NonFiniteLoss, Unavailable
 from visionflow.train.loading import batches, normalise, to_model_input, to_unit
-
-
-class NonFiniteLoss(RuntimeError):
-    """Too many non-finite losses in a row; the message names the epoch and step."""
 
 
 def pick_device(name: str) -> torch.device:

@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from visionflow import faults
+from visionflow.errors import OutOfMemory
 from visionflow.train import health
 from visionflow.train.augment import augment
 from visionflow.train.engine import Split, Step, train_one_epoch
@@ -71,10 +72,6 @@ def stepping(model: nn.Module, world: int, compiled: bool) -> nn.Module:
     and a collective inside forward is one that an out-of-memory there would leave unpaired."""
     net = DistributedDataParallel(model, broadcast_buffers=False) if world > 1 else model
     return torch.compile(net) if compiled else net
-
-
-class OutOfMemory(RuntimeError):
-    """The GPU ran out of memory and no retry was left; the health report has the numbers."""
 
 
 @dataclass
