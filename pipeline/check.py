@@ -37,9 +37,14 @@ def network_problem(t: Train, image_size: int) -> str | None:
         if not Path(t.pretrained).is_file():
             return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
     try:
-        return zoo.size_problem(t.model, image_size, t.pretrained)
+        problem = zoo.size_problem(t.model, image_size, t.pretrained)
     except Unavailable as e:  # an unknown weights name
         return f"train.pretrained: {e}"
+    if problem or not t.pretrained or zoo.is_weights_name(t.pretrained) or t.model == "resnet18":
+        return problem
+    # a file for another architecture, truncated, pickled: said now, not after DVC has
+    # deleted the train stage's results
+    return zoo.fit_problem(t.model, t.pretrained, zoo.input_size(t.model, image_size, t.pretrained))
 
 
 def own_code_problem(model: str) -> str | None:
@@ -78,6 +83,12 @@ def main() -> None:
         problem = network_problem(params.train, params.prepare.image_size)
         if problem:
             raise GateError(problem)
+    t = params.train
+    if t.freeze_epochs >= t.epochs:
+        print(
+            f"check: warning: train.freeze_epochs {t.freeze_epochs} >= train.epochs {t.epochs}: "
+            "the backbone never trains, only the new head"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "params.json").write_text('{"params.yaml": "valid"}\n')
     print("check: params.yaml is valid")

@@ -213,7 +213,7 @@ def network_for(t: Train, d: Data, say) -> dict:
         pre = preprocessing(t.model, t.pretrained)
     except Unavailable as e:
         raise GateError(f"train.pretrained: {e}") from None
-    if pre["interpolation"] != d.meta.resize:
+    if is_weights_name(t.pretrained) and pre["interpolation"] != d.meta.resize:
         say(
             f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes, the cache "
             f"{d.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"

@@ -10,7 +10,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import copy_project, sh, write_params
+from tests.helpers import ROOT, copy_project, sh, write_params
 
 HEAD = ("classifier.3.weight", "classifier.3.bias")  # mobilenet_v3_small's: the new one
 
@@ -99,7 +99,7 @@ def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_pa
         ("inception_v3", "", 64): "train.model: inception_v3 needs inputs of at least 75 px",
         ("swin_t", "", 128): "train.model: swin_t needs inputs of at least 224 px",
         ("efficientnet_b0", "IMAGENET1K_V9", 64): "train.pretrained: efficientnet_b0 has no "
-        "weights 'IMAGENET1K_V9'; it has DEFAULT, IMAGENET1K_V1",
+        "weights 'IMAGENET1K_V9'; it has DEFAULT, IMAGENET1K_V1",  # DEFAULT once
         ("convnext_tiny", "DEFAULT", 64): None,
     }
     for (model, pretrained, size), words in cases.items():
@@ -200,6 +200,47 @@ def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_
     torch.save(get_model("resnet18").state_dict(), tmp_path / "r18.pth")
     with pytest.raises(Unavailable, match=r"does not fit squeezenet1_1: missing features.0.bias"):
         zoo.finetune("squeezenet1_1", 3, 5, 40, ([0.5] * 3, [0.25] * 3), str(tmp_path / "r18.pth"))
+
+
+def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_line(
+    tmp_path, monkeypatch
+):
+    from torchvision.models import get_model
+
+    from pipeline.check import network_problem
+    from visionflow.errors import Unavailable
+    from visionflow.params import Train
+    from visionflow.train import zoo
+
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    net = get_model("squeezenet1_1")
+    weights = net.state_dict()
+    wrapped = {"model": {f"module.{k}": v for k, v in weights.items()}, "epoch": 3}
+    torch.save(wrapped, "reference.pth")  # torchvision's reference scripts, trained under DDP
+    loaded = zoo.read_weights("reference.pth")
+    assert loaded.keys() == weights.keys() and all(
+        torch.equal(loaded[k], weights[k]) for k in loaded
+    )
+    torch.save(net, "whole.pth")  # the whole model, pickled: never unpickled
+    with pytest.raises(
+        Unavailable,
+        match=r"whole.pth holds pickled Python objects .* save model.state_dict\(\) instead",
+    ):
+        zoo.read_weights("whole.pth")
+    torch.save(get_model("resnet18").state_dict(), "r18.pth")
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+    cases = {  # before any stage runs (DVC deletes a stage's results as it starts it)
+        "reference.pth": None,
+        "r18.pth": "train.pretrained: r18.pth does not fit squeezenet1_1: missing features.0.bias",
+        "whole.pth": "train.pretrained: whole.pth holds pickled Python objects",
+    }
+    for name, words in cases.items():
+        problem = network_problem(
+            Train(**{**base, "model": "squeezenet1_1", "pretrained": name}), 64
+        )
+        assert (problem or "").startswith(words or ""), problem
+        assert (problem is None) == (words is None), problem
 
 
 def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients():

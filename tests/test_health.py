@@ -66,6 +66,23 @@ def test_gradients_out_of_range_are_named_by_layer():
     assert health.gradients(2, {"a": 1.0}, 1e3, 1e-7) is None
 
 
+def test_gradient_norms_leave_out_batchnorm_biases_that_a_following_batchnorm_cancels():
+    import torch
+    from torch import nn
+
+    from visionflow.train.engine import grad_norms
+
+    torch.manual_seed(0)  # as in MobileNet's blocks: BatchNorm -> conv -> BatchNorm
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+    )
+    net(torch.randn(8, 3, 5, 5)).square().mean().backward()
+    assert net[1].bias.grad.abs().max() < 1e-6  # cancelled by the second BatchNorm
+    norms = grad_norms(net)
+    assert "1.bias" not in norms and "3.bias" not in norms  # no false "vanishing" alarm
+    assert {"0.weight", "0.bias", "1.weight", "2.weight", "3.weight"} <= norms.keys()
+
+
 def test_overfitting_names_the_epoch_where_it_began():
     val = [1.0, 0.6, 0.5, 0.55, 0.6, 0.7]
     train = [1.0, 0.5, 0.3, 0.2, 0.1, 0.05]

@@ -362,6 +362,7 @@ def parse_metadata(meta: dict[str, str]) -> tuple[list[str], dict]:
     problems = class_problems(classes) + spec_problems(spec)
     if problems:
         raise ModelError("its metadata is invalid: " + "; ".join(problems))
+    spec.setdefault("fit", "squash")  # made before prepare.fit: squashed, and /metadata says so
     return classes, spec
 
 

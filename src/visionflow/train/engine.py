@@ -106,9 +106,18 @@ def step_scheduler(scheduler, val_loss: float) -> None:
 
 
 def grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of each parameter's gradient, by name (an exploding or vanishing layer shows)."""
+    """L2 norm of each parameter's gradient, by name (an exploding or vanishing layer shows).
+    BatchNorm biases are left out: one whose output reaches the loss through a convolution and
+    another BatchNorm (MobileNet's and EfficientNet's blocks) has no gradient by construction."""
+    shifts = {
+        f"{name}.bias"
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._NormBase)
+    }
     return {
-        name: p.grad.norm().item() for name, p in model.named_parameters() if p.grad is not None
+        name: p.grad.norm().item()
+        for name, p in model.named_parameters()
+        if p.grad is not None and name not in shifts
     }
 
 

@@ -15,6 +15,7 @@ image_size=)`; `check_network` gives it the checks a new model needs (output sha
 
 import difflib
 import importlib
+import pickle
 import re
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def weights_enum(arch: str, name: str):
     try:
         return family[name]
     except KeyError:
-        known = ", ".join(["DEFAULT", *family.__members__])
+        known = ", ".join(["DEFAULT", *(m for m in family.__members__ if m != "DEFAULT")])
         raise Unavailable(f"{arch} has no weights {name!r}; it has {known}") from None
 
 
@@ -158,15 +159,48 @@ def read_weights(source: str) -> dict:
 
             return load_file(path)
         weights = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated, not a state_dict, pickled objects
+    except pickle.UnpicklingError as e:  # Python objects: loading them could run code
+        if "Weights only load failed" not in str(e):
+            raise Unavailable(
+                f"{source} is not a loadable state_dict (UnpicklingError: {e})"
+            ) from None
+        raise Unavailable(
+            f"{source} holds pickled Python objects (a whole model saved with torch.save(model)?), "
+            "which are not loaded (they can run code): save model.state_dict() instead"
+        ) from None
+    except Exception as e:  # truncated, not torch's format
         raise Unavailable(
             f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
         ) from None
-    if isinstance(weights, dict) and isinstance(weights.get("state_dict"), dict):
-        weights = weights["state_dict"]  # a checkpoint that holds one
+    return unwrapped(weights, source)
+
+
+def unwrapped(weights, source: str) -> dict:
+    """The state_dict inside the usual checkpoint layouts: `{"state_dict": ...}` (this
+    project's model.pt, Lightning), `{"model": ...}` (torchvision's reference scripts),
+    `{"model_state_dict": ...}`; keys with `module.` (DDP), `_orig_mod.` (torch.compile) or
+    `net.` (this project's fine-tuned model.pt) before every name lose it."""
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(weights, dict) and isinstance(weights.get(key), dict):
+            weights = weights[key]
+            break
     if not isinstance(weights, dict):
         raise Unavailable(f"{source} holds a {type(weights).__name__}, not a state_dict")
+    for prefix in ("module.", "_orig_mod.", "net."):
+        if weights and all(str(k).startswith(prefix) for k in weights):
+            weights = {k.removeprefix(prefix): v for k, v in weights.items()}
     return weights
+
+
+def fit_problem(arch: str, source: str, size: int) -> str | None:
+    """The line refusing a weights file that cannot be loaded into `arch` (the head aside: its
+    class count is the data's), before any stage has run; None when it fits."""
+    net = build(arch, 2, size)
+    try:
+        load_into(net, arch, read_weights(source), head_keys(arch, 2, net, size), source)
+    except Unavailable as e:
+        return f"train.pretrained: {e}"
+    return None
 
 
 def download(arch: str, name: str) -> dict:
