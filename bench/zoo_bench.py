@@ -169,8 +169,8 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
         file_metadata,
         load_predictor,
         module_predictor,
-        normalise,
         preprocess_spec,
+        to_input,
     )
     from visionflow.train.loading import to_model_input
 
@@ -178,7 +178,7 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
     spec = preprocess_spec(size, 3, MEAN, STD)
     metadata = file_metadata([f"class{i}" for i in range(CLASSES)], spec)
     pixels = random_pixels(PARITY_IMAGES, size, seed=1)
-    example = torch.from_numpy(normalise(pixels, spec))
+    example = torch.from_numpy(to_input(pixels, spec))
     path = folder / "model.onnx"
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
@@ -193,7 +193,7 @@ def onnx_parity(model, size: int, folder: Path, e) -> tuple[dict, Path, dict, di
     mean, std = torch.tensor(MEAN), torch.tensor(STD)
     parity = check_parity(
         lambda p: eager(to_model_input(torch.from_numpy(p), mean, std).numpy()),
-        lambda p: predictor(normalise(p, file_spec)),
+        lambda p: predictor(to_input(p, file_spec)),
         pixels,
         sorted({1, 3, PARITY_IMAGES}),
         e.onnx_rtol,
@@ -215,7 +215,7 @@ def int8(path: Path, size: int, spec: dict, metadata: dict) -> dict:
     """quantize_onnx, then the INT8 file against the fp32 one on random images."""
     import numpy as np
 
-    from visionflow.deploy.inference import load_predictor, normalise
+    from visionflow.deploy.inference import load_predictor, to_input
     from visionflow.deploy.quantize import quantize_onnx
 
     out = path.with_name("model.int8.onnx")
@@ -224,7 +224,7 @@ def int8(path: Path, size: int, spec: dict, metadata: dict) -> dict:
     seconds = time.perf_counter() - start
     fp32 = load_predictor("onnx", path, onnx_options=ort_options())[0]
     q8 = load_predictor("onnx", out, onnx_options=ort_options())[0]
-    x = normalise(random_pixels(AGREEMENT_IMAGES, size, 3), spec)
+    x = to_input(random_pixels(AGREEMENT_IMAGES, size, 3), spec)
     a, b = fp32(x), q8(x)
     return {
         "quantize_s": round(seconds, 2),
@@ -240,11 +240,11 @@ def latency(path: Path, size: int, spec: dict) -> dict:
     """Median ms per call of the fp32 ONNX file at batch 1 (5 calls) and 32 (3, or 1 when a
     call takes over 20 s), one thread."""
     from visionflow.deploy.export import latency_ms
-    from visionflow.deploy.inference import load_predictor, normalise
+    from visionflow.deploy.inference import load_predictor, to_input
 
     run = load_predictor("onnx", path, onnx_options=ort_options())[0]
-    x1 = normalise(random_pixels(1, size, 4), spec)
-    x32 = normalise(random_pixels(32, size, 5), spec)
+    x1 = to_input(random_pixels(1, size, 4), spec)
+    x32 = to_input(random_pixels(32, size, 5), spec)
     start = time.perf_counter()
     run(x32)
     slow = time.perf_counter() - start > 20

@@ -21,7 +21,7 @@ import yaml
 from PIL import Image
 
 from tests.helpers import ROOT, TINY, commit, copy_project, sh, write_params
-from visionflow.deploy.inference import load_predictor, normalise
+from visionflow.deploy.inference import load_predictor, to_input
 from visionflow.deploy.quantize import calibration_sample
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def test_repro_writes_an_int8_model_that_the_onnx_client_runs_unchanged(reproduc
     # the image's range in the file is that of the stage's calibration sample of training images
     spec = load_predictor("onnx", export / "model.int8.onnx")[2]
     train_x = np.load(reproduced_base / "data/prepared/train_x.npy")
-    sample = normalise(calibration_sample(train_x, gate["calibration_images"]), spec)
+    sample = to_input(calibration_sample(train_x, gate["calibration_images"]), spec)
     scale = input_scale(export / "model.int8.onnx")
     assert scale == pytest.approx((sample.max() - min(sample.min(), 0)) / 255, rel=1e-3)
 

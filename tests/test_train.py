@@ -738,7 +738,7 @@ def test_a_split_held_in_memory_loads_without_numpys_not_writable_warning(tmp_pa
     np.save(tmp_path / "train_x.npy", np.zeros((16, 8, 8, 1), np.uint8))  # as the cache writes it
     np.save(tmp_path / "train_y.npy", np.zeros(16, np.int64))
     code = (
-        "import sys, torch; from pathlib import Path; from visionflow import loading; "
+        "import sys, torch; from pathlib import Path; from visionflow.train import loading; "
         "loading.load_for_training(Path(sys.argv[1]), 'train', torch.device('cpu'), 2**30)"
     )
     result = subprocess.run(
