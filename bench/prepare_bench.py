@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from visionflow.data import dataset
+from visionflow.data import dataset, sources
 
 
 def generate(root: Path, count: int, side: int = 128, classes: int = 10) -> None:
@@ -54,7 +54,7 @@ def main() -> None:
         start = time.perf_counter()
         generate(root, args.images, args.source_size)
         print(f"generated {args.images} files in {time.perf_counter() - start:.1f} s")
-        source = dataset.load_source("imagefolder", root)
+        source = sources.load_source("imagefolder", root)
         for path in source.images:  # warm the page cache for both contenders
             path.read_bytes()
 

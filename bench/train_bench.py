@@ -34,7 +34,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision import transforms
 
-from visionflow.data import dataset
+from visionflow.data import dataset, sources, splits
 from visionflow.train import loading
 from visionflow.train.augment import augment
 from visionflow.train.engine import Split, Step, evaluate, make_optimizer, train_one_epoch
@@ -164,12 +164,12 @@ def sync() -> None:
 
 def digits() -> tuple[np.ndarray, ...]:
     """Train and validation split of the digits at SIZE, and the train statistics."""
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     decode = dataset.Decode(SIZE, "grayscale")
     pixels = np.stack([dataset.to_pixels(image, decode) for image in source.images])
-    splits = dataset.split_indices(source.labels, 0.15, 0.2, 0)
-    x, y = pixels[splits["train"]], source.labels[splits["train"]]
-    xv, yv = pixels[splits["val"]], source.labels[splits["val"]]
+    parts = splits.split_indices(source.labels, 0.15, 0.2, 0)
+    x, y = pixels[parts["train"]], source.labels[parts["train"]]
+    xv, yv = pixels[parts["val"]], source.labels[parts["val"]]
     return x, y, xv, yv, *dataset.channel_stats(x)
 
 

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import run, staged
-from visionflow.data import archive, dataset
+from visionflow.data import archive, dataset, sources
 from visionflow.errors import DataError
 from visionflow.params import Params, load_params
 
@@ -60,9 +60,9 @@ def build(params: Params, out: Path) -> dict:
         if p.source == "imagefolder" and archive.is_archive(path):
             path = archive.extract(path, tmp, p.max_extract_mb * 2**20)
             print(f"prepare: extracted {p.path} safely into {tmp}")
-        source = dataset.load_source(p.source, path, p.download)
+        source = sources.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
-        for warning in dataset.look_alike_classes(source.classes):
+        for warning in sources.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
         return dataset.build_cache(
             source,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow.data import dataset
+from visionflow.data import dataset, splits
 from visionflow.deploy import viz
 from visionflow.params import load_params
 from visionflow.train import loading
@@ -27,7 +27,7 @@ def scan(cache: Path, classes: list[str]) -> dict:
     """Counts per split and class; label range and image/label count mismatches are errors."""
     expected = json.loads((cache / "manifest.json").read_text())["counts"]
     report = {"num_classes": len(classes), "splits": {}}
-    for split in dataset.SPLITS:
+    for split in splits.SPLITS:
         x, y = dataset.read_split(cache, split, mmap=True)
         if len(x) != len(y):
             raise GateError(f"{split}: {len(x)} images but {len(y)} labels")

@@ -58,9 +58,9 @@ def write_idx(path: Path, array: np.ndarray) -> None:
 def digits_cache(out: Path, source=None, val_fraction: float = 0.15) -> Path:
     """A real cache at `out`: scikit-learn's digits (or `source`) at 8x8 grayscale, split as the
     shipped params split them."""
-    from visionflow.data import dataset
+    from visionflow.data import dataset, sources
 
-    source = source or dataset.load_source("digits", None)
+    source = source or sources.load_source("digits", None)
     decode = dataset.Decode(8, "grayscale")
     dataset.build_cache(source, out, decode, val_fraction=val_fraction, test_fraction=0.2, seed=0)
     return out

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import solid
-from visionflow.data import archive, dataset
+from visionflow.data import archive, dataset, sources, splits
 from visionflow.train import loading
 
 RGB8 = dataset.Decode(8, "rgb")
@@ -34,14 +34,14 @@ def build(source, out, decode=RGB8, **kwargs):
 
 
 def test_digits_is_the_real_offline_dataset():
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     assert len(source.labels) == 1797 and source.classes == [str(i) for i in range(10)]
     pixels = dataset.to_pixels(source.images[0], dataset.Decode(16, "grayscale"))
     assert pixels.shape == (16, 16, 1) and pixels.dtype == np.uint8 and pixels.max() > 200
 
 
 def test_imagefolder_classes_files_and_pixels(image_folder):
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "green", "red"]  # sorted; .ipynb_checkpoints is no class
     assert np.bincount(source.labels).tolist() == [8, 8, 8]  # nested .jpg count; hidden files don't
     assert ".hidden.png" not in " ".join(source.names)
@@ -62,9 +62,9 @@ def test_imagefolder_classes_files_and_pixels(image_folder):
 def test_imagefolder_empty_or_missing_class_is_named(image_folder, tmp_path):
     (image_folder / "zebra").mkdir()
     with pytest.raises(dataset.DataError, match="class 'zebra'"):
-        dataset.load_source("imagefolder", image_folder)
+        sources.load_source("imagefolder", image_folder)
     with pytest.raises(dataset.DataError, match="nothing-here"):
-        dataset.load_source("imagefolder", tmp_path / "nothing-here")
+        sources.load_source("imagefolder", tmp_path / "nothing-here")
 
 
 def test_class_below_min_per_class_is_named(image_folder, tmp_path):
@@ -73,7 +73,7 @@ def test_class_below_min_per_class_is_named(image_folder, tmp_path):
         *(image_folder / "green").rglob("*.jpg"),
     ]:
         f.unlink()  # green keeps 0.png and 1.png
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     with pytest.raises(dataset.DataError, match=r"minimum of 5 images: \{.green.: 2\}"):
         build(source, tmp_path / "out", min_per_class=5)
 
@@ -89,7 +89,7 @@ def test_links_are_never_followed_so_no_image_gets_two_labels(image_folder, tmp_
     (image_folder / "red" / "dangling.png").symlink_to(tmp_path / "gone.png")
     (image_folder / "red_alias").symlink_to(image_folder / "red")
     (image_folder / "blue" / "loop").symlink_to(image_folder)
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "green", "red"]
     links = [
         "blue/loop",
@@ -115,14 +115,14 @@ def test_a_class_of_links_only_says_its_links_were_skipped(image_folder, tmp_pat
     with pytest.raises(
         dataset.DataError, match=r"class 'links' .* no image files \(1 links skipped"
     ):
-        dataset.load_source("imagefolder", image_folder)
+        sources.load_source("imagefolder", image_folder)
 
 
 def test_a_single_class_is_refused_before_anything_trains(image_folder, tmp_path):
     """Before, one class trained to test accuracy 1.0000 and exported a 1-class model."""
     for name in ("blue", "green"):
         shutil.rmtree(image_folder / name)
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     with pytest.raises(
         dataset.DataError, match=r"1 class \(red\): a classifier needs at least two"
     ):
@@ -140,7 +140,7 @@ def bad_files(folder):
 
 def test_bad_files_are_rejected_with_a_reason_each(image_folder, tmp_path):
     bad_files(image_folder / "red")
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     manifest = build(source, tmp_path / "out", dedupe=False)
     rejects = json.loads((tmp_path / "out/rejects.json").read_text())
     files = rejects["files"]
@@ -154,7 +154,7 @@ def test_bad_files_are_rejected_with_a_reason_each(image_folder, tmp_path):
 
 def test_too_many_bad_files_fail_listing_them(image_folder, tmp_path):
     bad_files(image_folder / "red")
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     with pytest.raises(dataset.DataError) as e:
         build(source, tmp_path / "out", max_bad_fraction=0.05)
     assert "6 of 30 files rejected" in str(e.value) and "red/truncated.jpg" in str(e.value)
@@ -216,7 +216,7 @@ def test_only_allowed_formats_are_opened(tmp_path):
 
 
 def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folder, tmp_path):
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     build(source, tmp_path / "serial", workers=1)
     build(source, tmp_path / "parallel", workers=2)
     names = sorted(p.name for p in (tmp_path / "serial").iterdir())
@@ -234,8 +234,8 @@ def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folde
 DIES = """
 import sys
 from pathlib import Path
-from visionflow.data import dataset
-source = dataset.load_source("imagefolder", Path(sys.argv[1]))
+from visionflow.data import dataset, sources
+source = sources.load_source("imagefolder", Path(sys.argv[1]))
 try:
     dataset.build_cache(source, Path(sys.argv[2]), dataset.Decode(8, "rgb"), val_fraction=0.25,
                      test_fraction=0.25, seed=0, workers=2, max_bad_fraction=0.5)
@@ -265,7 +265,7 @@ def test_a_decoding_process_that_dies_is_one_clear_error_not_a_hang(image_folder
 def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, tmp_path, capsys):
     """DVC's captured output and the Prefect logs get a few lines with the count, the rate and
     the time left, not a progress bar redrawn per file."""
-    build(dataset.load_source("imagefolder", image_folder), tmp_path / "out")
+    build(sources.load_source("imagefolder", image_folder), tmp_path / "out")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decode")]
     assert "\r" not in "".join(lines) and lines  # the end, and a line every 5 s before it
     progress = dataset.ProgressBar(24, every=0)  # a line at every step: each says count, rate, left
@@ -278,10 +278,10 @@ def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, 
 
 
 def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
-    splits = {"train": np.array([0, 1]), "val": np.array([2, 3]), "test": np.array([4, 5])}
+    parts = {"train": np.array([0, 1]), "val": np.array([2, 3]), "test": np.array([4, 5])}
     digests = ["a", "b", "a", "c", "c", "d"]  # 2 repeats train's 0; 4 repeats val's 3
     names = [f"img{i}" for i in range(6)]
-    kept, report = dataset.find_duplicates(splits, digests, names, remove=True)
+    kept, report = splits.find_duplicates(parts, digests, names, remove=True)
     assert report["across_splits"] == 2 and report["removed"] == 2
     assert {(p["image"], p["same_as"]) for p in report["pairs"]} == {
         ("img2", "img0"),
@@ -292,7 +292,7 @@ def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
         and kept["test"].tolist() == [5]
         and kept["train"].tolist() == [0, 1]
     )
-    kept, report = dataset.find_duplicates(splits, digests, names, remove=False)
+    kept, report = splits.find_duplicates(parts, digests, names, remove=False)
     assert report["removed"] == 0 and kept["val"].tolist() == [2, 3]
 
 
@@ -301,12 +301,12 @@ def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_pat
         (image_folder / "red" / f"copy{i}.png").write_bytes(
             (image_folder / "red/0.png").read_bytes()
         )
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     manifest = build(source, tmp_path / "out", dedupe=True)
     duplicates = json.loads((tmp_path / "out/duplicates.json").read_text())
     assert duplicates["across_splits"] == manifest["duplicates"] > 0
     seen = set()
-    for split in dataset.SPLITS:  # no val or test image equals one of an earlier split
+    for split in splits.SPLITS:  # no val or test image equals one of an earlier split
         rows = {row.tobytes() for row in dataset.read_split(tmp_path / "out", split)[0]}
         assert not rows & seen, split
         seen |= rows
@@ -314,33 +314,33 @@ def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_pat
 
 def test_torchvision_sources_read_a_local_copy(mnist_root):
     for name in ("mnist", "fashion_mnist"):
-        source = dataset.load_source(name, mnist_root, download=False)
+        source = sources.load_source(name, mnist_root, download=False)
         assert len(source.labels) == 60 and len(source.classes) == 10
         assert source.is_test.sum() == 20
-        splits = dataset.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
-        assert np.array_equal(splits["test"], np.arange(40, 60))  # the official test split is kept
-        assert len(splits["val"]) == 10 and len(splits["train"]) == 30
+        parts = splits.split_indices(source.labels, 0.25, 0.2, 0, source.is_test)
+        assert np.array_equal(parts["test"], np.arange(40, 60))  # the official test split is kept
+        assert len(parts["val"]) == 10 and len(parts["train"]) == 30
 
 
 def test_cifar10_missing_copy_is_a_clear_error(tmp_path):
     with pytest.raises(dataset.DataError, match=r"cifar10 not usable .*downloading is off"):
-        dataset.load_source("cifar10", tmp_path, download=False)
+        sources.load_source("cifar10", tmp_path, download=False)
 
 
 def test_split_is_stratified_disjoint_and_seeded():
     labels = np.repeat(np.arange(4), 50)
-    splits = dataset.split_indices(labels, 0.25, 0.2, seed=1)
-    everything = np.concatenate(list(splits.values()))
+    parts = splits.split_indices(labels, 0.25, 0.2, seed=1)
+    everything = np.concatenate(list(parts.values()))
     assert sorted(everything.tolist()) == list(range(200))  # disjoint and complete
-    for index in splits.values():
+    for index in parts.values():
         counts = np.bincount(labels[index], minlength=4)
         assert counts.max() - counts.min() <= 1  # each class in the same share
-    again = dataset.split_indices(labels, 0.25, 0.2, seed=1)
-    other = dataset.split_indices(labels, 0.25, 0.2, seed=2)
-    assert all(np.array_equal(splits[s], again[s]) for s in splits)
-    assert not np.array_equal(splits["test"], other["test"])
+    again = splits.split_indices(labels, 0.25, 0.2, seed=1)
+    other = splits.split_indices(labels, 0.25, 0.2, seed=2)
+    assert all(np.array_equal(parts[s], again[s]) for s in parts)
+    assert not np.array_equal(parts["test"], other["test"])
     with pytest.raises(dataset.DataError, match="per-class counts"):
-        dataset.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
+        splits.split_indices(np.array([0, 0, 0, 0, 1]), 0.25, 0.2, seed=0)
 
 
 def test_the_split_is_scikit_learns_index_for_index():
@@ -359,14 +359,14 @@ def test_the_split_is_scikit_learns_index_for_index():
             expected = train_test_split(index, test_size=size, stratify=labels, random_state=seed)
         except ValueError:
             with pytest.raises(ValueError):
-                dataset.stratified_split(index, labels, size, seed)
+                splits.stratified_split(index, labels, size, seed)
             continue
-        got = dataset.stratified_split(index, labels, size, seed)
+        got = splits.stratified_split(index, labels, size, seed)
         assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), case
 
 
 def test_stats_use_the_train_split_only(tmp_path):
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     manifest = build(
         source,
         tmp_path / "a",
@@ -437,7 +437,7 @@ def test_good_archives_extract_to_the_image_folder(tmp_path):
         assert archive.is_archive(path)
         root = archive.extract(path, tmp_path / f"x-{path.name}", max_bytes=10**6)
         assert sorted(p.name for p in root.iterdir()) == ["cat", "dog"]
-        assert dataset.load_source("imagefolder", root).classes == ["cat", "dog"]
+        assert sources.load_source("imagefolder", root).classes == ["cat", "dog"]
 
 
 @pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink", "hardlink", "device"])
@@ -495,26 +495,26 @@ def test_class_folders_equal_once_unicode_normalised_are_refused_naming_both(ima
     nfc, nfd = "caf\u00e9", "cafe\u0301"
     (image_folder / "green").rename(image_folder / "caff")  # sorts between the two forms
     shutil.copytree(image_folder / "red", image_folder / nfd)
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     assert source.classes == ["blue", "caff", nfc, "red"]  # the NFC name, in its NFC place
     labels = dict(zip(source.names, source.labels.tolist(), strict=True))
     assert [labels[n] for n in labels if n.startswith(nfd)] == [2] * 8
     shutil.copytree(image_folder / "red", image_folder / nfc)
     with pytest.raises(dataset.DataError) as refused:
-        dataset.load_source("imagefolder", image_folder)
+        sources.load_source("imagefolder", image_folder)
     message = str(refused.value)
     assert r"'caf\xe9'" in message and r"'cafe\u0301'" in message and str(image_folder) in message
     assert "merge them into one folder or rename one" in message
 
 
 def test_class_names_that_differ_only_by_case_spaces_or_invisible_characters_are_named():
-    found = dataset.look_alike_classes(["Cat", "cat", "dog", "dog\u200b", "bird ", "bird", "ox"])
+    found = sources.look_alike_classes(["Cat", "cat", "dog", "dog\u200b", "bird ", "bird", "ox"])
     assert [w.split(" differ")[0] for w in found] == [
         "classes 'Cat' and 'cat'",
         r"classes 'dog' and 'dog\u200b'",
         "classes 'bird ' and 'bird'",
     ]
-    assert dataset.look_alike_classes(["0", "1", "cat", "dog"]) == []
+    assert sources.look_alike_classes(["0", "1", "cat", "dog"]) == []
 
 
 def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
@@ -533,7 +533,7 @@ def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
             return super().__getattribute__(name)
 
     monkeypatch.setattr(dataset, "ProcessPoolExecutor", Bare)
-    source = dataset.load_source("imagefolder", image_folder)
+    source = sources.load_source("imagefolder", image_folder)
     scratch = tmp_path / "x.npy"
     np.lib.format.open_memmap(
         scratch, mode="w+", dtype=np.uint8, shape=(len(source.images), 8, 8, 3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, digits_cache, write_params
-from visionflow.data import dataset
+from visionflow.data import sources
 from visionflow.params import Health
 from visionflow.train import health
 from visionflow.train.models import build_model
@@ -160,7 +160,7 @@ def test_degenerate_batches_are_told_with_their_numbers():
 def caches(tmp_path_factory):
     """Digits at 8x8: as they are, with shuffled labels, and a tiny subset."""
     root = tmp_path_factory.mktemp("health")
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     rng = np.random.default_rng(0)
     digits_cache(root / "digits", source)
     digits_cache(root / "shuffled", source._replace(labels=rng.permutation(source.labels)))

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,27 @@ def test_simple_cnn_pooling_before_relu_is_the_usual_conv_relu_pool():
     expected = torch.autograd.grad(reference.sum(), list(model.parameters()))
     for a, b in zip(grads, expected, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_scores_are_scikit_learns():
+    """The evaluate stage's scores, computed with NumPy, equal scikit-learn's: a class never
+    predicted and one never present (zero_division=0) included."""
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    from visionflow.train.scores import classification_scores, confusion
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 4, (200,), generator=g)  # class 4 of 5 never present
+    logits = torch.randn(200, 5, generator=g)
+    logits[:, 3] -= 10  # class 3 never predicted
+    got = classification_scores(y, logits, list("abcde"), k=2)
+    p, r, f, support = precision_recall_fscore_support(
+        y.numpy(), logits.argmax(1).numpy(), labels=range(5), zero_division=0
+    )
+    assert got["macro_f1"] == f.mean()  # to the last bit: metrics.json as before
+    assert got["weighted_f1"] == np.average(f, weights=support)
+    for i, name in enumerate("abcde"):
+        wanted = {"precision": p[i], "recall": r[i], "f1": f[i], "support": support[i]}
+        assert got["per_class"][name] == wanted
+    expected = confusion_matrix(y.numpy(), logits.argmax(1).numpy(), labels=range(5))
+    assert (confusion(y, logits, 5) == expected).all()

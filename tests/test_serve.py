@@ -135,7 +135,7 @@ def replace(dest: Path, data: bytes) -> None:
 
 
 def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
-    from visionflow.deploy.serve import load_served, onnx_opset
+    from visionflow.deploy.served import load_served, onnx_opset
 
     for opset in (13, 17, 18):
         path = tiny_onnx(tmp_path / f"m{opset}.onnx", ["a", "b", "c"], opset=opset)
@@ -149,7 +149,7 @@ def test_opset_is_read_from_the_file_as_onnx_reads_it(tmp_path):
 
 
 def test_a_model_that_cannot_be_served_is_refused_naming_the_file(tmp_path):
-    from visionflow.deploy.serve import load_served
+    from visionflow.deploy.served import load_served
 
     bad = {
         "junk.onnx": lambda p: p.write_bytes(b"\x08not a model at all"),
@@ -319,7 +319,7 @@ def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
 
 def fake_model(scale: float):
     """A ServedModel whose network multiplies its input's first two pixels by `scale`."""
-    from visionflow.deploy.serve import ServedModel
+    from visionflow.deploy.served import ServedModel
 
     def predictor(x):
         return x.reshape(len(x), -1)[:, :2] * scale
@@ -330,7 +330,7 @@ def fake_model(scale: float):
 def test_the_batcher_keeps_each_image_with_its_model_and_its_row():
     """Images queued for two models (a reload between them) run as one batch per model, each
     answer is its own image's row, and at most max_batch images are taken at once."""
-    from visionflow.deploy.serve import Batcher
+    from visionflow.deploy.batching import Batcher
 
     async def scenario():
         batcher = Batcher(max_batch=4, window_s=3600)  # an hour: a wait would hang the test
@@ -356,7 +356,9 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
     """Each request of a failed batch gets an error of its own (one shared by all gathered
     every request's traceback: thousands of log lines), and /health is a 503 saying why until
     a batch succeeds again."""
-    from visionflow.deploy.serve import Refused, ServedModel, Service, Settings
+    from visionflow.deploy.batching import Refused
+    from visionflow.deploy.serve import Service, Settings
+    from visionflow.deploy.served import ServedModel
 
     def one_row(x):  # passes the one-image check, broken beyond it
         return x.reshape(len(x), -1)[:1, :2]
@@ -390,7 +392,7 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
 
 
 def test_a_lone_request_does_not_wait_out_the_window():
-    from visionflow.deploy.serve import Batcher
+    from visionflow.deploy.batching import Batcher
 
     async def scenario():
         batcher = Batcher(max_batch=32, window_s=3600)  # an hour: a wait would hang the test
@@ -751,7 +753,7 @@ def test_images_decoding_at_once_stay_within_the_pixel_budget():
     """A tiny upload can decode to hundreds of MB (a 49 Mpx 16-bit PNG of 381 KB took 0.8 GB):
     the pixels decoding at once, over all the threads, stay within --max-pixels; an image that
     does not fit beside the others waits for them, and one alone always goes."""
-    from visionflow.deploy.serve import PixelBudget
+    from visionflow.deploy.batching import PixelBudget
 
     budget, inside, release, seen = PixelBudget(100), threading.Event(), threading.Event(), []
     trying = threading.Event()

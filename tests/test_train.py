@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.helpers import ROOT, write_params
-from visionflow.data import dataset
+from visionflow.data import dataset, sources
 from visionflow.train import checkpoint, health, loading
 from visionflow.train.augment import augment
 from visionflow.train.engine import (
@@ -421,7 +421,7 @@ def test_fingerprint_follows_the_run_and_a_fresh_start_names_what_changed(tmp_pa
 def workdir(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 5, "batch_size": 32}})
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     dataset.build_cache(
         source,
         tmp_path / "prepared",
@@ -704,7 +704,7 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
-    source = dataset.load_source("digits", None)
+    source = sources.load_source("digits", None)
     dataset.build_cache(
         source,
         tmp_path,

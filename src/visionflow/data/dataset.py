@@ -1,4 +1,5 @@
-"""Sources, safe decoding, the stratified split, and the uint8 cache that every later stage reads.
+"""Safe decoding on all cores, and the uint8 cache that every later stage reads (the sources
+are `sources`, the split `splits`).
 
 The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, the class
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
@@ -16,14 +17,12 @@ decoding runs on all cores into memory-mapped arrays, so a dataset larger than R
 import contextlib
 import hashlib
 import json
-import math
 import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import time
-import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
@@ -46,158 +45,9 @@ from visionflow.data.decode import (  # noqa: F401  (data.Decode, data.to_pixels
     to_pixels,
 )
 from visionflow.data.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
+from visionflow.data.sources import Source
+from visionflow.data.splits import find_duplicates, split_indices
 from visionflow.errors import DataError, DiskFull
-
-SPLITS = ("train", "val", "test")
-
-
-class Source(NamedTuple):
-    images: Sequence  # uint8 arrays (HxW or HxWxC) or image file paths, decoded lazily
-    labels: np.ndarray  # int64, one per image
-    classes: list[str]  # class names in label order
-    is_test: np.ndarray | None  # bool mask of an official test split, or None
-    names: list[str]  # stable name per image for reports: path relative to the root, or "#i"
-    skipped: dict[str, str] = {}  # files rejected while listing (name -> reason)
-
-
-def digits_source() -> Source:
-    """scikit-learn's 1,797 real 8x8 handwritten digits (ships with the package, works offline)."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = np.round(digits.images * (255 / 16)).astype(np.uint8)  # ink levels 0..16 -> 0..255
-    classes = [str(c) for c in digits.target_names]
-    names = [f"#{i}" for i in range(len(images))]
-    return Source(images, digits.target.astype(np.int64), classes, None, names)
-
-
-def imagefolder_source(root: Path) -> Source:
-    """One subfolder per class; files in nested folders count for their class.
-
-    Hidden files and folders (`.git`, `.ipynb_checkpoints`) are neither classes nor samples. Links
-    are not followed, files or folders, wherever they point: each is listed as skipped with the
-    reason (rejects.json), so no image gets two labels through an alias (`zero_alias -> zero`), a
-    loop (`loop -> .`) or a file linked into two classes, and what is read is what DVC hashes.
-    Files that are not images by their suffix are skipped too.
-    """
-    if not root.is_dir():
-        raise DataError(f"image folder {root} does not exist or is not a folder")
-    paths, labels, skipped, classes = [], [], {}, []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_symlink():
-            skipped[entry.name] = f"{LINK_SKIPPED} (-> {os.readlink(entry)})"
-        elif entry.is_dir():
-            classes.append(entry.name)
-    if not classes:
-        raise DataError(f"{root} has no class subfolders (expected {root}/<class>/<image files>)")
-    folders, classes = class_names(root, classes)
-    for label, name in enumerate(folders):
-        found = 0
-        for path in sorted((root / name).rglob("*")):  # rglob does not descend into links
-            relative = path.relative_to(root).as_posix()
-            if is_hidden(path, root):
-                continue
-            if path.is_symlink():
-                skipped[relative] = f"{LINK_SKIPPED} (-> {os.readlink(path)})"
-            elif path.is_dir():
-                continue
-            elif path.suffix.lower() not in IMAGE_SUFFIXES:
-                skipped[relative] = f"not an image file type ({path.suffix or 'no suffix'})"
-            else:
-                paths.append(path)
-                labels.append(label)
-                found += 1
-        if not found:
-            links = sum(
-                1
-                for k, why in skipped.items()
-                if k.startswith(f"{name}/") and why.startswith(LINK_SKIPPED)
-            )
-            also = f" ({links} links skipped: links are not followed)" if links else ""
-            raise DataError(f"class '{classes[label]}' ({root / name}) has no image files{also}")
-    names = [p.relative_to(root).as_posix() for p in paths]
-    return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
-
-
-def class_names(root: Path, folders: list[str]) -> tuple[list[str], list[str]]:
-    """(the class folders, their class names), in the order of the names: NFC-normalised, so a
-    folder made on macOS (NFD names) gives the same labels, in the same order, as one made
-    elsewhere. Two folders whose names are equal once normalised are an error naming both,
-    code points shown: they would be two classes of one name."""
-    seen: dict[str, str] = {}
-    for folder in folders:
-        name = unicodedata.normalize("NFC", folder)
-        if name in seen:
-            raise DataError(
-                f"class folders {ascii(seen[name])} and {ascii(folder)} in {root} have the same "
-                f"name {name!r} in different Unicode forms (one was likely copied from macOS): "
-                "merge them into one folder or rename one"
-            )
-        seen[name] = folder
-    names = sorted(seen)
-    return [seen[name] for name in names], names
-
-
-# characters that show as nothing: a folder name holding one looks like another's
-INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
-
-
-def look_alike_classes(classes: list[str]) -> list[str]:
-    """Pairs of class names that differ only by letter case, surrounding spaces, invisible
-    characters or compatibility forms (`Cat` and `cat`, `cat ` and `cat`): one sentence each.
-    A warning, not an error: on Linux they are distinct folders and may be distinct classes."""
-    first: dict[str, str] = {}
-    found = []
-    for name in classes:
-        key = unicodedata.normalize("NFKC", name).translate(INVISIBLE).strip().casefold()
-        if key in first:
-            found.append(
-                f"classes {ascii(first[key])} and {ascii(name)} differ only by letter case, "
-                "spaces or invisible characters: they look alike in every report (and names "
-                "differing by case are one folder on macOS and Windows); if they are one class, "
-                "merge the folders, else rename one"
-            )
-        else:
-            first[key] = name
-    return found
-
-
-TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
-
-
-def torchvision_source(name: str, root: Path, download: bool) -> Source:
-    """A torchvision dataset read from `root` in its standard layout (downloaded there if asked)."""
-    from torchvision import datasets  # imported on use: it costs seconds at every stage start
-
-    dataset_class = getattr(datasets, TORCHVISION[name])
-    parts = []
-    for train in (True, False):
-        try:
-            parts.append(dataset_class(str(root), train=train, download=download))
-        except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
-            if download:
-                raise DataError(f"{name} not usable under {root}: {e}") from None
-            raise DataError(
-                f"{name} not usable under {root}: {e}; downloading is off (turn it on to fetch "
-                "it when online)",
-                setting="download",
-            ) from None
-    images = np.concatenate([np.asarray(p.data, dtype=np.uint8) for p in parts])
-    labels = np.concatenate([np.asarray(p.targets, dtype=np.int64) for p in parts])
-    is_test = np.arange(len(labels)) >= len(parts[0].data)
-    names = [f"{'test' if t else 'train'}#{i}" for i, t in enumerate(is_test)]
-    return Source(images, labels, list(parts[0].classes), is_test, names)
-
-
-def load_source(name: str, path: Path, download: bool = False) -> Source:
-    if name == "digits":
-        return digits_source()
-    if name == "imagefolder":
-        return imagefolder_source(path)
-    return torchvision_source(name, path, download)
-
 
 _worker: dict = {}  # per decoding process: the output memmap and the Decode options
 # images per task handed to a decoding process: large enough that the hand-over (a pickle each
@@ -399,113 +249,6 @@ def decode_into(
                     rejected[index] = reason
             progress(len(results))
     return ok, rejected, digests
-
-
-def approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
-    """How many of `draws` to take from each class: the floor of its share, then one more for the
-    largest remainders, ties broken at random (scikit-learn's `_approximate_mode`, step for step)."""
-    continuous = counts / counts.sum() * draws
-    floored = np.floor(continuous)
-    need = int(draws - floored.sum())
-    remainder = continuous - floored
-    for value in np.sort(np.unique(remainder))[::-1] if need > 0 else []:
-        (tied,) = np.where(remainder == value)
-        now = min(len(tied), need)
-        floored[rng.choice(tied, size=now, replace=False)] += 1
-        need -= now
-        if need == 0:
-            break
-    return floored.astype(int)
-
-
-def stratified_split(
-    index: np.ndarray, labels: np.ndarray, test_size: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(rest, test) of `index`, each class in proportion: the same indices, in the same order, as
-    scikit-learn's `train_test_split(index, test_size=, stratify=labels, random_state=seed)`
-    (tests/test_data.py holds them equal). Written out because importing scikit-learn costs
-    about 1 s of CPU, a third of preparing 2,000 photos on 2 cores (docs/benchmarks.md)."""
-    n_test = math.ceil(test_size * len(index))
-    n_rest = len(index) - n_test
-    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
-    if counts.min() < 2:
-        raise ValueError(f"classes {classes[counts < 2].tolist()} have 1 image: 2 at least")
-    if min(n_rest, n_test) < len(classes):
-        raise ValueError(f"{n_rest} and {n_test} images cannot hold {len(classes)} classes each")
-    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
-    rng = np.random.RandomState(seed)  # the legacy stream: the same draws in every numpy
-    rest_n = approximate_mode(counts, n_rest, rng)
-    test_n = approximate_mode(counts - rest_n, n_test, rng)
-    rest, test = [], []
-    for members, r, t in zip(by_class, rest_n, test_n, strict=True):
-        shuffled = members.take(rng.permutation(len(members)), mode="clip")
-        rest.extend(shuffled[:r])
-        test.extend(shuffled[r : r + t])
-    return index[rng.permutation(rest)], index[rng.permutation(test)]
-
-
-def split_indices(
-    labels: np.ndarray,
-    val_fraction: float,
-    test_fraction: float,
-    seed: int,
-    is_test: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
-    """Stratified train/val/test indices; an official test split is kept as the test split."""
-    index = np.arange(len(labels))
-    try:
-        if is_test is None:
-            pool, test = stratified_split(index, labels, test_fraction, seed)
-        else:
-            pool, test = index[~is_test], index[is_test]
-        train, val = stratified_split(pool, labels[pool], val_fraction, seed)
-    except ValueError as e:  # too few images in a class to stratify
-        counts = np.bincount(labels)
-        raise DataError(
-            f"cannot split {len(labels)} images, per-class counts {counts}: {e}"
-        ) from None
-    return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
-
-
-def find_duplicates(
-    splits: dict[str, np.ndarray], digests: list[str], names: list[str], remove: bool
-) -> tuple[dict[str, np.ndarray], dict]:
-    """Exact duplicates (same cached pixels) across splits; optionally dropped from the later split.
-
-    Train keeps its copy; a val image equal to a train image, or a test image equal to either,
-    leaks. Duplicates inside one split are counted, not removed.
-    """
-    seen: dict[str, tuple[str, int]] = {}
-    pairs, kept, within = [], {}, 0
-    for split in SPLITS:
-        keep, here = [], set()
-        for i in splits[split]:
-            digest = digests[i]
-            first = seen.get(digest)
-            if first and first[0] != split:
-                pairs.append(
-                    {
-                        "split": split,
-                        "image": names[i],
-                        "same_as": names[first[1]],
-                        "same_as_split": first[0],
-                    }
-                )
-                if remove:
-                    continue
-            elif digest in here:
-                within += 1
-            here.add(digest)
-            seen.setdefault(digest, (split, int(i)))
-            keep.append(i)
-        kept[split] = np.array(keep, dtype=np.int64)
-    report = {
-        "across_splits": len(pairs),
-        "removed": len(pairs) if remove else 0,
-        "within_split": within,
-        "pairs": pairs[:1000],
-    }
-    return kept, report
 
 
 def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:

@@ -9,6 +9,7 @@ warnings silenced here and the deprecation stated in docs/export-and-serving.md.
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,18 @@ FILES = {"onnx": "model.onnx", "pt2": "model.pt2", "torchscript": "model.torchsc
 
 
 def export_onnx(
-    model: nn.Module, example: torch.Tensor, path: Path, opset: int, metadata: dict[str, str]
+    model: nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    opset: int,
+    metadata: dict[str, str],
+    program: torch.export.ExportedProgram | None = None,
 ) -> str:
-    """Write `model` (eval, CPU, fp32) with a dynamic batch and metadata; returns the exporter used."""
+    """Write `model` (eval, CPU, fp32) with a dynamic batch and metadata; returns the exporter
+    used. `program`: the model's `exported` program, when made already."""
     names = {"input_names": ["image"], "output_names": ["logits"], "opset_version": opset}
     try:
-        program = exported(model, example)
+        program = program or exported(model, example)
         torch.onnx.export(
             program, (example,), str(path), dynamo=True, external_data=False, verbose=False, **names
         )
@@ -85,9 +92,13 @@ def exported(model: nn.Module, example: torch.Tensor) -> torch.export.ExportedPr
 
 
 def export_pt2(
-    model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
+    model: nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    metadata: dict[str, str],
+    program: torch.export.ExportedProgram | None = None,
 ) -> None:
-    torch.export.save(exported(model, example), str(path), extra_files=metadata)
+    torch.export.save(program or exported(model, example), str(path), extra_files=metadata)
 
 
 def export_torchscript(
@@ -137,12 +148,17 @@ def export_all(
     used, and for each format that cannot express the model, why (one line): some architectures
     do not trace or do not pass torch.export. ONNX, which INT8 and serving need, must be made."""
     paths = {runtime: folder / name for runtime, name in FILES.items()}
+    try:  # made once for ONNX's dynamo exporter and model.pt2 (2 s of a small model's stage)
+        program = exported(model, example)
+    except Exception:  # each says why below (ONNX through the legacy exporter)
+        program = None
     try:
-        exporter = export_onnx(model, example, paths["onnx"], opset, metadata)
+        exporter = export_onnx(model, example, paths["onnx"], opset, metadata, program)
     except Exception as e:  # both exporters failed
         raise CannotExport(f"ONNX cannot express {type(model).__name__}: {one_line(e)}") from None
     unavailable = {}
-    for runtime, write in (("pt2", export_pt2), ("torchscript", export_torchscript)):
+    writers = {"pt2": partial(export_pt2, program=program), "torchscript": export_torchscript}
+    for runtime, write in writers.items():
         try:
             write(model, example, paths[runtime], metadata)
         except Exception as e:  # the format cannot express this model: said, not promoted

@@ -26,7 +26,7 @@ answers a batch with the wrong number of rows is a 500 for that batch's requests
 model file is watched (its stat, every `reload_interval` seconds): a changed file is loaded from
 a snapshot of its bytes and validated fully (`inference.load_predictor`: metadata, shapes, one
 forward pass) before it replaces the model served; a broken one is refused, logged and shown in
-/health while the old one goes on serving. SIGTERM: see `Server`.
+/health while the old one goes on serving. SIGTERM: see `server.Server`.
 
 No torch: it answers its first request 0.3 s after it starts (2 CPU cores). For tests,
 VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FILE exists
@@ -35,52 +35,33 @@ VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FI
 
 import asyncio
 import contextlib
-import ctypes
 import errno
-import hashlib
 import itertools
-import json
 import logging
-import mmap
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
 import time
-import uuid
-import warnings
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import h11
 import numpy as np
 import uvicorn
-from PIL import Image, UnidentifiedImageError
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from visionflow import faults
 from visionflow.data.decode import Decode
+from visionflow.deploy.batching import Batcher, PixelBudget, Refused, image_input, log
 from visionflow.deploy.inference import (
-    NAMES,
-    QUANTIZATION_KEY,
     ModelError,
-    Predictor,
-    file_format,
-    load_images,
-    load_predictor,
-    to_input,
     top_k,
 )
+from visionflow.deploy.served import Changing, ServedModel, file_stat, load_served
+from visionflow.deploy.server import HeadTimeout, Server, listen
 
 MB = 2**20
 RAW_TYPES = ("application/octet-stream",)  # besides image/*: "these are a file's bytes"
-FORMATS = Decode(1, "rgb").formats  # what the decoder opens (PNG, JPEG, ...), as prepare does
 MAX_PIXELS = Decode(1, "rgb").max_pixels  # the decoder refuses larger images anyway
 
 
@@ -97,354 +78,6 @@ class Settings(NamedTuple):
     graceful_s: float = 10.0  # on SIGTERM/SIGINT, how long requests in flight may finish
     body_timeout_s: float = 10.0  # the longest a request body may go without a byte
     max_uploads: int = 32  # request bodies received at once (each up to max_body in $TMPDIR)
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """A loaded, validated model and what identifies it."""
-
-    path: Path
-    predictor: Predictor
-    classes: list[str]
-    spec: dict
-    sha256: str
-    opset: int | None
-    input_shape: list
-    stat: tuple | None  # the file's (inode, size, mtime) when it was read
-    loaded_at: float  # time.time()
-    quantization: dict | str | None = None  # an INT8 file's `visionflow.quantization` record
-
-
-class Refused(Exception):
-    """A request the server will not answer with predictions: an HTTP status and one line."""
-
-    def __init__(self, status: int, reason: str, headers: dict | None = None):
-        super().__init__(reason)
-        self.status, self.headers = status, headers
-
-
-class Changing(Exception):
-    """The model file changed while it was being read (a copy in progress): try again later."""
-
-
-def file_stat(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def load_served(path: Path, scratch: Path) -> ServedModel:
-    """Load `path` and validate it fully, from a snapshot of its bytes (so the bytes hashed are
-    the bytes run, even while someone replaces the file); any problem is a ModelError naming
-    `path`, a file changing meanwhile is Changing."""
-    before = file_stat(path)
-    if before is None or not Path(path).is_file():
-        raise ModelError(f"no model file at {path} (run `dvc repro` first?)")
-    snapshot = scratch / f"model-{uuid.uuid4().hex}.onnx"
-    try:
-        scratch.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
-        shutil.copyfile(path, snapshot)
-        kind = file_format(snapshot)
-        if kind != "onnx":
-            what = NAMES[kind] if kind else "not a model file visionflow exports"
-            raise ModelError(
-                f"{path} is {what}: serve runs ONNX files on ONNX Runtime (no torch); serve "
-                "the model.onnx the export stage writes (`dvc repro export`)"
-            )
-        if file_stat(path) != before:
-            raise Changing(f"{path} changed while it was read")
-        sha, opset, meta = fingerprint(snapshot)
-        predictor, classes, spec = load_predictor("onnx", snapshot, onnx_options=session_options())
-    except (ModelError, ValueError, FileNotFoundError) as e:
-        raise ModelError(str(e).replace(str(snapshot), str(path))) from None
-    except Changing:
-        raise
-    except Exception as e:  # ONNX Runtime's own words for a corrupt or truncated file
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            raise ModelError(
-                f"no room in {scratch} for the copy of {path} that serve loads: free space "
-                "there, or point TMPDIR at a larger disk"
-            ) from None
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        first = first.replace(str(snapshot), str(path))
-        raise ModelError(f"{path} could not be loaded ({type(e).__name__}: {first})") from None
-    finally:
-        snapshot.unlink(missing_ok=True)
-    shape = input_shape(spec)
-    quantization = json_or_text(meta.get(QUANTIZATION_KEY))
-    return ServedModel(
-        Path(path), predictor, classes, spec, sha, opset, shape, before, time.time(), quantization
-    )
-
-
-def fingerprint(path: Path) -> tuple[str, int | None, dict[str, str]]:
-    """The file's sha256, opset and metadata, read through a memory map: a large model is
-    neither held twice in memory nor copied."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        view = memoryview(mapped)
-        try:
-            return hashlib.sha256(view).hexdigest(), onnx_opset(view), onnx_metadata(view)
-        finally:
-            view.release()
-
-
-def json_or_text(value: str | None):
-    """A metadata value as the JSON it should be, or as its text when it is not."""
-    try:
-        return None if value is None else json.loads(value)
-    except ValueError:
-        return value
-
-
-def session_options():
-    """ONNX Runtime's threads sleep between runs: spinning (its default) burned 4-5 ms of CPU
-    per run, a core's worth between requests, taken from the threads that decode images."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
-
-
-def input_shape(spec: dict) -> list:
-    """The input the model takes, N x C x H x W (load_predictor has checked it)."""
-    channels = 1 if spec["color"] == "grayscale" else 3
-    return ["N", channels, spec["image_size"], spec["image_size"]]
-
-
-def onnx_opset(data: bytes | memoryview) -> int | None:
-    """The default-domain opset an ONNX file imports, read from the protobuf's top level
-    (ModelProto field 8, OperatorSetIdProto {1: domain, 2: version}): importing the onnx
-    package for it would cost 0.65 s of start-up."""
-    for field, value in protobuf_fields(data):
-        if field == 8 and not isinstance(value, int):
-            entry = dict(protobuf_fields(value))
-            if entry.get(1, b"") in (b"", b"ai.onnx") and isinstance(entry.get(2), int):
-                return entry[2]
-    return None
-
-
-def onnx_metadata(data: bytes | memoryview) -> dict[str, str]:
-    """The metadata an ONNX file carries (ModelProto field 14, StringStringEntryProto
-    {1: key, 2: value}), read as onnx_opset reads the opset."""
-    meta = {}
-    for field, value in protobuf_fields(data):
-        if field == 14 and not isinstance(value, int):
-            entry = dict(protobuf_fields(value))
-            key, text = entry.get(1, b""), entry.get(2, b"")
-            if not isinstance(key, int) and not isinstance(text, int):
-                meta[bytes(key).decode("utf-8", "replace")] = bytes(text).decode("utf-8", "replace")
-    return meta
-
-
-def protobuf_fields(data: bytes | memoryview):
-    """(field number, value) of a protobuf message's top level: ints for varints, bytes for
-    length-delimited fields (slices of `data`: a memoryview is not copied); fixed-width fields
-    are skipped. Stops at malformed data."""
-    i, n = 0, len(data)
-    while i < n:
-        key, i = varint(data, i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = varint(data, i)
-            yield field, value
-        elif wire == 2:
-            length, i = varint(data, i)
-            if i + length > n:
-                return
-            yield field, data[i : i + length]
-            i += length
-        elif wire in (1, 5):
-            i += 8 if wire == 1 else 4
-        else:
-            return
-
-
-def varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while i < len(data):
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
-    return value, len(data) + 1  # truncated: past the end stops the caller
-
-
-def check_pixels(path: Path, max_pixels: int) -> int:
-    """Refuse (413) an image whose header says it is too large, before anything is decoded;
-    other problems are left to the decoder, which names them. Returns its pixels (0: no
-    header to read)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        try:
-            with Image.open(path, formats=list(FORMATS)) as image:
-                width, height = image.size
-        except Image.DecompressionBombError:
-            raise Refused(
-                413, f"decompression bomb: over the limit of {max_pixels} px (--max-pixels)"
-            ) from None
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
-            return 0
-    if width * height > max_pixels:
-        raise Refused(
-            413,
-            f"{width}x{height} = {width * height} px is over the limit of {max_pixels} px "
-            "(--max-pixels); not decoded",
-        )
-    return width * height
-
-
-TRIM_AFTER_PIXELS = 4_000_000  # a decode this large hands its freed memory back (a few ms)
-
-
-def release_freed_memory() -> None:
-    """Give the memory a large decode freed back to the system. glibc keeps freed memory in
-    each thread's arena: four decoding threads that each once decoded a 49 Mpx image kept 2.4 GB
-    between them, though they decoded one at a time (`PixelBudget`)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-class PixelBudget:
-    """The pixels being decoded at once, over all the decoding threads, kept within `limit`
-    (--max-pixels): an image of the limit's size decodes alone, so memory does not grow with the
-    threads (a 381 KB, 49 Mpx 16-bit PNG took 0.8 GB to decode; four at once 1.7 GB)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used, self.changed = limit, 0, threading.Condition()
-
-    @contextlib.contextmanager
-    def held(self, pixels: int):
-        with self.changed:
-            self.changed.wait_for(lambda: self.used == 0 or self.used + pixels <= self.limit)
-            self.used += pixels
-        try:
-            yield
-        finally:
-            with self.changed:
-                self.used -= pixels
-                self.changed.notify_all()
-
-
-def image_input(path: Path, spec: dict, budget: PixelBudget) -> np.ndarray:
-    """One image file as the model's input (1 x C x H x W), exactly as `visionflow predict`
-    makes it from the model's `spec`; a file that cannot be used is Refused with the decoder's
-    reason. Runs in a decoding thread (Pillow releases the GIL while it decodes), within the
-    budget of pixels decoding at once."""
-    size = check_pixels(path, budget.limit)
-    with budget.held(size):
-        pixels, good, errors = load_images([path], spec)
-    if size > TRIM_AFTER_PIXELS:
-        release_freed_memory()
-    if not good:
-        reason = errors[path].removeprefix(f"cannot decode {path}: ")
-        too_big = "max_pixels" in reason or "decompression bomb" in reason
-        raise Refused(413 if too_big else 400, reason)
-    return to_input(pixels, spec)
-
-
-def infer(model: ServedModel, number: int, x: np.ndarray) -> np.ndarray:
-    """One batch on ONNX Runtime (in the inference thread)."""
-    if faults.ACTIVE:
-        faults.fault("serve.infer", batch=number, size=len(x))
-    return model.predictor(x)
-
-
-class Batcher:
-    """Images from concurrent requests joined into batches for ONNX Runtime."""
-
-    def __init__(self, max_batch: int, window_s: float):
-        self.max_batch, self.window_s = max_batch, window_s
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.coming = 0  # requests admitted whose image is not queued yet
-        self.running = 0  # images in the batch on ONNX Runtime now
-        self.sizes: Counter = Counter()  # batch size -> batches run
-        self.failed, self.failing = 0, None  # batches failed; why the last one did, if it did
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="serve-infer")
-
-    def put(self, model: ServedModel, x: np.ndarray) -> asyncio.Future:
-        """Queue one image; the future gives its logits and the size of the batch it ran in."""
-        done = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait((model, x, done))
-        return done
-
-    async def gather(self) -> list:
-        """The next batch: the first image waiting, then those that join it in time."""
-        loop = asyncio.get_running_loop()
-        batch = [await self.queue.get()]
-        deadline = loop.time() + self.window_s
-        while len(batch) < self.max_batch:
-            if self.queue.empty() and self.coming == 0:
-                break  # nobody else is on the way: waiting would only add latency
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            try:
-                batch.append(await asyncio.wait_for(self.queue.get(), left))
-            except asyncio.TimeoutError:
-                break
-        return batch
-
-    async def run_forever(self) -> None:
-        while True:
-            batch = await self.gather()
-            by_model: dict[int, list] = {}  # a reload may leave images of two models waiting
-            for item in batch:
-                by_model.setdefault(id(item[0]), []).append(item)
-            for items in by_model.values():
-                await self.run(items)
-
-    async def run(self, items: list) -> None:
-        model, number = items[0][0], sum(self.sizes.values()) + 1
-        self.running = len(items)
-        try:
-            x = np.concatenate([x for _, x, _ in items])
-            loop = asyncio.get_running_loop()
-            logits = await loop.run_in_executor(self.pool, infer, model, number, x)
-            if len(logits) != len(items):  # passed validation at batch 1, broken beyond it
-                raise ModelError(
-                    f"{model.path} returned {len(logits)} rows of logits for a batch of "
-                    f"{len(items)} images: the model file is broken (re-export it)"
-                )
-        except Exception as e:  # the runtime or the model failed: each request says so (a
-            # 500, its own exception: one shared would gather every request's traceback), the
-            # log says so once, /health until a batch succeeds, and the batcher goes on
-            self.failed += 1
-            self.failing = f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}"
-            log(self.failing)
-            for _, _, done in items:
-                if not done.done():
-                    done.set_exception(Refused(500, self.failing))
-        else:
-            self.failing = None
-            for row, (_, _, done) in zip(logits, items, strict=True):
-                if not done.done():
-                    done.set_result((row, len(items)))
-        finally:
-            self.running = 0
-            self.sizes[len(items)] += 1
-
-    def stats(self) -> dict:
-        return {
-            "count": sum(self.sizes.values()),
-            "images": sum(size * n for size, n in self.sizes.items()),
-            "sizes": {str(size): n for size, n in sorted(self.sizes.items())},
-            "failed": self.failed,
-            "last_failed": self.failing,  # None once a batch succeeds again
-            "waiting": self.queue.qsize(),
-            "running": self.running,
-            "coming": self.coming,
-        }
-
-
-def log(message: str) -> None:
-    print(f"serve: {message}", file=sys.stderr, flush=True)
 
 
 def media_type(request) -> str:
@@ -763,84 +396,8 @@ def iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
-class HeadTimeout(H11Protocol):
-    """uvicorn's HTTP/1.1, with a deadline for each request head, which uvicorn has not: a
-    client that sent `GET /hea` and nothing more held its connection for good, and enough of
-    them held every file descriptor (the server then answered nobody). The head must be whole
-    within `head_timeout_s` (--body-timeout) of the connection or of the previous answer."""
-
-    head_timeout_s = 10.0  # serve() sets it
-    deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self.arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.deadline is not None and self.conn.their_state is not h11.IDLE:
-            self.deadline.cancel()  # the head is in
-            self.deadline = None
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self.arm()
-
-    def arm(self) -> None:
-        if self.deadline is None and self.conn.their_state is h11.IDLE:
-            self.deadline = self.loop.call_later(self.head_timeout_s, self.head_too_late)
-
-    def head_too_late(self) -> None:
-        self.deadline = None
-        if self.conn.their_state is h11.IDLE:
-            self.timeout_keep_alive_handler()  # closes the connection
-
-
 class Stopped(Exception):
     """SIGTERM, after uvicorn's graceful shutdown."""
-
-
-class Server(uvicorn.Server):
-    """uvicorn's server, stopping without losing a request a client has sent. uvicorn closes
-    each idle kept-alive connection the moment it stops, and a POST a client sent on one just
-    then is lost (16 keep-alive clients lost 6 to 11 POSTs; clients do not retry a POST).
-    Here it stops accepting connections first, then each open one closes after its next answer
-    (which says Connection: close) or, idle, after uvicorn's keep-alive timeout (5 s); then
-    uvicorn's own shutdown (requests in flight finish, within graceful_s in all)."""
-
-    def __init__(self, config: uvicorn.Config, service: Service):
-        super().__init__(config)
-        self.service = service
-
-    async def shutdown(self, sockets=None) -> None:
-        log("stopping: no new connections; each open one closes after its next answer")
-        self.service.stopping = True
-        for server in self.servers:
-            server.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_graceful_shutdown
-        while self.server_state.connections and not self.force_exit and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
-        await super().shutdown(sockets)
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket. Made with proto IPPROTO_TCP, as asyncio makes its own: asyncio
-    sets TCP_NODELAY only on such sockets, and without it every answer on a kept-alive
-    connection waited 40 ms for the client's delayed ACK (socket.create_server's proto is 0)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def url_of(host: str, port: int) -> str:

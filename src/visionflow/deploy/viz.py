@@ -20,21 +20,26 @@ def pick_per_class(labels: np.ndarray, num_classes: int, k: int) -> list[np.ndar
 
 
 def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: int):
-    """One row per class of `k` images (float NCHW in 0..1), each row titled with its class name."""
+    """One row per class of `k` images (float NCHW in 0..1), each row named by its class: one
+    mosaic in one axes (an axes per image made the sanity stage's pictures take 3 s of its 8)."""
     rows = pick_per_class(labels, len(classes), k)
-    fig, axes = plt.subplots(
-        len(classes), k, figsize=(k * 0.9 + 1.2, len(classes) * 0.9), squeeze=False
-    )
-    for row, (name, index) in enumerate(zip(classes, rows, strict=True)):
-        for col in range(k):
-            ax = axes[row, col]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            for spine in ax.spines.values():
-                spine.set_visible(False)
-            if col < len(index):
-                show(ax, images[index[col]])
-        axes[row, 0].set_ylabel(name, rotation=0, ha="right", va="center", fontsize=9)
+    channels, height, width = images.shape[1:]
+    gap = max(1, height // 8)  # white between the images
+    mosaic = np.ones((len(classes) * (height + gap), k * (width + gap), channels))
+    for row, index in enumerate(rows):
+        for col, i in enumerate(index[:k]):
+            top, left = row * (height + gap), col * (width + gap)
+            mosaic[top : top + height, left : left + width] = images[i].transpose(1, 2, 0)
+    fig, ax = plt.subplots(figsize=(k * 0.9 + 1.2, len(classes) * 0.9))
+    pixels = mosaic[:-gap, :-gap]
+    ax.imshow(pixels.squeeze(-1) if channels == 1 else pixels, cmap="gray", vmin=0, vmax=1,
+              interpolation="nearest")  # fmt: skip
+    centres = [row * (height + gap) + (height - 1) / 2 for row in range(len(classes))]
+    ax.set_yticks(centres, classes, fontsize=9)
+    ax.set_xticks([])
+    ax.tick_params(left=False)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
     fig.suptitle("train split as the model sees it (de-normalised), one row per class")
     fig.tight_layout()
     return fig

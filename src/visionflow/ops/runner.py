@@ -52,45 +52,7 @@ FORWARDED: list[int] = []  # SIGINT/SIGTERM this process passed on: it was asked
 HELD: list[int] = []  # the file descriptor of the workspace lock this process holds, if any
 KILLED: list[float] = []  # grace periods after which a stopped group had to be killed
 
-# The reaper: waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
-# however it ends). A line "stop" means the runner has asked the group to stop (the grace period
-# runs from then); "done" means the group has ended. Without "done", the runner died: the reaper
-# keeps the group's output pipe open (drained, so a stage can still print), asks the group to
-# stop with SIGINT if the runner had not, waits out the grace period, then kills the group until
-# none of it is left, zombies included (DVC takes a dead run's lock entry for a live one until its
-# process is reaped), for at most 30 s.
-REAPER = """
-import os, signal, sys, threading, time
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop sent to every process (systemd's
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # control group) must not end the guard
-group, grace, output = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-deadline, done = None, False
-for line in sys.stdin.buffer:
-    if line.strip() == b"stop":
-        deadline = deadline or time.monotonic() + grace
-    done = done or line.strip() == b"done"
-threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(output, 65536), b"")],
-                 daemon=True).start()
-try:
-    if not done:
-        if deadline is None:
-            os.killpg(group, signal.SIGINT)
-            deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            os.killpg(group, 0)
-            time.sleep(0.1)
-    try:
-        from visionflow.ops.runner import kill_family
-    except Exception:  # the group alone, then
-        kill_family = lambda group: None
-    end = time.monotonic() + 30
-    while time.monotonic() < end:
-        kill_family(group)  # torchrun's ranks too, each in a session of its own
-        os.killpg(group, signal.SIGKILL)
-        time.sleep(0.05)
-except (ProcessLookupError, PermissionError):
-    pass
-"""
+REAPER = Path(__file__).with_name("reaper.py")  # run as a script: see its docstring
 
 
 def environment() -> dict[str, str]:
@@ -263,7 +225,7 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
     source = str(Path(__file__).resolve().parents[2])  # src/: the reaper imports `kill_family`
     python_path = os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH"))))
     reaper = subprocess.Popen(
-        [sys.executable, "-c", REAPER, str(process.pid), str(grace_s), str(output)],
+        [sys.executable, str(REAPER), str(process.pid), str(grace_s), str(output)],
         env={**os.environ, "PYTHONPATH": python_path},
         stdin=subprocess.PIPE,
         pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone

@@ -3,6 +3,7 @@ filesystem events (inotify, through watchdog), for the flows' `--watch`: no poll
 so an idle watch over 20,000 images costs no measurable CPU (docs/benchmarks.md).
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -25,6 +26,7 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
     changed: set[Path] = set()  # this burst's paths
     lock = threading.Lock()
     rewatch = threading.Event()
+    gone: set[Path] = set()  # folders (deps or above) that came or went: watched again
 
     class Changes(FileSystemEventHandler):
         def on_any_event(self, event) -> None:
@@ -38,6 +40,8 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
                 # a dep folder, or one above a dep, came or went: its watch is gone or due
                 above = {path for path in paths for dep in deps if dep.is_relative_to(path)}
                 if above:
+                    with lock:
+                        gone.update(above)
                     rewatch.set()
                 hits |= above
             if hits:
@@ -46,11 +50,26 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
                     changed_at[:] = [time.monotonic()]
 
     observer, handler = Observer(), Changes()
+    watched: dict[tuple[Path, bool], object] = {}  # (folder, recursive): its watch
 
     def schedule() -> None:
-        observer.unschedule_all()
-        for folder, recursive in sorted(watch_points(root, deps)):
-            observer.schedule(handler, str(folder), recursive=recursive)
+        """Watch again what went or came back (at or below a folder in `gone`), watch what is
+        new, drop what is no longer there. The other watches are never taken down: a change
+        made meanwhile (right after a run, say) is seen, which unscheduling all first missed."""
+        with lock:
+            came_or_went = list(gone)
+            gone.clear()
+        points = watch_points(root, deps)
+        for point, watch in list(watched.items()):
+            if point not in points or any(point[0].is_relative_to(p) for p in came_or_went):
+                with contextlib.suppress(KeyError):  # watchdog dropped it with its folder
+                    observer.unschedule(watch)
+                del watched[point]
+        for folder, recursive in sorted(points - watched.keys()):
+            with contextlib.suppress(FileNotFoundError):  # gone again: `rewatch` is set again
+                watched[folder, recursive] = observer.schedule(
+                    handler, str(folder), recursive=recursive
+                )
 
     schedule()
     observer.start()

@@ -179,25 +179,25 @@ def train_one_epoch(
     record_losses: int = 0,
 ) -> dict:
     """One shuffled pass: for each optimizer step, for each of its micro-batches, forward, loss,
-    backward; then unscale, clip, step, zero (an fp16 overflow: skipped before the optimizer).
-    Returns the epoch's numbers (`EpochStats.result`).
+    backward; then unscale, clip, step, zero. Returns the epoch's numbers (`EpochStats.totals`).
 
     Each micro-batch's loss is weighted by its share of the step's images, so a step is the mean
     over its images as one big batch would take it (an epoch's last, short micro-batch weighs
     what its images weigh; every rank's shard is the same size, so DDP's mean over ranks is the
     mean over all the step's images). Under DDP the gradients are all-reduced once per step, on
     its last micro-batch (with `step.agree_on_memory`, by hand once every rank had the memory:
-    see Step). A step with a non-finite loss on any rank is skipped whole on every
-    rank; the losses and labels of the first `record_losses` micro-batches are kept for the
-    health checks.
+    see Step). A step is not taken three ways, each its own branch: a non-finite loss on any rank
+    (skipped on every rank), an fp16 overflow (skipped before the optimizer), out of memory
+    (raised on every rank). The first `record_losses` losses and labels go to the health checks.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
-    stats = EpochStats(model, step, split, epoch, record_losses)
+    stats, memory = EpochStats(step, split, epoch, record_losses), MemoryFlag(step.agree_on_memory)
     optimizer.zero_grad(set_to_none=True)
     for group in stats.groups(split.batches(step.batch_size), step.accumulate):  # a step each
+        kept = [b.clone() for b in floating_buffers(model)]  # BatchNorm's, as the step found them
         images = sum(len(y) for _, y in group)  # this rank's; every rank has as many
-        with stats.memory_said():  # DDP + auto_batch: an out-of-memory goes to every rank
+        with memory.said():
             for i, (x, y) in enumerate(group):
                 last = i == len(group) - 1 and not step.agree_on_memory
                 with sync_only_on_last(model, last):
@@ -206,33 +206,87 @@ def train_one_epoch(
                     # as a division, so that equal micro-batches divide by their count, as before
                     scaler.scale(loss / (images / len(y))).backward()
             flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
-        if stats.all_ranks_ok():  # the one sync of the step: finite, in memory, on every rank
-            with stats.memory_said():  # said at the next step's sync, or the epoch's end
+        if not all_ranks_finite(stats.take_finite(), memory, split, stats.where):  # one sync
+            skip_nonfinite(model, kept, stats, step.max_nonfinite)
+        else:
+            with memory.said():  # said at the next step's sync, or the epoch's end
                 if flat is not None:
                     all_reduce_gradients(model, flat, split.world)  # what no_sync held back
                 scaler.unscale_(optimizer)  # the true gradients: checked, clipped, measured
                 if overflowed(optimizer, scaler):  # fp16: skipped before the optimizer sees it
                     stats.overflowed()
                 else:
-                    stats.stepped(
-                        *optimizer_step(model, optimizer, scaler, step, stats.sample_layers)
-                    )
+                    stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample))
                 scaler.update()  # fp16: a lower scale after an overflow, higher after a good run
         optimizer.zero_grad(set_to_none=True)
-    return stats.result()
+    # the epoch's one sync (a last step's out-of-memory with it) before any rank raises: one that
+    totals = stats.totals(memory.raised)  # raised first would leave the others in the all-reduce
+    if totals.pop("out_of_memory"):
+        raise torch.OutOfMemoryError(f"out of memory in epoch {epoch}'s last step")
+    if stats.skipped and not stats.steps:
+        raise NonFiniteLoss(f"no optimizer step of epoch {epoch} had a finite loss; stopping")
+    return totals
+
+
+class MemoryFlag:
+    """Under `step.agree_on_memory`, an out-of-memory in a `said()` block is not raised there but
+    kept, and said to every rank at the next sync (`all_ranks_finite`, or the epoch's totals),
+    where all raise it together: a rank that raised it alone would retry while the others wait
+    in a collective. Otherwise it is raised as it is."""
+
+    def __init__(self, agree: bool):
+        self.agree, self.raised = agree, False
+
+    @contextmanager
+    def said(self):
+        try:
+            yield
+        except torch.OutOfMemoryError:
+            if not self.agree:
+                raise
+            self.raised = True
+
+
+def all_ranks_finite(
+    finite: torch.Tensor | None, memory: MemoryFlag, split: Split, where: str
+) -> bool:
+    """Whether every rank's step was finite: one all-reduce of the finite and out-of-memory
+    flags, so all ranks decide alike (DDP's next all-reduce would hang if one stepped and one did
+    not). Out of memory on any rank raises torch.OutOfMemoryError on every rank."""
+    device = split.mean.device  # made there: the all-reduce's .tolist() is the one sync
+    finite = finite if finite is not None else torch.ones((), dtype=torch.bool)
+    out_of_memory = torch.full((), (split.rank + 1) * memory.raised, device=device)
+    flags = torch.stack([~finite.to(device), out_of_memory]).to(torch.int32)
+    if split.world > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    nonfinite, rank_out_of_memory = flags.tolist()
+    if rank_out_of_memory:
+        raise torch.OutOfMemoryError(f"out of memory on rank {rank_out_of_memory - 1} at {where}")
+    return not nonfinite
+
+
+def skip_nonfinite(model: nn.Module, kept: list, stats: "EpochStats", most: int) -> None:
+    """A step whose loss was not finite on some rank is skipped on every rank: BatchNorm's
+    statistics, which saw it in forward, are put back as the step found them (`kept`); `most`
+    such steps in a row (train.max_nonfinite_steps) raise NonFiniteLoss."""
+    for buffer, saved in zip(floating_buffers(model), kept, strict=True):
+        buffer.copy_(saved)
+    if stats.nonfinite() >= most:
+        raise NonFiniteLoss(
+            f"loss was not finite in {most} optimizer steps in a row ({stats.where}); stopping"
+        )
 
 
 LAYER_NORM_EVERY = 50  # optimizer steps between samples of the per-layer gradient norms
 
 
 class EpochStats:
-    """What the loop measures, kept out of the loop: the loss, accuracy and image sums (summed on
-    the device, without syncs), the first losses and labels, gradient norms, skipped steps, the
-    seconds spent waiting for batches, and the finiteness and memory of each step (`all_ranks_ok`,
-    which also puts BatchNorm's statistics back when a step is skipped)."""
+    """What the loop measures, and nothing it decides: loss, accuracy and image sums (on the
+    device, no syncs), the step's finiteness so far, the first losses and labels, gradient norms,
+    steps taken and skipped, the seconds waiting for batches (with their progress bar)."""
 
-    def __init__(self, model: nn.Module, step: Step, split: Split, epoch: int, record: int):
-        self.model, self.step, self.epoch, self.record = model, step, epoch, record
+    def __init__(self, step: Step, split: Split, epoch: int, record: int):
+        self.step, self.epoch, self.record = step, epoch, record
         self.rank, self.world = split.rank, split.world
         self.images = len(split.y) // split.world  # this rank's shard (`batches`)
         self.sums = torch.zeros(3, device=split.mean.device)  # loss sum, correct, images
@@ -242,9 +296,11 @@ class EpochStats:
         self.first_losses: list[float] = []
         self.first_labels: Counter[int] = Counter()
         self.finite: torch.Tensor | None = None  # the step's losses so far, all finite
-        self.out_of_memory = False
-        self.kept: list[torch.Tensor] = []  # BatchNorm's buffers as the step found them
         self.data_seconds, self.started = 0.0, time.perf_counter()
+
+    @property
+    def where(self) -> str:
+        return f"epoch {self.epoch}, micro-batch {self.micro_batches}"
 
     def groups(self, batches: Iterable, accumulate: int) -> Iterator[list]:
         """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
@@ -254,10 +310,10 @@ class EpochStats:
         for batch in self.timed(batches):
             group.append(batch)
             if len(group) == accumulate:
-                yield self.begin(group)
+                yield group
                 group = []
         if group:
-            yield self.begin(group)
+            yield group
 
     def timed(self, batches: Iterable) -> Iterator:
         total = math.ceil(self.images / self.step.batch_size)  # micro-batches in the epoch
@@ -281,10 +337,6 @@ class EpochStats:
             self.data_seconds += time.perf_counter() - wait
             yield batch
 
-    def begin(self, group: list) -> list:
-        self.kept = [b.clone() for b in floating_buffers(self.model)]
-        return group
-
     def micro_batch(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor):
         """Counts one micro-batch's loss and correct answers (a non-finite one counts 0)."""
         self.micro_batches += 1
@@ -304,83 +356,41 @@ class EpochStats:
         self.sums += ok * torch.stack([c.to(self.sums) for c in counts])
         return loss
 
-    @contextmanager
-    def memory_said(self):
-        """Under `step.agree_on_memory`, an out-of-memory in the block is not raised here but
-        said to every rank at the next sync (the step's flags, or the epoch's sums), where all
-        raise it together: a rank that raised it alone would retry while the others wait in a
-        collective. Otherwise it is raised as it is."""
-        try:
-            yield
-        except torch.OutOfMemoryError:
-            if not self.step.agree_on_memory:
-                raise
-            self.out_of_memory = True
-
-    def all_ranks_ok(self) -> bool:
-        """Whether every rank's step was finite and in memory: one all-reduce of both flags, so
-        all ranks decide alike (DDP's next all-reduce would hang if one stepped and one did
-        not). Out of memory anywhere raises torch.OutOfMemoryError on every rank; a non-finite
-        step is skipped (BatchNorm's statistics, which saw it in forward, put back), and
-        `max_nonfinite` in a row raise NonFiniteLoss."""
-        device = self.sums.device  # made there: the all-reduce's .tolist() is the one sync
-        finite = self.finite if self.finite is not None else torch.ones((), dtype=torch.bool)
-        memory = torch.full((), (self.rank + 1) * self.out_of_memory, device=device)
-        flags = torch.stack([~finite.to(device), memory]).to(torch.int32)
-        if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        nonfinite, out_of_memory = flags.tolist()
-        self.finite = None
-        if out_of_memory:
-            raise torch.OutOfMemoryError(
-                f"out of memory on rank {out_of_memory - 1} at epoch {self.epoch}, "
-                f"micro-batch {self.micro_batches}"
-            )
-        if not nonfinite:
-            self.in_a_row = 0
-            return True
-        for buffer, saved in zip(floating_buffers(self.model), self.kept, strict=True):
-            buffer.copy_(saved)  # BatchNorm saw the NaN in forward: as before the step
-        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
-        if self.in_a_row >= self.step.max_nonfinite:
-            raise NonFiniteLoss(
-                f"loss was not finite in {self.in_a_row} optimizer steps in a row "
-                f"(epoch {self.epoch}, micro-batch {self.micro_batches}); stopping"
-            )
-        return False
+    def take_finite(self) -> torch.Tensor | None:
+        """Whether the step's losses were all finite (on the device); a new step begins."""
+        finite, self.finite = self.finite, None
+        return finite
 
     @property
-    def sample_layers(self) -> bool:
-        # norms cost a pass over the gradients; the first step that went through (an fp16
-        # overflow at step 0 measures nothing) is always sampled
+    def sample(self) -> bool:
+        """Whether this step measures the per-layer norms: they cost a pass over the gradients;
+        the first step that went through (an fp16 overflow at step 0 measures nothing) always."""
         return not self.layers or self.steps % LAYER_NORM_EVERY == 0
 
     def stepped(self, norm: float | None, layers: dict[str, float]) -> None:
         self.layers = layers or self.layers
         self.norms += [norm] if norm is not None else []
-        self.steps += 1
+        self.steps, self.in_a_row = self.steps + 1, 0
 
     def overflowed(self) -> None:
         """An fp16 overflow (the scaler calibrating its scale, not the model's gradients):
         counted as a step and a skipped one, and never measured as a gradient norm."""
-        self.skipped += 1
-        self.steps += 1
+        self.skipped, self.steps, self.in_a_row = self.skipped + 1, self.steps + 1, 0
 
-    def result(self) -> dict:
+    def nonfinite(self) -> int:
+        """Counts a step skipped for a non-finite loss; returns how many in a row."""
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        return self.in_a_row
+
+    def totals(self, out_of_memory: bool) -> dict:
         """Mean train loss and accuracy over every rank's images, gradient norms, counts, the
         first losses and labels, and the seconds waiting for data (`data_seconds`) beside the
-        epoch's."""
-        if self.skipped and not self.steps:
-            raise NonFiniteLoss(
-                f"no optimizer step of epoch {self.epoch} had a finite loss; stopping"
-            )
-        memory = torch.full((1,), float(self.out_of_memory), device=self.sums.device)
-        totals = torch.cat([self.sums, memory])  # a last step's out-of-memory goes with them
+        epoch's; `out_of_memory`, whether any rank's was, goes with the sums' one all-reduce."""
+        memory = torch.full((1,), float(out_of_memory), device=self.sums.device)
+        totals = torch.cat([self.sums, memory])
         if self.world > 1:  # sums over all ranks' shards
             dist.all_reduce(totals)
         loss_sum, correct, seen, out_of_memory = totals.tolist()
-        if out_of_memory:
-            raise torch.OutOfMemoryError(f"out of memory in epoch {self.epoch}'s last step")
         return {
             "loss": loss_sum / max(seen, 1),
             "accuracy": correct / max(seen, 1),
@@ -393,6 +403,7 @@ class EpochStats:
             "first_labels": dict(sorted(self.first_labels.items())),
             "data_seconds": self.data_seconds,
             "seconds": time.perf_counter() - self.started,
+            "out_of_memory": bool(out_of_memory),
         }
 
 

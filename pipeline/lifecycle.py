@@ -1,0 +1,173 @@
+"""A run's lifecycle, and what decides whether training resumes, republishes or starts fresh.
+
+        start ──> staged ──> guarded ──> published ──> recorded ──> pruned
+                    │           │            │
+     Ctrl-C/SIGTERM │  a dep or │  DVC's     │  the next run of the same params, data and code
+     (exit 130) or  │  a param  │  cache is  │  starts fresh; one that finds its run published
+     SIGKILL: the   │  changed  │  full, or  │  but NOT recorded writes the outputs again,
+     state is kept, │  mid-run: │  a kill    │  without training; a larger train.epochs
+     the next run   │  refused  │  while DVC │  extends it
+     resumes        │           │  hashes    │
+                    └───────────┴────────────┴──> restored: DVC deleted the outputs before the
+                         stage ran; `dvc checkout` (ops.runner.restore, which `visionflow repro`
+                         and the flows call) brings back the recorded ones
+
+Where each step lives:
+- staged: every stage writes into `<out>.partial` (`pipeline.staged`); a killed run's is removed
+  by the next.
+- guarded: the params and deps a stage started with (`pipeline.Snapshot`, a stat per file) are
+  checked when it ends, and DVC's cache must have room for its outputs
+  (`pipeline.check_cache_room`).
+- published: the staging folders move into place (`pipeline.publish`), then the
+  `when_published` actions run: train marks its state folder with the md5 of the model.pt it
+  published (`mark_published`, PUBLISHED_FILE).
+- recorded: DVC hashed the outputs into dvc.lock and its cache; the next train run asks
+  (`recorded`).
+- pruned: other configurations' state folders beyond the newest few (`checkpoint.prune`, called
+  by `resume`).
+
+Training's resumable state lives in `<checkpoints>/<fingerprint>/`, the fingerprint a hash of
+`run_of` (the seed, the train params, and the content of the data, the stage's code and the
+pretrained file); `state_to_resume` decides what a run starts from, `resume` applies it.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+
+from pipeline import code_digest
+from visionflow.data.dataset import write_json
+from visionflow.data.files import file_hash
+from visionflow.ops import project
+from visionflow.train import checkpoint
+from visionflow.train.training import Progress
+from visionflow.train.zoo import is_weights_name
+
+
+def run_of(params, cache: Path) -> dict:
+    """What a resumable checkpoint must match (its folder is named by the hash of this, and its
+    run.json keeps it): the seed, train params, and the content of the data, the stage's code and
+    the pretrained file. train.epochs is left out but for the cosine schedule, whose learning rate
+    depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
+    budget resumes a finished run."""
+    t = params.train
+    weights = None if not t.pretrained or is_weights_name(t.pretrained) else Path(t.pretrained)
+    train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
+    hashes = {
+        "data": file_hash(cache / "manifest.json"),
+        "code": code_digest("train"),
+        "pretrained weights": file_hash(weights) if weights else None,
+    }
+    return {"seed": params.seed, "train": train, "hashes": hashes}
+
+
+# why a changed key starts training fresh, where that is not plain from its name
+FRESH_BECAUSE = {"train.epochs": "the cosine schedule's learning rate depends on it"}
+
+
+PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt its run published
+
+
+def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, say):
+    """The state of this fingerprint only, from its own folder (`state_to_resume`); a fresh
+    start otherwise (other configurations' folders beyond the newest few are pruned)."""
+    device = next(trainer.model.parameters()).device
+    state, why, extending = state_to_resume(folder, run, out, epochs, device)
+    best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
+    if state and not checkpoint.readable(best):  # half-deleted or corrupt
+        state, extending = None, False
+        why = (
+            f"not resuming from {folder}: its {best.name} is missing or unreadable; starting fresh"
+        )
+    say(f"train: {why}")
+    if trainer.world > 1:
+        dist.barrier()  # every rank has read the folder before rank 0 changes it
+    if trainer.rank == 0:
+        if state is None:
+            shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
+        if extending:  # no longer the run that published: a kill now leaves a run to resume
+            (folder / PUBLISHED_FILE).unlink()
+        checkpoint.write_run(folder, run)
+        for stray in folder.glob("best-*.pt"):  # written just before a checkpoint that did not
+            if stray != best:
+                stray.unlink()
+        for old in checkpoint.prune(folder.parent, keep=folder):
+            say(f"train: removed the resumable state of another configuration: {old}")
+    if state is None:
+        return Progress()
+    trainer.restore(state)
+    if trainer.scheduler is not None:
+        trainer.scheduler.load_state_dict(state["scheduler"])
+    monitor.load_state_dict(state["health"])
+    return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
+
+
+def state_to_resume(
+    folder: Path, run: dict, out: Path, epochs: int, device
+) -> tuple[dict | None, str, bool]:
+    """(the state to resume or None, a line saying why, whether it extends a finished run).
+
+    A run that finished (published its outputs) is extended when train.epochs grew: only
+    schedules whose first epochs do not depend on the budget share a fingerprint across budgets
+    (`run_of`). Else it is kept until DVC has recorded its outputs: then it is done with, and a
+    new run (`dvc repro -f`) starts fresh; if DVC did not (a full cache, a stop while DVC hashed
+    them), its outputs are written again from it, without training. Without a checkpoint of its
+    own, the line names what changed since the newest other configuration's."""
+    had_state = any(folder.glob("epoch-*.pt"))
+    state, why = checkpoint.load_latest(folder, checkpoint.fingerprint(run), device)
+    if state is None:
+        changed = None
+        if not had_state:  # not some unreadable files (load_latest said so): another config's?
+            changed = checkpoint.why_not_resumed(folder.parent, folder, run, FRESH_BECAUSE)
+        return None, f"starting fresh: {changed}" if changed else why, False
+    if state["epoch"] > epochs:  # a longer run's state, and train.epochs was lowered
+        why = f"not resuming {folder}: its epoch {state['epoch']} is past train.epochs {epochs}"
+        return None, f"{why}; starting fresh", False
+    if not (folder / PUBLISHED_FILE).exists():  # a run that stopped before its end
+        return state, why, False
+    done = recorded(folder, out)
+    budget = state.get("epochs", state["epoch"])  # an early-stopped run did fewer epochs
+    if epochs > budget:
+        kind = "recorded" if done else "finished"
+        return state, f"extending the {kind} {budget}-epoch run to {epochs} epochs: {why}", True
+    if done:
+        why = "the last run of these params, data and code is recorded by DVC; starting fresh"
+        return None, why, False
+    why = (
+        "the last run of these params finished but DVC did not record its outputs (a full "
+        f"cache, a stop while DVC hashed them): {why}; writing them again, without training"
+    )
+    return state, why, False
+
+
+def recorded(folder: Path, out: Path) -> bool:
+    """Whether DVC recorded the model.pt this state folder's run published: dvc.lock names it
+    and DVC's cache holds it."""
+    try:
+        md5 = json.loads((folder / PUBLISHED_FILE).read_text())["model.pt"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return project.recorded(out / "model.pt", md5)
+
+
+def mark_published(folder: Path, out: Path) -> None:
+    write_json(folder / PUBLISHED_FILE, {"model.pt": file_hash(out / "model.pt", "md5")})
+
+
+def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int):
+    checkpoint.save_checkpoint(
+        folder,
+        {
+            **trainer.state(),
+            "epoch": epoch,
+            "fingerprint": folder.name,  # the folder is named by it (`main`)
+            "epochs": epochs,  # the budget: a larger one extends this run
+            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+            "best": progress.best,
+            "stale": progress.stale,
+            "history": progress.history,
+            "health": monitor.state_dict(),
+        },
+    )

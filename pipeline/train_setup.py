@@ -1,0 +1,274 @@
+"""What the train stage builds before its loop, from params.yaml and the cache: the device, the
+data (verified once), the model (a torchvision classifier with its weights' preprocessing, or a
+network of your own with its checks), what model.pt says about it, and what steps it."""
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline import GateError
+from visionflow import faults
+from visionflow.data import dataset
+from visionflow.errors import DataError, Unavailable
+from visionflow.params import Train
+from visionflow.train import from_torchvision, health, loading
+from visionflow.train.engine import Step, amp_dtype, make_optimizer, make_scheduler, pick_device
+from visionflow.train.models import build_model
+from visionflow.train.training import Trainer, stepping
+from visionflow.train.zoo import (
+    FineTune,
+    gradient_check,
+    input_size,
+    is_import_path,
+    is_weights_name,
+    preprocessing,
+)
+
+
+def device_for(t: Train) -> torch.device:
+    try:
+        return pick_device(t.device)
+    except Unavailable as e:
+        raise GateError(f"train.device is {t.device!r}, but {e}") from None
+
+
+@dataclass
+class Data:
+    """The cached splits the loop reads, on the device (or memory-mapped), and their description."""
+
+    x_train: torch.Tensor | np.ndarray
+    y_train: torch.Tensor
+    x_val: torch.Tensor | np.ndarray
+    y_val: torch.Tensor
+    meta: dataset.Cache  # classes, train-split mean/std, background
+
+    @property
+    def channels(self) -> int:
+        return self.x_train.shape[3]
+
+    @property
+    def image_size(self) -> int:
+        return self.x_train.shape[1]
+
+    @property
+    def mapped(self) -> bool:
+        return not torch.is_tensor(self.x_train)
+
+
+def verify_once(cache: Path, rank: int, world: int) -> None:
+    """Rank 0 re-hashes the cache (a flipped byte is an error here, not a silently worse model);
+    under DDP the others take its verdict, so the data is read once and every rank fails alike."""
+    problem = None
+    if rank == 0:
+        if faults.ACTIVE:
+            faults.fault("train.verify", rank=rank)
+        try:
+            dataset.verify_cache(cache)
+        except DataError as e:
+            problem = str(e)
+    if world > 1:
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        problem = verdict[0]
+    if problem:
+        raise DataError(problem)
+
+
+def load_data(cache: Path, t: Train, device: torch.device) -> Data:
+    max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
+    x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
+    x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
+    if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
+        subset = t.overfit_batches * t.batch_size
+        x_train, y_train = x_train[:subset], y_train[:subset]
+        x_val, y_val = x_train, y_train
+    return Data(x_train, y_train, x_val, y_val, dataset.read_cache_meta(cache))
+
+
+def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list, dict]:
+    """The model on the device, the mean/std its inputs are normalised with (the train split's,
+    or those the pretrained weights were trained with) and, for a torchvision classifier, what
+    model.pt records of its network (`network_for`)."""
+    mean, std, network = d.meta.mean, d.meta.std, None
+    if from_torchvision(t.model, t.pretrained):
+        network = network_for(t, d, say)
+        mean, std = network["mean"], network["std"]
+        if d.channels == 1:  # FineTune gives each of the network's channels its own
+            mean, std = [sum(mean) / 3], [sum(std) / 3]
+    try:
+        model = build_model(
+            t.model,
+            d.channels,
+            len(d.meta.classes),
+            d.image_size,
+            t.dropout,
+            t.checkpointing,
+            network,
+            t.pretrained,
+        )
+    except Unavailable as e:
+        raise GateError(f"train.pretrained: {e}") from None
+    except ValueError as e:  # a network of your own that does not build or fit
+        raise GateError(str(e)) from None
+    if t.pretrained and not is_weights_name(t.pretrained):
+        if not Path(t.pretrained).resolve().is_relative_to(Path("data/pretrained").resolve()):
+            say(
+                f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
+                "tracks: DVC will not rerun train when that file changes"
+            )
+    model = model.to(device)
+    if t.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, mean, std, network
+
+
+def network_for(t: Train, d: Data, say) -> dict:
+    """A torchvision classifier's input size (the weights' centre crop of the cache's side) and
+    the 3-channel mean/std it is fed with: its weights', or the train split's from scratch."""
+    if not t.pretrained:
+        return {
+            "input_size": d.image_size,
+            "mean": d.meta.mean * (3 // d.channels),
+            "std": d.meta.std * (3 // d.channels),
+            "weights": None,
+        }
+    try:
+        pre = preprocessing(t.model, t.pretrained)
+    except Unavailable as e:
+        raise GateError(f"train.pretrained: {e}") from None
+    if is_weights_name(t.pretrained) and pre["interpolation"] != d.meta.resize:
+        say(
+            f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes, the cache "
+            f"{d.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
+        )
+    size = input_size(t.model, d.image_size, t.pretrained)
+    return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
+
+
+def checked_network(t: Train, model: nn.Module, d: Data, monitor: health.Monitor) -> None:
+    """A network of your own gets the checks a new model needs: its output shape (build_model's
+    dummy forward) and its gradients against finite differences, which go into health.json."""
+    if not is_import_path(t.model):
+        return
+    result = gradient_check(model, d.channels, d.image_size, len(d.meta.classes))
+    if not result["passed"]:
+        raise GateError(
+            f"train.model: {t.model} fails the gradient check: autograd and finite differences "
+            f"differ by {result['max_relative_error']:.2e} (relative, float64; at most 1e-4)"
+        )
+    monitor.model_check = {"gradient_check": result}
+
+
+def model_metadata(
+    t: Train, seed: int, d: "Data", mean: list, std: list, network: dict | None
+) -> dict:
+    """What model.pt says about itself: plain values only, so it loads with weights_only=True.
+    The export stage's model card states only what this (and the cache) say."""
+    return {
+        "model": t.model,
+        "in_channels": d.channels,
+        "image_size": d.image_size,
+        "dropout": t.dropout,
+        "classes": d.meta.classes,
+        "mean": mean,
+        "std": std,
+        "background": d.meta.background,
+        "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
+        "reducing_gap": d.meta.reducing_gap,  # and resized every image
+        "resize": d.meta.resize,
+        "fit": d.meta.fit,
+        "checkpointing": t.checkpointing,
+        **({"network": network} if network else {}),  # a torchvision classifier's (`network_for`)
+        # where mean/std come from (`model_for`)
+        "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",
+        "train": {
+            "epochs": t.epochs,
+            "batch_size": t.batch_size,
+            "lr": t.lr,
+            "weight_decay": t.weight_decay,
+            "dropout": t.dropout,
+            "seed": seed,
+        },
+    }
+
+
+def trainer_for(
+    model: nn.Module, t: Train, seed: int, rank: int, world: int, image_size: int
+) -> Trainer:
+    """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
+    the generators of the batch order and the augmentation, as train.* says."""
+    device = next(model.parameters()).device
+    net = stepping(model, world, t.compile)
+    groups = None
+    if isinstance(model, FineTune) and t.pretrained:  # the new head, then the backbone
+        backbone_lr = t.lr * t.backbone_lr_factor
+        groups = [{"params": model.head_parameters(), "lr": t.lr}]
+        groups += [{"params": model.backbone(), "lr": backbone_lr}]
+    optimizer = make_optimizer(
+        t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov, groups
+    )
+    scheduler = make_scheduler(
+        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
+    )
+    dtype = amp_dtype(t.amp, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    step = Step(
+        t.batch_size,
+        t.accumulate,
+        t.grad_clip,
+        t.label_smoothing,
+        t.max_nonfinite_steps,
+        dtype,
+        agree_on_memory=t.auto_batch and world > 1,  # every rank retries, or none
+    )
+    shuffle = torch.Generator().manual_seed(seed)
+    augment_rng = torch.Generator().manual_seed(seed + rank)
+    augment = t.augment.model_dump()
+    if isinstance(model, FineTune) and model.size < image_size:
+        augment["resized_crop"] = model.size  # the weights' crop: random while training
+    return Trainer(
+        model,
+        net,
+        optimizer,
+        scheduler,
+        scaler,
+        shuffle,
+        augment_rng,
+        step,
+        augment,
+        t.auto_batch,
+        rank,
+        world,
+        compiled=t.compile,
+    )
+
+
+def starting(t: Train, trainer: Trainer, d: Data, device: torch.device) -> str:
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    return (
+        f"train: {t.model} on {device} x {trainer.world} (amp {trainer.step.dtype or 'off'}), "
+        f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
+        f"{len(d.y_val)} val images, {parameters} parameters"
+    )
+
+
+def degenerate_batches(images: int, batch_size: int, accumulate: int) -> list[str]:
+    """What to tell about batches that make an epoch a single optimizer step, with the numbers."""
+    per_epoch = math.ceil(images / batch_size)
+    found = []
+    if batch_size > images:
+        found.append(
+            f"train.batch_size {batch_size} is more than the {images} training images "
+            "(per process): one batch, one optimizer step per epoch"
+        )
+    if accumulate > per_epoch:
+        found.append(
+            f"train.accumulate {accumulate} is more than the {per_epoch} batches of an "
+            f"epoch: one optimizer step per epoch, over {per_epoch} batches"
+        )
+    return found

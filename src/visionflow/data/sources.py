@@ -1,0 +1,163 @@
+"""Where images come from: a folder of class subfolders (`imagefolder_source`), scikit-learn's
+digits (built in, offline), or a torchvision dataset; each a `Source` of images (arrays or file
+paths) and int64 labels, class names NFC-normalised folder names. Torch-free (torchvision's
+datasets are imported on use)."""
+
+import os
+import unicodedata
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from visionflow.data.decode import IMAGE_SUFFIXES, LINK_SKIPPED, is_hidden
+from visionflow.errors import DataError
+
+
+class Source(NamedTuple):
+    images: Sequence  # uint8 arrays (HxW or HxWxC) or image file paths, decoded lazily
+    labels: np.ndarray  # int64, one per image
+    classes: list[str]  # class names in label order
+    is_test: np.ndarray | None  # bool mask of an official test split, or None
+    names: list[str]  # stable name per image for reports: path relative to the root, or "#i"
+    skipped: dict[str, str] = {}  # files rejected while listing (name -> reason)
+
+
+def digits_source() -> Source:
+    """scikit-learn's 1,797 real 8x8 handwritten digits (ships with the package, works offline)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = np.round(digits.images * (255 / 16)).astype(np.uint8)  # ink levels 0..16 -> 0..255
+    classes = [str(c) for c in digits.target_names]
+    names = [f"#{i}" for i in range(len(images))]
+    return Source(images, digits.target.astype(np.int64), classes, None, names)
+
+
+def imagefolder_source(root: Path) -> Source:
+    """One subfolder per class; files in nested folders count for their class.
+
+    Hidden files and folders (`.git`, `.ipynb_checkpoints`) are neither classes nor samples. Links
+    are not followed, files or folders, wherever they point: each is listed as skipped with the
+    reason (rejects.json), so no image gets two labels through an alias (`zero_alias -> zero`), a
+    loop (`loop -> .`) or a file linked into two classes, and what is read is what DVC hashes.
+    Files that are not images by their suffix are skipped too.
+    """
+    if not root.is_dir():
+        raise DataError(f"image folder {root} does not exist or is not a folder")
+    paths, labels, skipped, classes = [], [], {}, []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink():
+            skipped[entry.name] = f"{LINK_SKIPPED} (-> {os.readlink(entry)})"
+        elif entry.is_dir():
+            classes.append(entry.name)
+    if not classes:
+        raise DataError(f"{root} has no class subfolders (expected {root}/<class>/<image files>)")
+    folders, classes = class_names(root, classes)
+    for label, name in enumerate(folders):
+        found = 0
+        for path in sorted((root / name).rglob("*")):  # rglob does not descend into links
+            relative = path.relative_to(root).as_posix()
+            if is_hidden(path, root):
+                continue
+            if path.is_symlink():
+                skipped[relative] = f"{LINK_SKIPPED} (-> {os.readlink(path)})"
+            elif path.is_dir():
+                continue
+            elif path.suffix.lower() not in IMAGE_SUFFIXES:
+                skipped[relative] = f"not an image file type ({path.suffix or 'no suffix'})"
+            else:
+                paths.append(path)
+                labels.append(label)
+                found += 1
+        if not found:
+            links = sum(
+                1
+                for k, why in skipped.items()
+                if k.startswith(f"{name}/") and why.startswith(LINK_SKIPPED)
+            )
+            also = f" ({links} links skipped: links are not followed)" if links else ""
+            raise DataError(f"class '{classes[label]}' ({root / name}) has no image files{also}")
+    names = [p.relative_to(root).as_posix() for p in paths]
+    return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
+
+
+def class_names(root: Path, folders: list[str]) -> tuple[list[str], list[str]]:
+    """(the class folders, their class names), in the order of the names: NFC-normalised, so a
+    folder made on macOS (NFD names) gives the same labels, in the same order, as one made
+    elsewhere. Two folders whose names are equal once normalised are an error naming both,
+    code points shown: they would be two classes of one name."""
+    seen: dict[str, str] = {}
+    for folder in folders:
+        name = unicodedata.normalize("NFC", folder)
+        if name in seen:
+            raise DataError(
+                f"class folders {ascii(seen[name])} and {ascii(folder)} in {root} have the same "
+                f"name {name!r} in different Unicode forms (one was likely copied from macOS): "
+                "merge them into one folder or rename one"
+            )
+        seen[name] = folder
+    names = sorted(seen)
+    return [seen[name] for name in names], names
+
+
+# characters that show as nothing: a folder name holding one looks like another's
+INVISIBLE = dict.fromkeys(map(ord, "\u200b\u200c\u200d\u2060\ufeff\u00ad"))
+
+
+def look_alike_classes(classes: list[str]) -> list[str]:
+    """Pairs of class names that differ only by letter case, surrounding spaces, invisible
+    characters or compatibility forms (`Cat` and `cat`, `cat ` and `cat`): one sentence each.
+    A warning, not an error: on Linux they are distinct folders and may be distinct classes."""
+    first: dict[str, str] = {}
+    found = []
+    for name in classes:
+        key = unicodedata.normalize("NFKC", name).translate(INVISIBLE).strip().casefold()
+        if key in first:
+            found.append(
+                f"classes {ascii(first[key])} and {ascii(name)} differ only by letter case, "
+                "spaces or invisible characters: they look alike in every report (and names "
+                "differing by case are one folder on macOS and Windows); if they are one class, "
+                "merge the folders, else rename one"
+            )
+        else:
+            first[key] = name
+    return found
+
+
+TORCHVISION = {"cifar10": "CIFAR10", "mnist": "MNIST", "fashion_mnist": "FashionMNIST"}
+
+
+def torchvision_source(name: str, root: Path, download: bool) -> Source:
+    """A torchvision dataset read from `root` in its standard layout (downloaded there if asked)."""
+    from torchvision import datasets  # imported on use: it costs seconds at every stage start
+
+    dataset_class = getattr(datasets, TORCHVISION[name])
+    parts = []
+    for train in (True, False):
+        try:
+            parts.append(dataset_class(str(root), train=train, download=download))
+        except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
+            if download:
+                raise DataError(f"{name} not usable under {root}: {e}") from None
+            raise DataError(
+                f"{name} not usable under {root}: {e}; downloading is off (turn it on to fetch "
+                "it when online)",
+                setting="download",
+            ) from None
+    images = np.concatenate([np.asarray(p.data, dtype=np.uint8) for p in parts])
+    labels = np.concatenate([np.asarray(p.targets, dtype=np.int64) for p in parts])
+    is_test = np.arange(len(labels)) >= len(parts[0].data)
+    names = [f"{'test' if t else 'train'}#{i}" for i, t in enumerate(is_test)]
+    return Source(images, labels, list(parts[0].classes), is_test, names)
+
+
+def load_source(name: str, path: Path, download: bool = False) -> Source:
+    if name == "digits":
+        return digits_source()
+    if name == "imagefolder":
+        return imagefolder_source(path)
+    return torchvision_source(name, path, download)

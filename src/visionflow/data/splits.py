@@ -1,0 +1,117 @@
+"""The stratified train/val/test split (scikit-learn's, step for step, without importing it)
+and the duplicates across splits. Torch-free."""
+
+import math
+
+import numpy as np
+
+from visionflow.errors import DataError
+
+SPLITS = ("train", "val", "test")
+
+
+def approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of `draws` to take from each class: the floor of its share, then one more for the
+    largest remainders, ties broken at random (scikit-learn's `_approximate_mode`, step for step)."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    need = int(draws - floored.sum())
+    remainder = continuous - floored
+    for value in np.sort(np.unique(remainder))[::-1] if need > 0 else []:
+        (tied,) = np.where(remainder == value)
+        now = min(len(tied), need)
+        floored[rng.choice(tied, size=now, replace=False)] += 1
+        need -= now
+        if need == 0:
+            break
+    return floored.astype(int)
+
+
+def stratified_split(
+    index: np.ndarray, labels: np.ndarray, test_size: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rest, test) of `index`, each class in proportion: the same indices, in the same order, as
+    scikit-learn's `train_test_split(index, test_size=, stratify=labels, random_state=seed)`
+    (tests/test_data.py holds them equal). Written out because importing scikit-learn costs
+    about 1 s of CPU, a third of preparing 2,000 photos on 2 cores (docs/benchmarks.md)."""
+    n_test = math.ceil(test_size * len(index))
+    n_rest = len(index) - n_test
+    classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    if counts.min() < 2:
+        raise ValueError(f"classes {classes[counts < 2].tolist()} have 1 image: 2 at least")
+    if min(n_rest, n_test) < len(classes):
+        raise ValueError(f"{n_rest} and {n_test} images cannot hold {len(classes)} classes each")
+    by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
+    rng = np.random.RandomState(seed)  # the legacy stream: the same draws in every numpy
+    rest_n = approximate_mode(counts, n_rest, rng)
+    test_n = approximate_mode(counts - rest_n, n_test, rng)
+    rest, test = [], []
+    for members, r, t in zip(by_class, rest_n, test_n, strict=True):
+        shuffled = members.take(rng.permutation(len(members)), mode="clip")
+        rest.extend(shuffled[:r])
+        test.extend(shuffled[r : r + t])
+    return index[rng.permutation(rest)], index[rng.permutation(test)]
+
+
+def split_indices(
+    labels: np.ndarray,
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    is_test: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Stratified train/val/test indices; an official test split is kept as the test split."""
+    index = np.arange(len(labels))
+    try:
+        if is_test is None:
+            pool, test = stratified_split(index, labels, test_fraction, seed)
+        else:
+            pool, test = index[~is_test], index[is_test]
+        train, val = stratified_split(pool, labels[pool], val_fraction, seed)
+    except ValueError as e:  # too few images in a class to stratify
+        counts = np.bincount(labels)
+        raise DataError(
+            f"cannot split {len(labels)} images, per-class counts {counts}: {e}"
+        ) from None
+    return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
+
+
+def find_duplicates(
+    splits: dict[str, np.ndarray], digests: list[str], names: list[str], remove: bool
+) -> tuple[dict[str, np.ndarray], dict]:
+    """Exact duplicates (same cached pixels) across splits; optionally dropped from the later split.
+
+    Train keeps its copy; a val image equal to a train image, or a test image equal to either,
+    leaks. Duplicates inside one split are counted, not removed.
+    """
+    seen: dict[str, tuple[str, int]] = {}
+    pairs, kept, within = [], {}, 0
+    for split in SPLITS:
+        keep, here = [], set()
+        for i in splits[split]:
+            digest = digests[i]
+            first = seen.get(digest)
+            if first and first[0] != split:
+                pairs.append(
+                    {
+                        "split": split,
+                        "image": names[i],
+                        "same_as": names[first[1]],
+                        "same_as_split": first[0],
+                    }
+                )
+                if remove:
+                    continue
+            elif digest in here:
+                within += 1
+            here.add(digest)
+            seen.setdefault(digest, (split, int(i)))
+            keep.append(i)
+        kept[split] = np.array(keep, dtype=np.int64)
+    report = {
+        "across_splits": len(pairs),
+        "removed": len(pairs) if remove else 0,
+        "within_split": within,
+        "pairs": pairs[:1000],
+    }
+    return kept, report

@@ -1,0 +1,57 @@
+"""The reaper beside each `dvc` group that `runner.start_group` starts, run as a script (not
+imported): `python reaper.py GROUP GRACE_S OUTPUT_FD`.
+
+It waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
+however it ends). A line "stop" means the runner has asked the group to stop (the grace period
+runs from then); "done" means the group has ended. Without "done", the runner died: the reaper
+keeps the group's output pipe open (drained, so a stage can still print), asks the group to
+stop with SIGINT if the runner had not, waits out the grace period, then kills the group until
+none of it is left, zombies included (DVC takes a dead run's lock entry for a live one until its
+process is reaped), for at most 30 s.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop sent to every process (systemd's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # control group) must not end the guard
+    group, grace, output = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    deadline, done = None, False
+    for line in sys.stdin.buffer:
+        if line.strip() == b"stop":
+            deadline = deadline or time.monotonic() + grace
+        done = done or line.strip() == b"done"
+    threading.Thread(
+        target=lambda: [None for _ in iter(lambda: os.read(output, 65536), b"")], daemon=True
+    ).start()
+    try:
+        if not done:
+            if deadline is None:
+                os.killpg(group, signal.SIGINT)
+                deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                os.killpg(group, 0)
+                time.sleep(0.1)
+        try:
+            from visionflow.ops.runner import kill_family
+        except Exception:  # the group alone, then
+
+            def kill_family(group: int) -> None:
+                pass
+
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            kill_family(group)  # torchrun's ranks too, each in a session of its own
+            os.killpg(group, signal.SIGKILL)
+            time.sleep(0.05)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+if __name__ == "__main__":
+    main()
