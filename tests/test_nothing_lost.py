@@ -193,23 +193,6 @@ def test_a_real_change_mid_run_is_refused_and_the_next_run_resumes(project, tmp_
     )
 
 
-def test_a_new_config_never_deletes_the_state_of_the_current_run(project):
-    killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=3:kill")
-    assert killed.returncode != 0
-    first = states(project)[0]
-    write_params(project, {"train": {"lr": 2e-3}})
-    killed = repro(project, "-s", "train", fault="train.epoch_end@epoch=2:kill")
-    assert killed.returncode != 0
-    second = states(project)[0]
-    assert second != first and first.exists()  # each configuration has its own folder
-    assert sorted(p.name for p in second.glob("epoch-*.pt")) == ["epoch-0001.pt", "epoch-0002.pt"]
-    resumed = repro(project, "-s", "train")
-    assert f"resuming from checkpoints/train/{second.name}/epoch-0002.pt" in resumed.stdout
-    write_params(project, {"train": {"lr": 1e-3}})  # back to the first: its state resumes
-    resumed = repro(project, "-f", "-s", "train")
-    assert f"resuming from checkpoints/train/{first.name}/epoch-0003.pt" in resumed.stdout
-
-
 def test_a_code_change_does_not_resume_the_old_codes_checkpoint(project):
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=2:kill")
     assert killed.returncode != 0 and states(project)

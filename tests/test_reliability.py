@@ -10,6 +10,7 @@ and a clean run afterwards succeeds.
 import fcntl
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,19 +69,35 @@ def baseline(reproduced_base) -> dict:
 def test_sigkill_after_epoch_3_resumes_and_equals_an_uninterrupted_run(
     project, baseline, reproduced_base
 ):
+    """Killed after epoch 3, the run resumes there and ends equal to the uninterrupted one, even
+    when another configuration ran meanwhile and was killed too: each configuration keeps its
+    own state folder, and a new one never deletes the state of the current run."""
     killed = repro(
         project, "--force", "--single-item", "train", fault="train.epoch_end@epoch=3:kill"
     )
     assert killed.returncode != 0
     assert same_weights(weights(project), baseline)  # the previous model is in place
-    assert (state_folder(project) / "epoch-0003.pt").exists()
+    first = state_folder(project)
+    assert (first / "epoch-0003.pt").exists()
+
+    write_params(project, {"train": {"lr": 2e-3}})  # another configuration, killed after epoch 2
+    killed = repro(project, "-s", "train", fault="train.epoch_end@epoch=2:kill")
+    assert killed.returncode != 0
+    second = state_folder(project)
+    assert second != first and (first / "epoch-0003.pt").exists()
+    assert sorted(p.name for p in second.glob("epoch-*.pt")) == ["epoch-0001.pt", "epoch-0002.pt"]
+    resumed = repro(project, "-s", "train")
+    assert f"resuming from checkpoints/train/{second.name}/epoch-0002.pt" in resumed.stdout
+    write_params(project, {"train": {"lr": 1e-3}})  # back to the first (shipped): it resumes
+
     assert_resumes_to_the_baseline(project, 3, baseline)
+    assert state_folder(project) == first
     assert live_metrics(project) == live_metrics(reproduced_base)
     curve = (project / "results/train/live/plots/metrics/val/accuracy.tsv").read_text()
     epochs = TINY["train"]["epochs"]
     assert len(curve.splitlines()) == 1 + epochs  # header + every epoch, those before the kill too
     # kept until DVC has recorded what it gave; then the next run of these params starts fresh
-    assert (state_folder(project) / "published.json").exists()
+    assert (first / "published.json").exists()
 
 
 def test_sigkill_while_a_checkpoint_is_written_keeps_the_previous_one(project, baseline):
@@ -125,36 +142,48 @@ def test_a_failed_stage_keeps_its_results_and_lock_and_reruns_alone(project):
 
 
 # Each stop lets the paused step go on by itself: the stage's stop request touches the file.
-AT_EPOCH_2 = "train.loss@epoch=2,step=2:pause={go};train.stop:touch={go}"
+PAUSED_IN_EPOCH = "train.loss@epoch={epoch},step=2:pause={go};train.stop:touch={go}"
+# epoch: the stop that comes in it. One run pays for all three (each stop's run resumes the last).
+STOPS = {2: "ctrl-c", 3: "sigterm", 4: "sigterm-to-all"}
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "sigterm-to-all"])
 def test_ctrl_c_or_sigterm_checkpoint_the_epoch_in_progress_and_the_rerun_resumes(
-    project, tmp_path, baseline, stop
+    project, tmp_path, baseline
 ):
-    run = start(
-        project,
-        "-f",
-        "-s",
-        "train",
-        fault=AT_EPOCH_2.format(go=tmp_path / "go"),
-        **SAFE_POINT_GRACE,
-    )
-    read_until(run, "fault: pause")
-    if stop == "ctrl-c":
-        os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
-    elif stop == "sigterm":
-        os.kill(run.pid, signal.SIGTERM)  # `kill PID`, a cancelled flow run's process
-    else:  # systemd's control-group stop: every process, DVC and the reaper too
-        for process in [psutil.Process(run.pid), *psutil.Process(run.pid).children(True)]:
-            process.send_signal(signal.SIGTERM)
-    output = run.communicate(timeout=300)[0]
-    assert run.returncode != 0 and "Traceback" not in output, output
-    assert "train stopped after epoch 2" in output, output
-    assert "restored the previous results" in output  # DVC lived on, and recorded nothing
-    assert torch.load(state_folder(project) / "epoch-0002.pt", weights_only=True)["epoch"] == 2
-    assert same_weights(weights(project), baseline)
-    assert_resumes_to_the_baseline(project, 2, baseline)
+    """Three stops in a row, each in the epoch after the last one's checkpoint: a terminal's
+    Ctrl-C, `kill PID` (a cancelled flow run's process), systemd's stop of every process. Each
+    finishes and checkpoints its epoch and puts the previous results back; the next run resumes
+    from that checkpoint, and the last one ends equal to the uninterrupted run."""
+    for epoch, stop in STOPS.items():
+        go = tmp_path / f"go-{epoch}"
+        run = start(
+            project,
+            "-f",
+            "-s",
+            "train",
+            fault=PAUSED_IN_EPOCH.format(epoch=epoch, go=go),
+            **SAFE_POINT_GRACE,
+        )
+        seen = read_until(run, "fault: pause")
+        if epoch > 2:  # resumed from the last stop's checkpoint
+            assert re.search(
+                rf"resuming from checkpoints/train/\w+/epoch-{epoch - 1:04d}\.pt", seen
+            )
+        if stop == "ctrl-c":
+            os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+        elif stop == "sigterm":
+            os.kill(run.pid, signal.SIGTERM)  # `kill PID`, a cancelled flow run's process
+        else:  # systemd's control-group stop: every process, DVC and the reaper too
+            for process in [psutil.Process(run.pid), *psutil.Process(run.pid).children(True)]:
+                process.send_signal(signal.SIGTERM)
+        output = seen + run.communicate(timeout=300)[0]
+        assert run.returncode != 0 and "Traceback" not in output, (stop, output)
+        assert f"train stopped after epoch {epoch}" in output, (stop, output)
+        assert "restored the previous results" in output, stop  # DVC lived on, recorded nothing
+        checkpoint = torch.load(state_folder(project) / f"epoch-{epoch:04d}.pt", weights_only=True)
+        assert checkpoint["epoch"] == epoch, stop
+        assert same_weights(weights(project), baseline), stop
+    assert_resumes_to_the_baseline(project, max(STOPS), baseline)
 
 
 def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
