@@ -14,6 +14,9 @@ GFLOPs per image: forward and backward) against `--peak-tflops` (the device's de
 989 for an H100 or H200 SXM).
 
     .venv/bin/python bench/gpu_bench.py --finetune [--images 4096] [--batch 256] [--peak-tflops 989]
+
+`--finetune --device cpu --images 8 --batch 4 --epochs 1` runs the same code on the CPU, to try
+it where no GPU is (its numbers mean nothing there).
 """
 
 import argparse
@@ -65,17 +68,24 @@ def throughput(name, setting, x, y, batch, epochs) -> float:
 RESNET50_TRAIN_GFLOPS = 3 * 4.1  # per 224 px image: forward, and backward at twice that
 
 
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def finetune(args) -> None:
     from visionflow.train import zoo
 
+    device = args.device
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 256, (args.images, 256, 256, 3), dtype=torch.uint8, generator=g).cuda()
-    y = torch.randint(0, 100, (args.images,), generator=g).cuda()
+    x = torch.randint(0, 256, (args.images, 256, 256, 3), dtype=torch.uint8, generator=g)
+    y = torch.randint(0, 100, (args.images,), generator=g)
+    x, y = x.to(device), y.to(device)
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    model = zoo.finetune("resnet50", 3, 100, 224, (mean, std)).cuda()
+    model = zoo.finetune("resnet50", 3, 100, 224, (mean, std)).to(device)
     model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer("sgd", model, 0.01, 1e-4, 0.9, False)
-    norm = torch.tensor(mean, device="cuda"), torch.tensor(std, device="cuda")
+    norm = torch.tensor(mean, device=device), torch.tensor(std, device=device)
 
     def aug(images):
         return augment(images, g, hflip=True, resized_crop=224)
@@ -85,16 +95,17 @@ def finetune(args) -> None:
         train_one_epoch(model, optimizer, split, Step(args.batch, dtype=torch.bfloat16))
 
     epoch()  # warm-up
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for _ in range(args.epochs):
         epoch()
-    torch.cuda.synchronize()
+    sync(device)
     rate = args.epochs * len(x) / (time.perf_counter() - start)
     tflops = rate * RESNET50_TRAIN_GFLOPS / 1000
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else device
     print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}: ResNet-50 fine-tune, 224 px, "
-        f"bf16 + channels_last, batch {args.batch}: {rate:.0f} images/s, {tflops:.0f} TFLOP/s, "
+        f"{name}, torch {torch.__version__}: ResNet-50 fine-tune, 224 px, "
+        f"bf16 + channels_last, batch {args.batch}: {rate:.0f} images/s, {tflops:.1f} TFLOP/s, "
         f"{tflops / args.peak_tflops:.1%} of {args.peak_tflops:.0f}"
     )
 
@@ -106,7 +117,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--finetune", action="store_true", help="ResNet-50 fine-tuning at 224 px")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak")
+    parser.add_argument("--device", default="cuda", help="with --finetune: cpu to try it here")
     args = parser.parse_args()
+    if args.finetune and args.device == "cpu":
+        return finetune(args)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device visible to torch: nothing to measure here")
     if args.finetune:
