@@ -38,6 +38,7 @@ from tests.helpers import (
     sh,
     start,
     trainers,
+    weights,
     write_params,
 )
 
@@ -76,13 +77,34 @@ def results(project: Path) -> dict[str, str]:
     return {str(f.relative_to(project)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 
-def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(project):
+def test_params_edited_mid_run_are_named_and_going_back_restores_from_the_run_cache(
+    project, reproduced_base, tmp_path
+):
+    """params.yaml edited while train runs: the run fails naming the edit, and the recorded
+    results stay. The next run trains the new params. Going back to the earlier params restores
+    their results from DVC's run-cache, with no training, through plain `dvc repro` and
+    `dvc exp run`."""
     before = results(project)
+    lock = (project / "dvc.lock").read_bytes()
+    go = tmp_path / "go"
+    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=1:pause={go}")
+    read_until(run, "fault: pause")
     write_params(project, {"train": {"lr": 3e-3}})
-    assert ran(sh(project, "dvc", "repro").stdout) == ["check", "train", "evaluate", "export"]
+    go.touch()
+    output = run.communicate(timeout=300)[0]
+    assert run.returncode != 0
+    assert "changed while the stage ran: params.yaml train.lr: 0.001 -> 0.003" in output, output
+    assert (project / "dvc.lock").read_bytes() == lock
+    assert same_weights(weights(project), weights(reproduced_base))  # not the mixed run's
+    rerun = repro(project)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert ran(rerun.stdout) == ["check", "train", "evaluate", "export"]
+    recorded = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["train"]
+    assert recorded["params"]["params.yaml"]["train"]["lr"] == 3e-3
     diff = json.loads(sh(project, "dvc", "metrics", "diff", "--json").stdout)
     accuracy = diff["results/evaluate/metrics.json"]["accuracy"]
     assert accuracy["old"] != accuracy["new"]  # a new model, measured
+
     write_params(project, {"train": {"lr": 1e-3}})
     back = sh(project, "dvc", "repro").stdout
     assert ran(back) == ["check"]  # no training
@@ -92,6 +114,7 @@ def test_going_back_to_earlier_params_restores_their_results_from_the_run_cache(
     write_params(project, {"train": {"lr": 3e-3}})
     experiment = sh(project, "dvc", "exp", "run", "-S", "train.lr=0.003").stdout
     assert "Stage 'train' is cached" in experiment and "Running stage 'train'" not in experiment
+    assert_invariants(project)
 
 
 def test_checkout_of_another_commit_and_exp_apply_leave_a_clean_workspace(project):

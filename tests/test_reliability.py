@@ -257,27 +257,6 @@ def test_two_runs_started_together_never_overlap(project, tmp_path):
     assert_invariants(project)
 
 
-def test_params_edited_while_training_is_reported_and_the_next_run_retrains(
-    project, tmp_path, baseline
-):
-    lock = (project / "dvc.lock").read_bytes()
-    go = tmp_path / "go"
-    run = start(project, "-f", "-s", "train", fault=f"train.epoch_end@epoch=1:pause={go}")
-    read_until(run, "fault: pause")
-    write_params(project, {"train": {"lr": 3e-3}})
-    go.touch()
-    output = run.communicate(timeout=300)[0]
-    assert run.returncode != 0
-    assert "changed while the stage ran: params.yaml train.lr: 0.001 -> 0.003" in output, output
-    assert (project / "dvc.lock").read_bytes() == lock
-    assert same_weights(weights(project), baseline)  # not replaced by the mixed run
-    rerun = repro(project)
-    assert rerun.returncode == 0 and ran(rerun.stdout)[:2] == ["check", "train"]
-    lock = yaml.safe_load((project / "dvc.lock").read_text())
-    assert lock["stages"]["train"]["params"]["params.yaml"]["train"]["lr"] == 3e-3
-    assert_invariants(project)
-
-
 def test_a_flipped_byte_in_the_cache_is_found_before_training(project):
     array = project / "data/prepared/train_x.npy"
     good = array.read_bytes()
