@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipeline import code_digest
+from pipeline import GateError, code_digest
 from visionflow.data.dataset import write_json
 from visionflow.data.files import file_hash
 from visionflow.ops import project
@@ -72,19 +72,30 @@ PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt 
 
 def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, say):
     """The state of this fingerprint only, from its own folder (`state_to_resume`); a fresh
-    start otherwise (other configurations' folders beyond the newest few are pruned)."""
+    start otherwise (other configurations' folders beyond the newest few are pruned).
+
+    Under DDP rank 0 alone reads the folder, the one it writes (on several nodes the others
+    have their own, stale or empty), and sends what it found to every rank, each of which takes
+    its own generators from it; first, every rank's run must be rank 0's (`same_run_everywhere`)."""
+    world, rank = trainer.world, trainer.rank
+    if world > 1:
+        same_run_everywhere(run, rank, world)
     device = next(trainer.model.parameters()).device
-    state, why, extending = state_to_resume(folder, run, out, epochs, device)
-    best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
-    if state and not checkpoint.readable(best):  # half-deleted or corrupt
-        state, extending = None, False
-        why = (
-            f"not resuming from {folder}: its {best.name} is missing or unreadable; starting fresh"
-        )
+    state, why, extending, best = None, "", False, None
+    if rank == 0:
+        on = "cpu" if world > 1 else device  # sent to the others, each moves it to its device
+        state, why, extending = state_to_resume(folder, run, out, epochs, on)
+        best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
+        if state and not checkpoint.readable(best):  # half-deleted or corrupt
+            state, extending = None, False
+            why = f"not resuming from {folder}: its {best.name} is missing or unreadable; "
+            why += "starting fresh"
+    if world > 1:
+        decided = [state]
+        dist.broadcast_object_list(decided, src=0)
+        state = decided[0]
     say(f"train: {why}")
-    if trainer.world > 1:
-        dist.barrier()  # every rank has read the folder before rank 0 changes it
-    if trainer.rank == 0:
+    if rank == 0:
         if state is None:
             shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
         if extending:  # no longer the run that published: a kill now leaves a run to resume
@@ -102,6 +113,26 @@ def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, sa
         trainer.scheduler.load_state_dict(state["scheduler"])
     monitor.load_state_dict(state["health"])
     return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
+
+
+def same_run_everywhere(run: dict, rank: int, world: int) -> None:
+    """Every rank's run (`run_of`: the seed, the train params, the content of its data, code and
+    pretrained file) is rank 0's, or every rank stops here in one line. On several nodes each
+    rank reads its own checkout and cache: one that differs would train on other data, or wait
+    forever for collectives the others never make."""
+    runs = [None] * world
+    dist.all_gather_object(runs, run)
+    differ = {
+        r: checkpoint.changes(runs[0], other) for r, other in enumerate(runs) if other != runs[0]
+    }
+    if differ:
+        said = "; ".join(
+            f"rank {r}: {', '.join(found) or 'the run'}" for r, found in differ.items()
+        )
+        raise GateError(
+            f"train: the ranks' runs differ from rank 0's ({said}): every node needs the same "
+            "commit, params.yaml and data (`git pull` and `dvc pull` on each)"
+        )
 
 
 def state_to_resume(
@@ -156,11 +187,13 @@ def mark_published(folder: Path, out: Path) -> None:
     write_json(folder / PUBLISHED_FILE, {"model.pt": file_hash(out / "model.pt", "md5")})
 
 
-def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int):
+def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int, rngs: list):
+    """Rank 0's checkpoint of `epoch`, with every rank's generators (`rngs`)."""
     checkpoint.save_checkpoint(
         folder,
         {
             **trainer.state(),
+            "rng_of_ranks": rngs,
             "epoch": epoch,
             "fingerprint": folder.name,  # the folder is named by it (`main`)
             "epochs": epochs,  # the budget: a larger one extends this run

@@ -129,13 +129,14 @@ def main() -> None:
                 raise failed(args, t, monitor, rank, e, epoch) from None
             improved = progress.update(epoch, record)
             monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped)
+            rngs = trainer.rng_of_every_rank()  # every rank asked: each goes on with its own
             if live:
                 log_epoch(live, epoch, record)
                 if improved:  # kept in memory too: the best file is for a resumed run
                     meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
                     save_atomic(best_state, checkpoint.best_file(folder, epoch))
-                save_epoch(trainer, progress, monitor, folder, epoch, t.epochs)
+                save_epoch(trainer, progress, monitor, folder, epoch, t.epochs, rngs)
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             best = "  (best)" if improved else ""

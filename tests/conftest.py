@@ -3,7 +3,6 @@
 import fcntl
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 
 from tests.helpers import (
     commit,
+    free_port,
     make_project,
     sh,
     solid,
@@ -132,12 +132,6 @@ while server.poll() is None:
             server.kill()
     time.sleep(1)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def prefect_api(shared: Path) -> str:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -118,6 +119,12 @@ def dvc_clean(project: Path) -> bool:
 
     with Repo(str(project)) as repo:
         return repo.status() == {}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import ROOT, write_params
+from tests.helpers import ROOT, free_port, write_params
 from visionflow.data import dataset, sources
 from visionflow.train import checkpoint, health, loading
 from visionflow.train.augment import augment
@@ -701,6 +701,86 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
     assert (plain_steps, steps) == (8, 2) and counts[1][1] == counts[1][0]
     per_step = plain // plain_steps  # all-reduces of one backward: one per gradient bucket
     assert per_step >= 1 and accumulated == steps * per_step, counts
+
+
+def on_two_nodes(nodes: list[Path], out: str, state: str) -> list[subprocess.CompletedProcess]:
+    """The train stage on two "machines": a `torchrun --nnodes 2 --node_rank K` per folder (its
+    own params, data and checkpoints), one process each, joined by a static rendezvous on
+    127.0.0.1 as the manual's multi-node recipe joins them on the first node's address."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+    rendezvous = ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
+    processes = [
+        subprocess.Popen(
+            [*launch, "--node_rank", str(rank), *rendezvous, *stage],
+            cwd=node,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # a hung rank goes with the rest: nothing outlives the test
+        )
+        for rank, node in enumerate(nodes)
+    ]
+    ended = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=240)  # a hang is a failure
+            ended.append(
+                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            )
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return ended
+
+
+@pytest.mark.slow
+def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_run(
+    workdir, tmp_path
+):
+    """Rank 0 alone writes checkpoints, so the second node has none: rank 0 decides the resume
+    and sends the state to every rank, each going on with its own augmentation draws. A 1-epoch
+    run extended to 2 ends with the weights of an uninterrupted 2-epoch run (with augmentation and
+    dropout on). Before, rank 1 started fresh while rank 0 resumed, and their collectives hung.
+    A node whose data differs stops every rank in one line."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        shutil.copytree(workdir, node)
+    tiny = {"batch_size": 16, "overfit_batches": 8}  # 128 images: 4 steps of 16 per rank
+
+    def every_node(epochs: int) -> None:
+        for node in nodes:
+            write_params(node, {"train": {**tiny, "epochs": epochs}})
+
+    every_node(2)
+    whole = on_two_nodes(nodes, "whole", "whole-state")
+    assert [r.returncode for r in whole] == [0, 0], (
+        whole[0].stderr[-3000:] + whole[1].stderr[-3000:]
+    )
+    every_node(1)
+    assert [r.returncode for r in on_two_nodes(nodes, "extended", "state")] == [0, 0]
+    assert not (nodes[1] / "state").exists()  # rank 1 wrote nothing
+    every_node(2)
+    extended = on_two_nodes(nodes, "extended", "state")
+    assert [r.returncode for r in extended] == [0, 0], extended[0].stderr[-3000:]
+    assert "extending the finished 1-epoch run to 2 epochs" in extended[0].stdout
+    (a,), (b,) = ((nodes[0] / s).glob("*/epoch-0002.pt") for s in ("whole-state", "state"))
+    a, b = (torch.load(path, weights_only=True)["model"] for path in (a, b))  # epoch 2's end
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    cache = nodes[1] / "prepared"  # the second node prepared other data
+    np.save(cache / "train_y.npy", np.roll(np.load(cache / "train_y.npy"), 1))
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["files"]["train_y.npy"]["sha256"] = dataset.file_hash(cache / "train_y.npy")
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    refused = on_two_nodes(nodes, "refused", "state")
+    line = "error: train: the ranks' runs differ from rank 0's (rank 1: the data): every node"
+    for result in refused:  # each rank says it once, then its torchrun reports the failure
+        assert result.returncode != 0 and result.stderr.count(line) == 1, result.stderr[-3000:]
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):

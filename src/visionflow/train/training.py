@@ -119,14 +119,27 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "shuffle": self.shuffle.get_state(),
-                "augment": self.augment_rng.get_state(),
-                # dropout on a GPU draws from each device's generator
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            },
+            "rng": self.rng(),
         }
+
+    def rng(self) -> dict:
+        return {
+            "torch": torch.get_rng_state(),
+            "shuffle": self.shuffle.get_state(),
+            "augment": self.augment_rng.get_state(),
+            # dropout on a GPU draws from each device's generator
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def rng_of_every_rank(self) -> list[dict] | None:
+        """Every rank's generators, gathered on rank 0 (None on the others); under DDP a
+        collective that every rank calls. Each rank draws its own augmentations (its generator
+        is seeded with the seed + its rank): a resumed rank goes on with its own draws."""
+        if self.world == 1:
+            return [self.rng()]
+        gathered = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(self.rng(), gathered, dst=0)
+        return gathered
 
     def restore(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -136,10 +149,12 @@ class Trainer:
         device = next(self.model.parameters()).device.type
         self.scaler = torch.amp.GradScaler(device, enabled=self.scaler.is_enabled())
         self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())
-        self.shuffle.set_state(state["rng"]["shuffle"].cpu())
-        self.augment_rng.set_state(state["rng"]["augment"].cpu())
-        cuda = state["rng"].get("cuda") or []
+        ranks = state.get("rng_of_ranks") or []  # a checkpoint's: this rank's own, if it has it
+        rng = ranks[self.rank] if len(ranks) == self.world else state["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        self.shuffle.set_state(rng["shuffle"].cpu())
+        self.augment_rng.set_state(rng["augment"].cpu())
+        cuda = rng.get("cuda") or []
         if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
 
