@@ -663,8 +663,11 @@ def assert_stopped_in_one_line(client, run_id, stage: str) -> None:
     assert len([m for m in said if not m.startswith("Finished in state")]) == 1, said
 
 
-def test_prefect_yaml_deployments_run_on_a_process_worker(project):
-    env = flows_env(VISIONFLOW_WORKDIR=str(project))
+def test_prefect_yaml_deployments_run_on_a_process_worker(project, tmp_path):
+    """Deployed from one checkout, run by a worker whose VISIONFLOW_WORKDIR names its own: the
+    working directory is the worker's, read when the run starts (two machines, two paths)."""
+    deploying = flows_env(VISIONFLOW_WORKDIR=str(tmp_path / "the-deploying-machines-checkout"))
+    env = flows_env(VISIONFLOW_WORKDIR=str(project))  # the worker's machine
     # the session's server may have it from another test: made again, as prefect.yaml names it
     pool = prefect(
         "work-pool",
@@ -673,16 +676,16 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project):
         "--type",
         "process",
         "--overwrite",
-        env=env,
+        env=deploying,
         cwd=project,
     )
     assert pool.returncode == 0, pool.stdout + pool.stderr
-    deploy = prefect("--no-prompt", "deploy", "--all", env=env, cwd=project)
+    deploy = prefect("--no-prompt", "deploy", "--all", env=deploying, cwd=project)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
     worker = subprocess.Popen(
         [sys.executable, "-m", "prefect", "worker", "start", "--pool", "visionflow"],
         env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},  # it asks for runs every second
-        cwd=project,
+        cwd=tmp_path,  # not the checkout: VISIONFLOW_WORKDIR alone leads there
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,0 +1,47 @@
+"""What a machine that runs work gets: the DVC remotes' extras and the work pools' image, as
+files (the development machines have no Docker daemon: the image is not built here)."""
+
+import json
+import re
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+
+
+def declared_extras() -> set[str]:
+    text = (ROOT / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]")[1].split("\n[")[0]
+    return set(re.findall(r"^(\w+) = \[", section, re.MULTILINE))
+
+
+def test_the_image_installs_declared_extras_and_runs_a_worker_for_the_deployed_pool():
+    docker = (ROOT / "Dockerfile").read_text()
+    extras = re.search(r"^ARG EXTRAS=([\w,]+)$", docker, re.MULTILINE).group(1).split(",")
+    assert set(extras) == {"s3", "gs", "azure", "ssh"} <= declared_extras()
+    assert 'pip install --no-cache-dir -e ".[${EXTRAS}]"' in docker
+    command = json.loads(re.search(r"^CMD (.+)$", docker, re.MULTILINE).group(1))
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    pools = {deployment["work_pool"]["name"] for deployment in deployments}
+    assert command[:3] == ["prefect", "worker", "start"]
+    assert command[command.index("--pool") + 1] in pools
+    # the pull step's checkout is the image's (worker_checkout reads this at run time)
+    workdir = re.search(r"^WORKDIR (\S+)$", docker, re.MULTILINE).group(1)
+    assert f"VISIONFLOW_WORKDIR={workdir}" in docker
+    left_out = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv/", ".dvc/cache/", "results/", "data/prepared/"} <= set(left_out)
+
+
+def test_the_pull_step_names_a_missing_or_wrong_checkout(tmp_path, monkeypatch):
+    from visionflow.ops.worker import worker_checkout
+
+    monkeypatch.delenv("VISIONFLOW_WORKDIR", raising=False)
+    with pytest.raises(RuntimeError, match="VISIONFLOW_WORKDIR is not set where this worker runs"):
+        worker_checkout()
+    monkeypatch.setenv("VISIONFLOW_WORKDIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no dvc.yaml there; point it at a checkout"):
+        worker_checkout()
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(ROOT)  # put back after the test
+    assert worker_checkout() == {"directory": str(tmp_path)}
