@@ -1,6 +1,6 @@
-# The image for a Prefect Docker or Kubernetes work pool (docs/orchestration.md): this checkout,
-# its git history included (DVC needs it), installed with the DVC remotes' extras. Data, models
-# and experiments come from the DVC remote at run time (`dvc pull`), with its credentials.
+# An image of this checkout for Prefect Docker or Kubernetes work pools (docs/orchestration.md):
+# its git history included (DVC needs it), installed with the DVC remotes' extras. Data and
+# models are not in it: they come from the DVC remote (`dvc pull`, with its credentials).
 #   docker build -t visionflow .                       # all four remotes
 #   docker build -t visionflow --build-arg EXTRAS=s3 .  # or only the one you use
 FROM python:3.11-slim
@@ -8,11 +8,14 @@ RUN apt-get update && apt-get install -y --no-install-recommends git \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/visionflow
 ARG EXTRAS=s3,gs,azure,ssh
-# the dependencies first, so that a code change does not reinstall torch
+# the dependencies first, from pyproject.toml alone with an empty package, so that a code
+# change does not reinstall torch; the editable install then finds the code copied below
 COPY pyproject.toml README.md ./
-COPY src ./src
-RUN pip install --no-cache-dir -e ".[${EXTRAS}]"
+RUN mkdir -p src/visionflow && touch src/visionflow/__init__.py \
+    && pip install --no-cache-dir -e ".[${EXTRAS}]"
 COPY . .
-# prefect.yaml's pull step sets the flow run's working directory from this
+# prefect.yaml's pull step (visionflow.ops.worker.worker_checkout) goes to this checkout
 ENV VISIONFLOW_WORKDIR=/opt/visionflow DVC_NO_ANALYTICS=1
+# A Docker or Kubernetes worker replaces this command with the flow run's; on its own the image
+# runs a process worker for the pool that prefect.yaml deploys to.
 CMD ["prefect", "worker", "start", "--pool", "visionflow"]

@@ -108,6 +108,13 @@ def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, sa
             say(f"train: removed the resumable state of another configuration: {old}")
     if state is None:
         return Progress()
+    saved_by = len(state.get("rng_of_ranks") or [None])
+    if saved_by != world:  # the steps and draws differ from an uninterrupted run's
+        say(
+            f"train: warning: resuming a {saved_by}-rank run on {world} rank(s): it goes on, but "
+            "will not end as an uninterrupted run would (the batch per step and the random "
+            "draws follow the number of ranks)"
+        )
     trainer.restore(state)
     if trainer.scheduler is not None:
         trainer.scheduler.load_state_dict(state["scheduler"])

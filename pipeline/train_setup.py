@@ -3,6 +3,7 @@ data (verified once), the model (a torchvision classifier with its weights' prep
 network of your own with its checks), what model.pt says about it, and what steps it."""
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,20 +62,21 @@ class Data:
 
 
 def verify_once(cache: Path, rank: int, world: int) -> None:
-    """Rank 0 re-hashes the cache (a flipped byte is an error here, not a silently worse model);
-    under DDP the others take its verdict, so the data is read once and every rank fails alike."""
+    """The first rank of each node re-hashes its node's cache (a flipped byte is an error here,
+    not a silently worse model); under DDP every rank takes every node's verdict, so each cache
+    is read once and every rank fails alike, naming the rank whose node has the bad file."""
     problem = None
-    if rank == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         if faults.ACTIVE:
             faults.fault("train.verify", rank=rank)
         try:
             dataset.verify_cache(cache)
         except DataError as e:
-            problem = str(e)
+            problem = str(e) if rank == 0 else f"on rank {rank}'s node, {e}"
     if world > 1:
-        verdict = [problem]
-        dist.broadcast_object_list(verdict, src=0)
-        problem = verdict[0]
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, problem)
+        problem = next((verdict for verdict in verdicts if verdict), None)
     if problem:
         raise DataError(problem)
 

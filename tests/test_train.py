@@ -746,7 +746,7 @@ def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_ru
     and sends the state to every rank, each going on with its own augmentation draws. A 1-epoch
     run extended to 2 ends with the weights of an uninterrupted 2-epoch run (with augmentation and
     dropout on). Before, rank 1 started fresh while rank 0 resumed, and their collectives hung.
-    A node whose data differs stops every rank in one line."""
+    A node whose cache is corrupted, or whose data differs, stops every rank in one line."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         shutil.copytree(workdir, node)
@@ -771,6 +771,15 @@ def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_ru
     (a,), (b,) = ((nodes[0] / s).glob("*/epoch-0002.pt") for s in ("whole-state", "state"))
     a, b = (torch.load(path, weights_only=True)["model"] for path in (a, b))  # epoch 2's end
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+    x = nodes[1] / "prepared/train_x.npy"  # a flipped byte in the second node's cache
+    good = x.read_bytes()
+    x.write_bytes(good[:-1] + bytes([good[-1] ^ 0xFF]))
+    corrupted = on_two_nodes(nodes, "corrupted", "state")
+    said = "error: on rank 1's node, the prepared cache is corrupted: prepared/train_x.npy: sha256"
+    for result in corrupted:  # each node hashes its own cache: every rank stops, naming it
+        assert result.returncode != 0 and result.stderr.count(said) == 1, result.stderr[-3000:]
+    x.write_bytes(good)
 
     cache = nodes[1] / "prepared"  # the second node prepared other data
     np.save(cache / "train_y.npy", np.roll(np.load(cache / "train_y.npy"), 1))

@@ -150,7 +150,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device, enabled=self.scaler.is_enabled())
         self.scaler.load_state_dict(state["scaler"])
         ranks = state.get("rng_of_ranks") or []  # a checkpoint's: this rank's own, if it has it
-        rng = ranks[self.rank] if len(ranks) == self.world else state["rng"]
+        rng = ranks[self.rank] if self.rank < len(ranks) else state["rng"]
         torch.set_rng_state(rng["torch"].cpu())
         self.shuffle.set_state(rng["shuffle"].cpu())
         self.augment_rng.set_state(rng["augment"].cpu())
