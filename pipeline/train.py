@@ -141,7 +141,7 @@ def main() -> None:
                 faults.fault("train.epoch_end", epoch=epoch)
             best = "  (best)" if improved else ""
             say(f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}{best}")
-            if stop.requested:
+            if stop.agreed(world, device):  # any rank's, on every rank
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
                     f"{folder}, and `dvc repro` resumes from it"

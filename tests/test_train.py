@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -703,16 +704,16 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
     assert per_step >= 1 and accumulated == steps * per_step, counts
 
 
-def on_two_nodes(nodes: list[Path], out: str, state: str) -> list[subprocess.CompletedProcess]:
+def start_two_nodes(nodes: list[Path], out: str, state: str, fault: str = "") -> list:
     """The train stage on two "machines": a `torchrun --nnodes 2 --node_rank K` per folder (its
     own params, data and checkpoints), one process each, joined by a static rendezvous on
     127.0.0.1 as the manual's multi-node recipe joins them on the first node's address."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
     rendezvous = ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
     stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
-    processes = [
+    return [
         subprocess.Popen(
             [*launch, "--node_rank", str(rank), *rendezvous, *stage],
             cwd=node,
@@ -724,18 +725,25 @@ def on_two_nodes(nodes: list[Path], out: str, state: str) -> list[subprocess.Com
         )
         for rank, node in enumerate(nodes)
     ]
-    ended = []
+
+
+def ended(processes: list) -> list[subprocess.CompletedProcess]:
+    results = []
     try:
         for process in processes:
             stdout, stderr = process.communicate(timeout=240)  # a hang is a failure
-            ended.append(
+            results.append(
                 subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
             )
     finally:
         for process in processes:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
-    return ended
+    return results
+
+
+def on_two_nodes(nodes: list[Path], out: str, state: str) -> list[subprocess.CompletedProcess]:
+    return ended(start_two_nodes(nodes, out, state))
 
 
 @pytest.mark.slow
@@ -746,7 +754,8 @@ def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_ru
     and sends the state to every rank, each going on with its own augmentation draws. A 1-epoch
     run extended to 2 ends with the weights of an uninterrupted 2-epoch run (with augmentation and
     dropout on). Before, rank 1 started fresh while rank 0 resumed, and their collectives hung.
-    A node whose cache is corrupted, or whose data differs, stops every rank in one line."""
+    A SIGTERM that reaches the first machine alone stops every rank at the epoch's end. A node
+    whose cache is corrupted, or whose data differs, stops every rank in one line."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         shutil.copytree(workdir, node)
@@ -771,6 +780,26 @@ def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_ru
     (a,), (b,) = ((nodes[0] / s).glob("*/epoch-0002.pt") for s in ("whole-state", "state"))
     a, b = (torch.load(path, weights_only=True)["model"] for path in (a, b))  # epoch 2's end
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # SIGTERM to the first machine's torchrun alone, in epoch 1: every rank finishes the epoch and
+    # stops (before, the second node's rank went on into epoch 2 and failed there), and the
+    # next run resumes to the uninterrupted run's weights
+    at, go = tmp_path / "at", tmp_path / "go"
+    pause = f"train.loss@epoch=1,step=2:touch={at};train.loss@epoch=1,step=2:pause={go}"
+    stopping = start_two_nodes(nodes, "stopped", "state-stop", f"{pause};train.stop:touch={go}")
+    deadline = time.monotonic() + 120
+    while not at.exists():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in stopping)
+        time.sleep(0.2)
+    stopping[0].send_signal(signal.SIGTERM)
+    stopped = ended(stopping)
+    for result in stopped:
+        assert result.returncode != 0 and "Connection closed" not in result.stderr, result.stderr
+        assert "interrupted: train stopped after epoch 1" in result.stderr, result.stderr[-3000:]
+    assert [r.returncode for r in on_two_nodes(nodes, "stopped", "state-stop")] == [0, 0]
+    (c,) = (nodes[0] / "state-stop").glob("*/epoch-0002.pt")
+    c = torch.load(c, weights_only=True)["model"]
+    assert all(torch.equal(a[k], c[k]) for k in a)
 
     x = nodes[1] / "prepared/train_x.npy"  # a flipped byte in the second node's cache
     good = x.read_bytes()

@@ -248,6 +248,16 @@ class StopRequest:
         if faults.ACTIVE:
             faults.fault("train.stop")
 
+    def agreed(self, world: int, device: torch.device) -> bool:
+        """Whether any rank was asked to stop: one all-reduce under DDP, at each epoch's end, so
+        that a stop reaching one machine alone stops every node's ranks together (the others
+        went on into the next epoch, and their collectives failed or hung)."""
+        if world == 1:
+            return self.requested is not None
+        flag = torch.tensor([int(self.requested is not None)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
 
 def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
     """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
