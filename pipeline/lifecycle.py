@@ -194,8 +194,8 @@ def mark_published(folder: Path, out: Path) -> None:
     write_json(folder / PUBLISHED_FILE, {"model.pt": file_hash(out / "model.pt", "md5")})
 
 
-def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int, rngs: list):
-    """Rank 0's checkpoint of `epoch`, with every rank's generators (`rngs`)."""
+def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int, rngs):
+    """Rank 0's checkpoint of `epoch`, with every rank's generators under DDP (`rngs`)."""
     checkpoint.save_checkpoint(
         folder,
         {

@@ -465,26 +465,42 @@ PLAIN_SGD = {
 }
 
 
-def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
-    """The train stage under `torchrun` with 2 gloo processes, as the manual runs it."""
+def torchrun(cwd: Path, launch: list[str], out: str, state: str, fault: str = ""):
+    """`torchrun LAUNCH -m pipeline.train` in `cwd`, in its own session (a hung rank goes with
+    the rest: nothing outlives the test)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints"]
-    process = subprocess.Popen(
-        [*command, "2", *stage, f"{out}-ckpt"],
+    stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *launch, *stage],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a hung rank goes with the rest: nothing outlives the test
+        start_new_session=True,
     )
+
+
+def ended(processes: list) -> list[subprocess.CompletedProcess]:
+    """Each process's end, a hang (past 300 s) failing the test with every group killed."""
+    results = []
     try:
-        stdout, stderr = process.communicate(timeout=300)  # a hang is a failure, not a wait
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=300)
+            results.append(
+                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            )
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+    return results
+
+
+def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
+    """The train stage under `torchrun` with 2 gloo processes, as the manual runs it."""
+    launch = ["--standalone", "--nproc_per_node", "2"]
+    return ended([torchrun(cwd, launch, out, f"{out}-ckpt", fault)])[0]
 
 
 @pytest.mark.slow
@@ -708,38 +724,17 @@ def start_two_nodes(nodes: list[Path], out: str, state: str, fault: str = "") ->
     """The train stage on two "machines": a `torchrun --nnodes 2 --node_rank K` per folder (its
     own params, data and checkpoints), one process each, joined by a static rendezvous on
     127.0.0.1 as the manual's multi-node recipe joins them on the first node's address."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
-    rendezvous = ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
-    stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
+    rendezvous = ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     return [
-        subprocess.Popen(
-            [*launch, "--node_rank", str(rank), *rendezvous, *stage],
-            cwd=node,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # a hung rank goes with the rest: nothing outlives the test
+        torchrun(
+            node,
+            ["--nnodes", "2", "--node_rank", str(rank), "--nproc_per_node", "1", *rendezvous],
+            out,
+            state,
+            fault,
         )
         for rank, node in enumerate(nodes)
     ]
-
-
-def ended(processes: list) -> list[subprocess.CompletedProcess]:
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=240)  # a hang is a failure
-            results.append(
-                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-            )
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-    return results
 
 
 def on_two_nodes(nodes: list[Path], out: str, state: str) -> list[subprocess.CompletedProcess]:

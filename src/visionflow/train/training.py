@@ -132,11 +132,12 @@ class Trainer:
         }
 
     def rng_of_every_rank(self) -> list[dict] | None:
-        """Every rank's generators, gathered on rank 0 (None on the others); under DDP a
+        """Under DDP, every rank's generators, gathered on rank 0 (None on the others): a
         collective that every rank calls. Each rank draws its own augmentations (its generator
-        is seeded with the seed + its rank): a resumed rank goes on with its own draws."""
+        is seeded with the seed + its rank): a resumed rank goes on with its own draws. None in
+        a single process, whose state's own `rng` is all there is."""
         if self.world == 1:
-            return [self.rng()]
+            return None
         gathered = [None] * self.world if self.rank == 0 else None
         dist.gather_object(self.rng(), gathered, dst=0)
         return gathered
