@@ -8,8 +8,8 @@ Every stop (the timeout, a cancellation's SIGTERM, Ctrl-C, this process's death)
 one path: SIGINT, on which training checkpoints its epoch, then SIGKILL after the grace period,
 so nothing of the stage's process tree is left. A task is retried only when another `dvc` holds
 the repository's lock; a stage that fails on its own fails the flow with its output, and its
-previous results come back from DVC's cache. A queued sweep has a guard process that stops its
-experiments if this process dies; the next run marks such a dead flow run Crashed.
+previous results come back from DVC's cache; the next run marks a flow run whose process died
+Crashed. Sweeps (`dvc exp run` for lists of overrides) are pipeline/experiments.py's flows.
 
 One run at a time per workspace, on every path (these functions called from Python, the CLI,
 `--serve`, a work-pool worker): an OS file lock in the workspace's `.dvc/tmp`, which the kernel
@@ -23,13 +23,10 @@ Watch:  .venv/bin/python -m pipeline.flows [WORKDIR] --watch [--deployment repro
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -37,11 +34,9 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger, runtime, serve, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NONE
 from prefect.deployments import run_deployment
 from prefect.exceptions import TerminationSignal
-from prefect.futures import wait
-from prefect.states import Cancelled, Completed, Failed, State
+from prefect.states import Cancelled, Completed, State
 
 from visionflow.data.files import flatten
 from visionflow.ops import runner
@@ -73,21 +68,11 @@ from visionflow.ops.runner import (
     workspace_lock,
 )
 from visionflow.ops.sweeps import (
-    ENDED,
-    Poll,
-    exp_run_args,
-    guarded,
-    interrupt,
-    main_metrics,
-    metric_values,
-    start_workers,
     stop_queue,
-    sweep_table,
 )
 from visionflow.ops.watching import settled_changes
 
 LOCK_RETRIES, LOCK_WAIT_S = 3, 5.0
-POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing
 
 
 def only_when_busy(task, task_run, state) -> bool:
@@ -274,130 +259,6 @@ def crash_orphan(root: Path, orphan: str, mine: str) -> None:
         logger.warning(f"flow run {orphan} held {root} when its process died ({e})")
 
 
-@flow(name="experiments")
-def experiments(
-    workdir: str = ".",
-    overrides: list[list[str]] | None = None,
-    workers: int = 0,
-    timeout_s: float = 3600,
-) -> list[dict]:
-    """`dvc exp run -S ...` for each list of overrides; publishes a table of these experiments
-    (the params that differ from the baseline, the main metrics) and returns its rows.
-
-    `workers: 0` runs them one after another, `workers: N` queues them and lets DVC's queue run
-    N at a time; either way each runs in its own temporary copy, so the workspace stays as it is,
-    and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
-    a failed or cancelled sweep stops the DVC queue's workers. Each experiment is a task run
-    named after it: Completed with its main metrics, or Failed. One failed experiment does not
-    stop the others; the flow fails at the end, naming it.
-    Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
-    """
-    logger = get_run_logger()
-    root = find_root(Path(workdir))
-    prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
-    plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
-    problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
-    if problems:
-        raise StageFailed("; ".join(problems))
-    poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
-    with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
-        if workers:
-            with guarded(root, plan):
-                run_queued(root, plan, workers, timeout_s, poll)
-        else:
-            run_in_turn(root, plan, timeout_s)
-        rows = sweep_table(poll, plan)
-    create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
-    failed = [row["experiment"] for row in rows if row["state"] != "success"]
-    if failed:
-        raise StageFailed(f"experiments {', '.join(failed)} did not succeed (see their logs)")
-    return rows
-
-
-def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
-    stops = len(runner.FORWARDED)
-    for name, sets in plan.items():  # a failed one is its task's state: the next one runs
-        run_experiment(root, name, sets, timeout_s, return_state=True)
-        if len(runner.FORWARDED) > stops:  # a cancellation or Ctrl-C stopped that one: no more
-            signal_name = signal.Signals(runner.FORWARDED[-1]).name
-            raise StageFailed(f"sweep stopped by {signal_name} during {name}; the rest not run")
-
-
-@task(task_run_name="{name}")
-def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> dict | State:
-    """`dvc exp run --temp` of one experiment, its output in the log; its state and main
-    metrics, or a Failed state."""
-    logger = get_run_logger()
-    logger.info(f"{name} ({' '.join(sets)}): running")
-    cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
-    try:
-        code, tail = run_group(cmd, root, timeout_s, readable(logger.info))
-    except Timeout as e:
-        return Failed(message=f"{name}: {e}")
-    if code != 0:
-        last = tail.strip().splitlines()[-1:]  # DVC's own line for why
-        return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
-    return ended(name, Poll(root, logger.warning).results([name])[name])
-
-
-def ended(name: str, summary: dict, more: str = "") -> dict | State:
-    """An ended experiment's task result: its state and main metrics (said in the log too), or
-    a Failed state when it did not succeed (a task's message, with no traceback to read past)."""
-    get_run_logger().info(f"{name}: {summary['state']} {main_metrics(summary)}".rstrip())
-    if summary["state"] != "success":
-        return Failed(message=f"{name}: {summary['state']}{more}")
-    return {"experiment": name, "state": summary["state"], **metric_values(summary)}
-
-
-def run_queued(
-    root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float, poll: Poll
-) -> None:
-    """Queue the plan, start `workers` DVC queue workers, follow the experiments until all have
-    ended (one running past `timeout_s` is killed); on any early end, stop the queue. Each
-    experiment is a task, from when it leaves the queue to its end. A slow or failing poll
-    never stops the sweep (`Poll`): only a stop, or `timeout_s` with no answer from DVC, does."""
-    logger = get_run_logger()
-    for name, sets in plan.items():
-        dvc(root, *exp_run_args(name, sets), "--queue", doing=f"queueing {name}")
-        logger.info(f"{name} ({' '.join(sets)}): queued")
-    ends = {name: Future() for name in plan}  # set as this flow's one poll sees each end
-    followers, started, known = {}, {}, None
-    try:
-        start_workers(root, workers)
-        while True:
-            known = poll.results(plan, patience_s=timeout_s)
-            for name, summary in known.items():
-                state = summary["state"]
-                if state != "queued" and name not in followers:
-                    logger.info(f"{name}: left the queue ({state})")
-                    followers[name] = follow.submit(name, ends[name])
-                if state in ENDED and not ends[name].done():
-                    ends[name].set_result(summary)
-                if state == "running":
-                    started.setdefault(name, time.monotonic())
-                    if time.monotonic() - started[name] > timeout_s:
-                        logger.error(f"{name}: ran past {timeout_s:.0f} s; stopping it")
-                        interrupt(root, {name: summary["pid"]}, logger.warning)
-                        started[name] = math.inf  # asked once
-            if all(end.done() for end in ends.values()):
-                break
-            time.sleep(max(POLL_S, poll.took))  # a slow DVC is asked less often
-    finally:
-        early = [end for end in ends.values() if not end.done()]
-        for end in early:  # its task ends now, Failed
-            end.set_result({"state": "stopped (the sweep ended first)"})
-        if early:  # failed or cancelled: nothing of this sweep keeps running
-            stop_queue(root, plan, logger.warning, known)
-    wait(list(followers.values()))
-
-
-@task(task_run_name="{name}", cache_policy=NONE)  # `end` is no input to cache on
-def follow(name: str, end: Future) -> dict | State:
-    """A queued experiment from when it left the queue to its end, both seen by the flow's
-    poll: its state and main metrics, or a Failed state."""
-    return ended(name, end.result(), f" (`dvc queue logs {name}` has its output)")
-
-
 def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None) -> None:
     """Serve `reproduce` on a schedule (and on demand), plus `experiments` on demand.
 
@@ -408,6 +269,8 @@ def serve_deployments(workdir: Path, interval_s: float | None, cron: str | None)
     scheduled = reproduce.to_deployment(
         "scheduled", interval=interval_s, cron=cron, parameters=parameters
     )
+    from pipeline.experiments import experiments  # it imports this module
+
     sweep = experiments.to_deployment("on-demand", parameters={"workdir": str(workdir.resolve())})
     serve(scheduled, sweep, pause_on_shutdown=False)
 

@@ -9,6 +9,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from tests.helpers import (
     sh,
     write_params,
 )
+from visionflow.errors import StageFailed
 
 pytestmark = pytest.mark.slow
 
@@ -420,7 +422,7 @@ def test_a_fifo_made_during_a_run_meets_the_stage_timeout(project, tmp_path, mon
 
 
 def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspace(project):
-    from pipeline.flows import experiments
+    from pipeline.experiments import experiments
 
     params = (project / "params.yaml").read_text()
     overrides = [["evaluate.top_k=2"], ["train.epochs=0"], ["sanity.per_class=3"]]  # no training:
@@ -442,8 +444,8 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
 
 
 def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project, monkeypatch):
-    from pipeline.flows import experiments
-    from visionflow.ops.sweeps import Poll
+    from pipeline.experiments import experiments
+    from visionflow.ops.sweeps import Poll, queue_workers
 
     # Every `dvc exp show` the sweep asks answers 3 s late, and a poll's first timeout is 1 s:
     # the first asks are ended unanswered, whatever the machine's speed (what stopped sweeps).
@@ -463,8 +465,8 @@ def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project
     assert_one_task_per_experiment(run_id, rows)
     said = [log.message for log in flow_logs(run_id)]
     assert any("did not finish in 1 s; asking again with 2 s" in line for line in said), said
+    assert not queue_workers(project)  # the sweep stopped DVC's idle worker as it ended
     monkeypatch.delenv("VISIONFLOW_FAULT")
-    # The next sweep may find the last one's queue worker still up (DVC keeps it 10-20 s).
     state = experiments(str(project), [["sanity.per_class=5"]], workers=1, return_state=True)
     rows = state.result()
     assert [(row["state"], row["sanity.per_class"]) for row in rows] == [("success", 5)]
@@ -472,6 +474,7 @@ def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project
     assert len(json.loads(table)) == 1  # this sweep, not the queue's past
     status = sh(project, "dvc", "queue", "status").stdout
     assert "Running" not in status and "Queued" not in status
+    assert not queue_workers(project)
 
 
 WAIT = {"if_busy": "wait"}  # a run started by hand waits for a scheduled one that got there first
@@ -524,7 +527,7 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
 
     from pipeline.flows import reproduce
 
-    sweep = "import sys\nfrom pipeline.flows import experiments\n"
+    sweep = "import sys\nfrom pipeline.experiments import experiments\n"
     sweep += "experiments(sys.argv[1], [['train.lr=0.007']], workers=1)\n"
     at, go = tmp_path / "at", tmp_path / "go"  # the stop comes at epoch 2, which goes on a while
     env = flows_env(
@@ -663,11 +666,55 @@ def assert_stopped_in_one_line(client, run_id, stage: str) -> None:
     assert len([m for m in said if not m.startswith("Finished in state")]) == 1, said
 
 
-def test_prefect_yaml_deployments_run_on_a_process_worker(project, tmp_path):
-    """Deployed from one checkout, run by a worker whose VISIONFLOW_WORKDIR names its own: the
-    working directory is the worker's, read when the run starts (two machines, two paths)."""
+def start_worker(workdir: Path, cwd: Path) -> subprocess.Popen:
+    """`prefect worker start --pool visionflow --limit 1` for the checkout `workdir` (a machine's
+    VISIONFLOW_WORKDIR), started in `cwd`."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            "visionflow",
+            "--limit",
+            "1",
+        ],
+        env=flows_env(VISIONFLOW_WORKDIR=str(workdir), PREFECT_WORKER_QUERY_SECONDS="1"),
+        cwd=cwd,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def stop_worker(worker: subprocess.Popen) -> None:
+    os.killpg(worker.pid, signal.SIGTERM)
+    try:
+        worker.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # not seen since the scheduler is off; never hang here
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+
+
+def online_workers() -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        workers = client.read_workers_for_work_pool("visionflow")
+    return len([w for w in workers if w.status and w.status.value == "ONLINE"])
+
+
+def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_clones(
+    project, tmp_path
+):
+    """Deployed from one checkout, run by workers whose VISIONFLOW_WORKDIR names their own: the
+    working directory is the worker's, read when the run starts (two machines, two paths). A
+    spread sweep of 4 runs on both workers, and both clones see all 4 (`dvc exp pull`)."""
+    from pipeline.experiments import experiment
+
     deploying = flows_env(VISIONFLOW_WORKDIR=str(tmp_path / "the-deploying-machines-checkout"))
-    env = flows_env(VISIONFLOW_WORKDIR=str(project))  # the worker's machine
     # the session's server may have it from another test: made again, as prefect.yaml names it
     pool = prefect(
         "work-pool",
@@ -682,14 +729,7 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project, tmp_path):
     assert pool.returncode == 0, pool.stdout + pool.stderr
     deploy = prefect("--no-prompt", "deploy", "--all", env=deploying, cwd=project)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "worker", "start", "--pool", "visionflow"],
-        env={**env, "PREFECT_WORKER_QUERY_SECONDS": "1"},  # it asks for runs every second
-        cwd=tmp_path,  # not the checkout: VISIONFLOW_WORKDIR alone leads there
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    workers = [start_worker(project, cwd=tmp_path)]  # not the checkout: VISIONFLOW_WORKDIR leads
     try:
         note_in_params(project, "a comment: check alone reruns")
         run = prefect(
@@ -699,33 +739,52 @@ def test_prefect_yaml_deployments_run_on_a_process_worker(project, tmp_path):
             "--params",
             json.dumps(WAIT),
             "--watch",
-            env=env,
+            env=flows_env(),
             timeout=600,
         )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "COMPLETED" in (run.stdout + run.stderr).upper()
         assert dvc_clean(project)
-        commit(project, "a comment")
-        params = json.dumps({"overrides": [["sanity.per_class=4"]]})
-        sweep = prefect(
-            "deployment",
-            "run",
-            "experiments/pool-experiments",
-            "--params",
-            params,
-            "--watch",
-            env=env,
+        # A second machine: a clone at another path of the same git remote, `dvc pull`ed from
+        # the same DVC remote, with a worker of its own
+        remote, store, clone = tmp_path / "remote.git", tmp_path / "store", tmp_path / "clone"
+        branch = sh(project, "git", "branch", "--show-current").stdout.strip()
+        sh(tmp_path, "git", "init", "-q", "--bare", "-b", branch, str(remote))
+        sh(project, "git", "remote", "add", "origin", str(remote))
+        sh(project, "dvc", "remote", "add", "-d", "store", str(store))
+        commit(project, "a comment, a remote")
+        sh(project, "git", "push", "-q", "origin", "HEAD")
+        sh(project, "dvc", "push", "-q")
+        sh(tmp_path, "git", "clone", "-q", str(remote), str(clone))
+        sh(clone, "dvc", "pull", "-q")
+        workers.append(start_worker(clone, cwd=tmp_path))
+        wait_for(lambda: online_workers() >= 2, 120, "both workers online")
+        with pytest.raises(StageFailed, match=r"is at commit \w+, the sweep's is 00000000"):
+            experiment("elsewhere", [], "0" * 40, workdir=str(clone))
+        sweep = subprocess.run(
+            [sys.executable, "-m", "pipeline.experiments", str(project), "--spread"]
+            + [arg for n in (2, 3, 4, 5) for arg in ("-e", f"sanity.per_class={n}")],
+            env=flows_env(),
+            capture_output=True,
+            text=True,
             timeout=600,
         )
         assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
-        assert "sanity.per_class" in artifact("experiments", flow_run_id(sweep.stdout)).data
+        rows = [json.loads(line) for line in sweep.stdout.splitlines()]
+        assert [(row["state"], row["sanity.per_class"]) for row in rows] == [
+            ("success", n) for n in (2, 3, 4, 5)
+        ]
+        host = socket.gethostname()
+        assert {row["ran on"] for row in rows} == {f"{host}:{project}", f"{host}:{clone}"}
+        names = {row["experiment"] for row in rows}
+        sh(clone, "dvc", "exp", "pull", "origin", *names)
+        for checkout in (project, clone):  # the sweep pulled them into the submitting one
+            shown = json.loads(sh(checkout, "dvc", "exp", "show", "--json").stdout)
+            found = {e["name"] for b in shown for e in b.get("experiments") or []}
+            assert names <= found, (checkout, found)
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # not seen since the scheduler is off; never hang here
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(timeout=30)
+        for worker in workers:
+            stop_worker(worker)
 
 
 def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project, tmp_path):

@@ -249,3 +249,69 @@ def sweep_table(poll: Poll, plan: dict[str, list[str]]) -> list[dict]:
         row |= {key: diffs[name].get(key) for key in keys}
         rows.append(row | metric_values(summary))
     return rows
+
+
+def stop_idle_workers(root: Path, say: Callable[[str], None]) -> None:
+    """`dvc queue stop` once a sweep has ended, then wait (up to the grace period) for DVC's queue
+    workers in this workspace to go: left alone they outlive the sweep."""
+    try:
+        dvc(root, "queue", "stop", doing="stopping DVC's idle queue workers")
+    except (StageFailed, DvcBusy) as e:
+        say(str(e))
+        return
+    deadline = time.monotonic() + stop_grace_s()
+    while queue_workers(root) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def queue_workers(root: Path) -> list[int]:
+    """DVC's queue worker processes working in `root`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+        except OSError:
+            continue
+        if b"queue-worker" in cmdline and cwd == root:
+            found.append(int(pid))
+    return found
+
+
+# --- a sweep spread over a work pool's workers: each experiment runs in the checkout of the
+# worker that took it, then travels through the git and DVC remotes (`dvc exp push`/`pull`).
+
+
+def git(root: Path, *args: str) -> str:
+    result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise StageFailed(f"`git {' '.join(args)}` in {root} failed: {result.stderr.strip()}")
+    return result.stdout.strip()
+
+
+def uncommitted(root: Path) -> list[str]:
+    """Tracked files changed and not committed: a spread sweep's workers run the commit alone."""
+    return [
+        line[3:] for line in git(root, "status", "--porcelain", "--untracked-files=no").splitlines()
+    ]
+
+
+def cache_args(root: Path, say: Callable[[str], None]) -> list[str]:
+    """`--no-cache` (said once) when the project has no default DVC remote: the experiments' git
+    side (params, metrics, plots) still travels, their models stay where they ran."""
+    if dvc(root, "remote", "default", doing="finding the DVC remote").strip():
+        return []
+    say(f"{root} has no default DVC remote (`dvc remote add -d`): models stay where they ran")
+    return ["--no-cache"]
+
+
+def push_experiment(root: Path, name: str, remote: str, say: Callable[[str], None]) -> None:
+    """`dvc exp push`: the experiment's commit to the git remote, its outputs to the DVC remote."""
+    args = cache_args(root, say)
+    dvc(root, "exp", "push", *args, remote, name, doing=f"pushing {name} to {remote}")
+
+
+def pull_experiments(root: Path, names: list[str], remote: str, say) -> None:
+    if names:
+        args = cache_args(root, say)
+        dvc(root, "exp", "pull", *args, remote, *names, doing=f"pulling the sweep from {remote}")

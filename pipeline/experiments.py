@@ -1,0 +1,346 @@
+"""Prefect flows for sweeps: `dvc exp run -S ...` for each list of overrides, one table of them.
+
+Three ways to run a sweep's experiments, each a `dvc exp run` in a temporary copy of a checkout
+(the workspace stays as it was):
+- in turn (`workers: 0`), in this checkout;
+- queued (`workers: N`): DVC's queue runs N at a time in this checkout;
+- spread (`spread: true`): each experiment is a flow run of the `experiment` deployment, so every
+  worker of the work pool takes some, each in its own checkout (VISIONFLOW_WORKDIR, read when its
+  run starts) at the sweep's commit; each one pushes its experiment (`dvc exp push`: git and DVC
+  remotes) and the sweep pulls them all, so `dvc exp show` here, and on any clone after
+  `dvc exp pull`, has the whole sweep.
+
+Run:  .venv/bin/python -m pipeline.experiments [WORKDIR] -e "train.lr=1e-3" -e "train.lr=3e-3 train.epochs=30"
+          [--workers N | --spread [DEPLOYMENT]]
+"""
+
+import argparse
+import json
+import math
+import signal
+import socket
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+from prefect import flow, get_run_logger, runtime, task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NONE
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.futures import wait
+from prefect.states import Cancelling, Completed, Failed, State
+
+from pipeline.flows import claimed
+from visionflow.ops import runner
+from visionflow.ops.project import preflight
+from visionflow.ops.repo import StageFailed, dvc, readable
+from visionflow.ops.runner import (
+    NotAProject,
+    Timeout,
+    dvc_command,
+    find_root,
+    run_group,
+    workspace_lock,
+)
+from visionflow.ops.sweeps import (
+    ENDED,
+    Poll,
+    exp_run_args,
+    git,
+    guarded,
+    interrupt,
+    main_metrics,
+    metric_values,
+    pull_experiments,
+    push_experiment,
+    start_workers,
+    stop_idle_workers,
+    stop_queue,
+    sweep_table,
+    uncommitted,
+)
+
+POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing
+EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one experiment
+UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
+
+
+@flow(name="experiments")
+def experiments(
+    workdir: str = ".",
+    overrides: list[list[str]] | None = None,
+    workers: int = 0,
+    timeout_s: float = 3600,
+    spread: bool = False,
+    deployment: str = EXPERIMENT,
+    remote: str = "origin",
+) -> list[dict]:
+    """`dvc exp run -S ...` for each list of overrides; publishes a table of these experiments
+    (the params that differ from the baseline, the main metrics) and returns its rows.
+
+    `workers: 0` runs them one after another, `workers: N` queues them and lets DVC's queue run
+    N at a time; either way each runs in its own temporary copy, so the workspace stays as it is,
+    and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
+    a failed or cancelled sweep stops the DVC queue's workers. Each experiment is a task run
+    named after it: Completed with its main metrics, or Failed. One failed experiment does not
+    stop the others; the flow fails at the end, naming it.
+
+    `spread: true` sends each experiment to the work pool instead, as a flow run of `deployment`
+    (one `experiment` each, a child of this one), run by whichever worker takes it in its own
+    checkout of this commit; each pushes to the git remote `remote` (and the default DVC remote),
+    and this flow pulls them; the table says where each ran. This workspace is not held.
+    Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
+    """
+    logger = get_run_logger()
+    root = find_root(Path(workdir))
+    prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
+    plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
+    problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
+    if problems:
+        raise StageFailed("; ".join(problems))
+    poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
+    if spread:  # not held: a child may run in this very checkout, and takes its lock
+        rows = run_spread(root, plan, deployment, timeout_s, remote, poll)
+    else:
+        with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
+            if workers:
+                with guarded(root, plan):
+                    run_queued(root, plan, workers, timeout_s, poll)
+            else:
+                run_in_turn(root, plan, timeout_s)
+            rows = sweep_table(poll, plan)
+    create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
+    failed = [row["experiment"] for row in rows if row["state"] != "success"]
+    if failed:
+        raise StageFailed(f"experiments {', '.join(failed)} did not succeed (see their logs)")
+    return rows
+
+
+def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
+    stops = len(runner.FORWARDED)
+    for name, sets in plan.items():  # a failed one is its task's state: the next one runs
+        run_experiment(root, name, sets, timeout_s, return_state=True)
+        if len(runner.FORWARDED) > stops:  # a cancellation or Ctrl-C stopped that one: no more
+            signal_name = signal.Signals(runner.FORWARDED[-1]).name
+            raise StageFailed(f"sweep stopped by {signal_name} during {name}; the rest not run")
+
+
+@task(task_run_name="{name}")
+def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> dict | State:
+    """`dvc exp run --temp` of one experiment, its output in the log; its state and main
+    metrics, or a Failed state."""
+    logger = get_run_logger()
+    logger.info(f"{name} ({' '.join(sets)}): running")
+    cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
+    try:
+        code, tail = run_group(cmd, root, timeout_s, readable(logger.info))
+    except Timeout as e:
+        return Failed(message=f"{name}: {e}")
+    if code != 0:
+        last = tail.strip().splitlines()[-1:]  # DVC's own line for why
+        return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
+    return ended(name, Poll(root, logger.warning).results([name])[name])
+
+
+def ended(name: str, summary: dict, more: str = "") -> dict | State:
+    """An ended experiment's task result: its state and main metrics (said in the log too), or
+    a Failed state when it did not succeed (a task's message, with no traceback to read past)."""
+    get_run_logger().info(f"{name}: {summary['state']} {main_metrics(summary)}".rstrip())
+    if summary["state"] != "success":
+        return Failed(message=f"{name}: {summary['state']}{more}")
+    return {"experiment": name, "state": summary["state"], **metric_values(summary)}
+
+
+def run_queued(
+    root: Path, plan: dict[str, list[str]], workers: int, timeout_s: float, poll: Poll
+) -> None:
+    """Queue the plan, start `workers` DVC queue workers, follow the experiments until all have
+    ended (one running past `timeout_s` is killed); on any early end, stop the queue. Each
+    experiment is a task, from when it leaves the queue to its end. A slow or failing poll
+    never stops the sweep (`Poll`): only a stop, or `timeout_s` with no answer from DVC, does."""
+    logger = get_run_logger()
+    for name, sets in plan.items():
+        dvc(root, *exp_run_args(name, sets), "--queue", doing=f"queueing {name}")
+        logger.info(f"{name} ({' '.join(sets)}): queued")
+    ends = {name: Future() for name in plan}  # set as this flow's one poll sees each end
+    followers, started, known = {}, {}, None
+    try:
+        start_workers(root, workers)
+        while True:
+            known = poll.results(plan, patience_s=timeout_s)
+            for name, summary in known.items():
+                state = summary["state"]
+                if state != "queued" and name not in followers:
+                    logger.info(f"{name}: left the queue ({state})")
+                    followers[name] = follow.submit(name, ends[name])
+                if state in ENDED and not ends[name].done():
+                    ends[name].set_result(summary)
+                if state == "running":
+                    started.setdefault(name, time.monotonic())
+                    if time.monotonic() - started[name] > timeout_s:
+                        logger.error(f"{name}: ran past {timeout_s:.0f} s; stopping it")
+                        interrupt(root, {name: summary["pid"]}, logger.warning)
+                        started[name] = math.inf  # asked once
+            if all(end.done() for end in ends.values()):
+                break
+            time.sleep(max(POLL_S, poll.took))  # a slow DVC is asked less often
+    finally:
+        early = [end for end in ends.values() if not end.done()]
+        for end in early:  # its task ends now, Failed
+            end.set_result({"state": "stopped (the sweep ended first)"})
+        if early:  # failed or cancelled: nothing of this sweep keeps running
+            stop_queue(root, plan, logger.warning, known)
+        stop_idle_workers(root, logger.warning)  # DVC's workers outlive the queue
+    wait(list(followers.values()))
+
+
+@task(task_run_name="{name}", cache_policy=NONE)  # `end` is no input to cache on
+def follow(name: str, end: Future) -> dict | State:
+    """A queued experiment from when it left the queue to its end, both seen by the flow's
+    poll: its state and main metrics, or a Failed state."""
+    return ended(name, end.result(), f" (`dvc queue logs {name}` has its output)")
+
+
+@flow(name="experiment", flow_run_name="{name}")
+def experiment(
+    name: str,
+    sets: list[str],
+    baseline: str,
+    workdir: str = ".",
+    timeout_s: float = 3600,
+    remote: str = "origin",
+) -> dict | State:
+    """One experiment of a spread sweep, on the worker that took it: `dvc exp run` in this
+    worker's checkout (at the sweep's `baseline` commit, or it refuses in one line), then
+    `dvc exp push` to the git remote `remote` and the default DVC remote. Completed with where it
+    ran in its message, or Failed naming why."""
+    logger = get_run_logger()
+    root = find_root(Path(workdir))
+    head = git(root, "rev-parse", "HEAD")
+    if head != baseline:
+        raise StageFailed(
+            f"{root} is at commit {head[:8]}, the sweep's is {baseline[:8]}: every worker's "
+            "checkout needs the sweep's commit (`git pull` there)"
+        )
+    where = f"{socket.gethostname()}:{root}"
+    with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
+        state = run_experiment(root, name, sets, timeout_s, return_state=True)
+        if not state.is_completed():
+            raise StageFailed(state.message)
+        push_experiment(root, name, remote, logger.warning)
+    logger.info(f"{name}: pushed to {remote}")
+    return Completed(message=f"{name} ran on {where}", data=state.result())
+
+
+def run_spread(
+    root: Path, plan: dict[str, list[str]], deployment: str, timeout_s: float, remote: str, poll
+) -> list[dict]:
+    """Each experiment as a flow run of `deployment`; wait for them all (a stop or an error
+    here cancels those not ended), pull the ones that succeeded, and the sweep's table with
+    where each ran."""
+    logger = get_run_logger()
+    commit = git(root, "rev-parse", "HEAD")
+    if changed := uncommitted(root):
+        logger.warning(
+            f"uncommitted changes stay here ({', '.join(changed[:3])}): the workers run commit "
+            f"{commit[:8]}"
+        )
+    runs, ends = {}, {}
+    try:
+        for name, sets in plan.items():
+            parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=timeout_s)
+            runs[name] = run_deployment(
+                deployment, parameters=parameters | {"remote": remote}, timeout=0
+            )
+            logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
+        ends = wait_for_children(runs)
+    finally:
+        cancel_unended(runs, ends)
+    pull_experiments(root, [n for n, s in ends.items() if s.is_completed()], remote, logger.warning)
+    rows = sweep_table(poll, plan)
+    for row in rows:
+        state = ends[row["experiment"]]
+        row["ran on"] = state.message.rpartition(" ran on ")[2] if state.is_completed() else None
+        if not state.is_completed():
+            row["state"] = state.name.lower()
+    return rows
+
+
+def wait_for_children(runs: dict) -> dict[str, State]:
+    """Each child run's final state, said in the log as it comes (and, once, the ones no worker
+    took in UNTAKEN_S: a pool without a worker would wait for good)."""
+    logger = get_run_logger()
+    ends, start, said = {}, time.monotonic(), False
+    with get_client(sync_client=True) as client:
+        while len(ends) < len(runs):
+            states = {n: client.read_flow_run(r.id).state for n, r in runs.items() if n not in ends}
+            for name, state in states.items():
+                if state and state.is_final():
+                    ends[name] = state
+                    logger.info(f"{name}: {state.name}: {state.message or ''}".rstrip(": "))
+            untaken = [n for n, state in states.items() if state and state.is_scheduled()]
+            if untaken and not said and time.monotonic() - start > UNTAKEN_S:
+                logger.warning(
+                    f"no worker took {', '.join(untaken)} in {UNTAKEN_S:.0f} s: is a worker "
+                    "running on the deployment's pool (`prefect worker start --pool ...`)?"
+                )
+                said = True
+            time.sleep(1.0)
+    return ends
+
+
+def cancel_unended(runs: dict, ends: dict) -> None:
+    """Cancel the child runs not ended (the sweep stopped or failed): their workers stop them."""
+    with get_client(sync_client=True) as client:
+        for name, run in runs.items():
+            if name not in ends:
+                client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a sweep of experiments, one table of them.")
+    parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
+    parser.add_argument(
+        "-e",
+        "--experiment",
+        action="append",
+        required=True,
+        help='one experiment\'s overrides, space-separated: -e "train.lr=1e-3 train.epochs=3"',
+    )
+    parser.add_argument("--workers", type=int, default=0, help="queued, N at a time (DVC's queue)")
+    parser.add_argument(
+        "--spread",
+        nargs="?",
+        const=EXPERIMENT,
+        help=f"send each to the work pool, as runs of this deployment ({EXPERIMENT})",
+    )
+    parser.add_argument("--remote", default="origin", help="with --spread: the git remote")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per experiment")
+    args = parser.parse_args()
+    try:
+        root = find_root(Path(args.workdir))
+    except NotAProject as e:
+        sys.exit(f"error: {e}")
+    overrides = [e.split() for e in args.experiment]
+    state = experiments(
+        str(root),
+        overrides,
+        workers=args.workers,
+        timeout_s=args.timeout,
+        spread=bool(args.spread),
+        deployment=args.spread or EXPERIMENT,
+        remote=args.remote,
+        return_state=True,
+    )
+    try:
+        rows = state.result()
+    except Exception as e:
+        sys.exit(f"error: {e}")
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
