@@ -29,8 +29,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
-from prefect.states import Cancelling, Completed, Failed, State
+from prefect.states import Cancelled, Cancelling, Completed, Failed, State
 
 from pipeline.flows import claimed
 from visionflow.ops import runner
@@ -134,10 +135,13 @@ def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> 
     logger = get_run_logger()
     logger.info(f"{name} ({' '.join(sets)}): running")
     cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
+    deployed = bool(runtime.deployment.id)  # cancelled by its runner's SIGTERM handler (flows.py)
     try:
-        code, tail = run_group(cmd, root, timeout_s, readable(logger.info))
+        code, tail = run_group(cmd, root, timeout_s, readable(logger.info), not deployed)
     except Timeout as e:
         return Failed(message=f"{name}: {e}")
+    except TerminationSignal:  # that cancellation: the experiment was stopped as every stop is
+        return Cancelled(message=f"{name}: stopped by its cancellation")
     if code != 0:
         last = tail.strip().splitlines()[-1:]  # DVC's own line for why
         return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
@@ -227,6 +231,8 @@ def experiment(
     where = f"{socket.gethostname()}:{root}"
     with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
+        if state.is_cancelled():
+            return state
         if not state.is_completed():
             raise StageFailed(state.message)
         push_experiment(root, name, remote, logger.warning)
