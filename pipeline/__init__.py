@@ -37,7 +37,7 @@ def stage_started() -> str | None:
     argv = sys.orig_argv
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
     stage = module.removeprefix("pipeline.")
-    return stage if stage != module and stage != "flows" else None
+    return stage if stage != module and stage not in ("flows", "experiments") else None
 
 
 def stopped_while_starting(signum, frame) -> None:

@@ -33,11 +33,12 @@ from prefect.exceptions import TerminationSignal
 from prefect.futures import wait
 from prefect.states import Cancelled, Cancelling, Completed, Failed, State
 
-from pipeline.flows import claimed
+from pipeline.flows import claimed, stopped_run
 from visionflow.ops import runner
 from visionflow.ops.project import preflight
 from visionflow.ops.repo import StageFailed, dvc, readable
 from visionflow.ops.runner import (
+    STOPPED_EXIT,
     NotAProject,
     Timeout,
     dvc_command,
@@ -222,7 +223,7 @@ def experiment(
     ran in its message, or Failed naming why."""
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    head = git(root, "rev-parse", "HEAD")
+    head = git(root, "rev-parse", "HEAD").strip()
     if head != baseline:
         raise StageFailed(
             f"{root} is at commit {head[:8]}, the sweep's is {baseline[:8]}: every worker's "
@@ -231,8 +232,8 @@ def experiment(
     where = f"{socket.gethostname()}:{root}"
     with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
-        if state.is_cancelled():
-            return state
+        if state.is_cancelled():  # as a deployment's run ends when cancelled: quietly
+            return stopped_run(state.message)
         if not state.is_completed():
             raise StageFailed(state.message)
         push_experiment(root, name, remote, logger.warning)
@@ -247,7 +248,7 @@ def run_spread(
     here cancels those not ended), pull the ones that succeeded, and the sweep's table with
     where each ran."""
     logger = get_run_logger()
-    commit = git(root, "rev-parse", "HEAD")
+    commit = git(root, "rev-parse", "HEAD").strip()
     if changed := uncommitted(root):
         logger.warning(
             f"uncommitted changes stay here ({', '.join(changed[:3])}): the workers run commit "
@@ -305,6 +306,10 @@ def cancel_unended(runs: dict, ends: dict) -> None:
                 client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
 
 
+def interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run a sweep of experiments, one table of them.")
     parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
@@ -330,16 +335,21 @@ def main() -> None:
     except NotAProject as e:
         sys.exit(f"error: {e}")
     overrides = [e.split() for e in args.experiment]
-    state = experiments(
-        str(root),
-        overrides,
-        workers=args.workers,
-        timeout_s=args.timeout,
-        spread=bool(args.spread),
-        deployment=args.spread or EXPERIMENT,
-        remote=args.remote,
-        return_state=True,
-    )
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the experiments not ended are cancelled
+    try:
+        state = experiments(
+            str(root),
+            overrides,
+            workers=args.workers,
+            timeout_s=args.timeout,
+            spread=bool(args.spread),
+            deployment=args.spread or EXPERIMENT,
+            remote=args.remote,
+            return_state=True,
+        )
+    except KeyboardInterrupt:
+        print("stopped: the sweep's experiments that had not ended were stopped", file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
     try:
         rows = state.result()
     except Exception as e:

@@ -286,7 +286,7 @@ def git(root: Path, *args: str) -> str:
     result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
     if result.returncode != 0:
         raise StageFailed(f"`git {' '.join(args)}` in {root} failed: {result.stderr.strip()}")
-    return result.stdout.strip()
+    return result.stdout
 
 
 def uncommitted(root: Path) -> list[str]:
