@@ -40,7 +40,15 @@ def network_problem(t: Train, image_size: int) -> str | None:
         problem = zoo.size_problem(t.model, image_size, t.pretrained)
     except Unavailable as e:  # an unknown weights name
         return f"train.pretrained: {e}"
-    if problem or not t.pretrained or zoo.is_weights_name(t.pretrained) or t.model == "resnet18":
+    if problem or not t.pretrained:
+        return problem
+    if zoo.is_weights_name(t.pretrained):  # fetched now: offline is said before train starts
+        try:
+            zoo.fetch(t.model, t.pretrained)
+        except Unavailable as e:
+            return f"train.pretrained: {e}"
+        return None
+    if t.model == "resnet18":
         return problem
     # a file for another architecture, truncated, pickled: said now, not after DVC has
     # deleted the train stage's results

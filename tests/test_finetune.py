@@ -78,7 +78,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     assert all(torch.equal(again[k], v) for k, v in second.items())  # resumed == uninterrupted
 
 
-def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path):
+def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path, monkeypatch):
     from pipeline.check import network_problem
     from visionflow.params import Train
 
@@ -102,6 +102,10 @@ def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_pa
         "weights 'IMAGENET1K_V9'; it has DEFAULT, IMAGENET1K_V1",  # DEFAULT once
         ("convnext_tiny", "DEFAULT", 64): None,
     }
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # convnext's weights, fetched
+    fetched = tmp_path / "torch/hub/checkpoints/convnext_tiny-983f1562.pth"
+    fetched.parent.mkdir(parents=True)
+    fetched.touch()
     for (model, pretrained, size), words in cases.items():
         train = Train(**{**base, "model": model, "pretrained": pretrained})
         problem = network_problem(train, size)
@@ -114,6 +118,7 @@ def test_a_weights_name_offline_fails_in_one_line_naming_the_file_to_fetch(
     reproduced_base, tmp_path
 ):
     project = copy_project(reproduced_base, tmp_path / "project")
+    model = (project / "results/train/model.pt").read_bytes()
     write_params(project, {"train": {"model": "mobilenet_v3_small", "pretrained": "DEFAULT"}})
     env_offline = "https_proxy=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9"
     result = sh(
@@ -127,6 +132,9 @@ def test_a_weights_name_offline_fails_in_one_line_naming_the_file_to_fetch(
         f"put it at {tmp_path}/torch/hub/checkpoints/mobilenet_v3_small-047dcff4.pth" in errors[0]
     )
     assert "Traceback" not in result.stderr
+    # said by check, before DVC removed the train stage's results to run it
+    assert "Running stage 'train'" not in result.stdout, result.stdout
+    assert (project / "results/train/model.pt").read_bytes() == model
 
 
 NETS = """

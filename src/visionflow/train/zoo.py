@@ -17,6 +17,7 @@ import difflib
 import importlib
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -206,14 +207,29 @@ def fit_problem(arch: str, source: str, size: int) -> str | None:
 def download(arch: str, name: str) -> dict:
     """torchvision's weights `name`, from torch's cache or downloaded into it (hash checked)."""
     weights = weights_enum(arch, "DEFAULT" if name == "imagenet" else name)
+    fetch(arch, name)
+    return weights.get_state_dict(progress=True, check_hash=True)
+
+
+def fetch(arch: str, name: str) -> Path:
+    """The file of torchvision's weights `name` in torch's cache, downloaded there first if need
+    be (hash checked), without loading it: `check` does this, so that an offline machine is
+    told before DVC removes the train stage's results."""
+    weights = weights_enum(arch, "DEFAULT" if name == "imagenet" else name)
+    target = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
+    if target.is_file():
+        return target
     try:
-        return weights.get_state_dict(progress=True, check_hash=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        prefix = torch.hub.HASH_REGEX.search(target.name)
+        print(f"downloading {weights} to {target}", file=sys.stderr)
+        torch.hub.download_url_to_file(weights.url, str(target), prefix and prefix.group(1))
     except OSError as e:  # offline (URLError), or the cache unwritable
-        target = Path(torch.hub.get_dir()) / "checkpoints" / weights.url.rsplit("/", 1)[-1]
         raise Unavailable(
             f"cannot download {weights} ({type(e).__name__}): offline, fetch {weights.url} "
             f"elsewhere and put it at {target}, or name a state_dict file in data/pretrained/"
         ) from None
+    return target
 
 
 def load_into(net: nn.Module, arch: str, weights: dict, head: set[str], source: str) -> None:
