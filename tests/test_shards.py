@@ -128,7 +128,7 @@ def caches(tmp_path_factory) -> tuple[Path, Path]:
     return root / "many", root / "one"
 
 
-def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path):
+def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path, monkeypatch):
     many, one = caches
     listed = json.loads((many / "manifest.json").read_text())["shards"]
     assert min(len(listed[s]) for s in SPLITS) > 5
@@ -145,6 +145,10 @@ def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path):
         assert np.array_equal(np.asarray(x), x1) and np.array_equal(y, y1)
         assert np.array_equal(x[7:40][3:9], x1[10:16]) and np.array_equal(x[-3], x1[-3])
         assert np.array_equal(x[[5, 0, -1, 5]], x1[[5, 0, -1, 5]])
+        with monkeypatch.context() as patch:  # fewer maps than shards: the oldest are closed
+            patch.setattr(shards, "map_limit", lambda: 2)
+            few = dataset.read_split(many, split, mmap=True)[0]
+            assert np.array_equal(few[::-1], x1[::-1]) and len(few.maps) == 2
 
     # the train stage's loader: streamed from the shards (DataLoader workers), from one file,
     # or held in memory, the same batches in the same order

@@ -17,6 +17,7 @@ DVC then uploads and deduplicates shard by shard.
 
 import hashlib
 import json
+import resource
 import unicodedata
 from pathlib import Path
 
@@ -24,7 +25,13 @@ import numpy as np
 
 from visionflow.errors import DataError
 
-MAPS = 256  # memory maps a `Shards` keeps open at once (each holds a file descriptor)
+
+def map_limit() -> int:
+    """Memory maps a `Shards` keeps open at once: each holds a file descriptor, so a quarter of
+    this process's limit (256 of Linux's usual 1,024), at most 8,192. Reopening a map costs about
+    as much as reading a small image, so a split of more shards than this reads slower."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 8192 if soft == resource.RLIM_INFINITY else max(16, min(soft // 4, 8192))
 
 
 def image_keys(names: list[str], seed: int) -> np.ndarray:
@@ -88,11 +95,11 @@ def cut(index: np.ndarray, keys: np.ndarray, split: str, size: int) -> dict[str,
 class Shards:
     """A split's images in several .npy files, read as one array: len, shape, dtype, nbytes, an
     int, a slice (a view, as a memmap's), an array of indices (those rows, read into memory),
-    and np.asarray (all of it). Each file is memory-mapped when first read (at most MAPS at once);
-    pickled, it is its paths alone, so each DataLoader worker maps its own."""
+    and np.asarray (all of it). Each file is memory-mapped when first read (at most `map_limit()`
+    at once); pickled, it is its paths alone, so each DataLoader worker maps its own."""
 
     def __init__(self, paths: list):
-        self.paths, self.maps = [str(p) for p in paths], {}
+        self.paths, self.maps, self.limit = [str(p) for p in paths], {}, map_limit()
         lengths = [self.mapped(i).shape[0] for i in range(len(self.paths))]
         self.starts = np.cumsum([0, *lengths])  # the first row of each file
         first = self.mapped(0)
@@ -101,7 +108,7 @@ class Shards:
 
     def mapped(self, i: int) -> np.ndarray:
         if i not in self.maps:
-            if len(self.maps) >= MAPS:
+            while len(self.maps) >= self.limit:
                 self.maps.pop(next(iter(self.maps)))  # the oldest
             self.maps[i] = np.load(self.paths[i], mmap_mode="r")
         return self.maps[i]
