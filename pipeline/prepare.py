@@ -32,7 +32,11 @@ def main() -> None:
         if e.setting is None:
             raise
         raise DataError(f"prepare.{e.setting}: {e}") from None
-    sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
+    shards = manifest.get("shards", {})  # prepare.shard_images > 0
+    sizes = ", ".join(
+        f"{s} {sum(c.values())}" + (f" in {len(shards[s])} shards" if shards else "")
+        for s, c in manifest["counts"].items()
+    )
     print(
         f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "
         f"{manifest['rejected']} files rejected (rejects.json), {manifest['duplicates']} "
