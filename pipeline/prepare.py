@@ -2,9 +2,10 @@
 
 Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image folder (or a .zip,
         .tar, .tar.gz of one), or a torchvision root
-Writes: <out>/{train,val,test}_{x,y}.npy, classes.json, stats.json (train-only mean/std),
-        decode.json (how pixels were made), manifest.json (sha256 per array, counts, and what the
-        cache was made from: source, split fractions and seed),
+Writes: <out>/{train,val,test}_{x,y}.npy (with prepare.shard_images, shards of each split:
+        <split>-<key>_{x,y}.npy), classes.json, stats.json (train-only mean/std), decode.json (how
+        pixels were made), manifest.json (sha256 per array, counts, the shards of each split, and
+        what the cache was made from: source, split fractions and seed),
         rejects.json (each rejected file and why), duplicates.json (images shared across splits)
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
 """
@@ -31,7 +32,11 @@ def main() -> None:
         if e.setting is None:
             raise
         raise DataError(f"prepare.{e.setting}: {e}") from None
-    sizes = ", ".join(f"{s} {sum(c.values())}" for s, c in manifest["counts"].items())
+    shards = manifest.get("shards", {})  # prepare.shard_images > 0
+    sizes = ", ".join(
+        f"{s} {sum(c.values())}" + (f" in {len(shards[s])} shards" if shards else "")
+        for s, c in manifest["counts"].items()
+    )
     print(
         f"prepare: wrote {args.out} ({sizes}; {p.image_size}x{p.image_size} {p.color}); "
         f"{manifest['rejected']} files rejected (rejects.json), {manifest['duplicates']} "
@@ -75,6 +80,7 @@ def build(params: Params, out: Path) -> dict:
             max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,
+            shard_images=p.shard_images,
             # not prepare.path: moving the same images must not change the cache (and retrain)
             origin={"source": p.source},
         )

@@ -296,13 +296,14 @@ def test_duplicates_across_splits_are_found_and_removed_from_the_later_split():
     assert report["removed"] == 0 and kept["val"].tolist() == [2, 3]
 
 
-def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_path):
+@pytest.mark.parametrize("shard_images", [0, 4])  # one file per split; shards placed by hash
+def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_path, shard_images):
     for i in range(6):
         (image_folder / "red" / f"copy{i}.png").write_bytes(
             (image_folder / "red/0.png").read_bytes()
         )
     source = sources.load_source("imagefolder", image_folder)
-    manifest = build(source, tmp_path / "out", dedupe=True)
+    manifest = build(source, tmp_path / "out", dedupe=True, shard_images=shard_images)
     duplicates = json.loads((tmp_path / "out/duplicates.json").read_text())
     assert duplicates["across_splits"] == manifest["duplicates"] > 0
     seen = set()

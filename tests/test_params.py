@@ -61,6 +61,8 @@ def test_wrong_type_names_the_key_and_value():
 def test_out_of_range_is_rejected():
     with pytest.raises(ParamsError, match=r"prepare.val_fraction"):
         parse_params(params_with(prepare={"val_fraction": 0.9}))
+    with pytest.raises(ParamsError, match=r"prepare.shard_images: .*greater than or equal to 0"):
+        parse_params(params_with(prepare={"shard_images": -64}))
 
 
 @pytest.mark.parametrize(

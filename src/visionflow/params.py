@@ -104,6 +104,7 @@ class Prepare(Section):
     dedupe: bool
     workers: int = Field(0, ge=0)  # 0 = one per core; any count makes the same cache bytes
     max_extract_mb: int = Field(ge=1)
+    shard_images: int = Field(0, ge=0)  # 0 = one file per split; N: shards of at most N images
 
 
 class Sanity(Section):

@@ -1,7 +1,8 @@
 """Safe decoding on all cores, and the uint8 cache that every later stage reads (the sources
 are `sources`, the split `splits`).
 
-The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, the class
+The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy` (or, with
+`shard_images`, each split in shards `<split>-<key>_{x,y}.npy`: `visionflow.data.shards`), the class
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
 array and what the cache was made from (source, path, split fractions and seed), a rejects report
 and a duplicates report. Class names are NFC-normalised folder names. Normalisation happens at
@@ -45,6 +46,7 @@ from visionflow.data.decode import (  # noqa: F401  (data.Decode, data.to_pixels
     to_pixels,
 )
 from visionflow.data.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
+from visionflow.data.shards import Shards, cut, hash_split, image_keys, read_sharded
 from visionflow.data.sources import Source
 from visionflow.data.splits import find_duplicates, split_indices
 from visionflow.errors import DataError, DiskFull
@@ -292,29 +294,42 @@ def write_split(path: Path, source: np.ndarray, index: np.ndarray, chunk: int = 
 
 
 def write_cache(
-    out: Path, pixels: np.ndarray, source: Source, splits: dict[str, np.ndarray], made_from: dict
+    out: Path,
+    pixels: np.ndarray,
+    source: Source,
+    splits: dict[str, np.ndarray],
+    made_from: dict,
+    shard_images: int = 0,
+    keys: np.ndarray | None = None,
 ) -> dict:
     """Write arrays, classes, train-only stats and the manifest (with `made_from`: the source and
-    the split, which the model card states); returns the manifest."""
+    the split, which the model card states); returns the manifest. With `shard_images` each split
+    goes into shards of at most that many images, cut by `keys` (`shards.cut`), listed in order
+    under the manifest's "shards"."""
     out.mkdir(parents=True, exist_ok=True)
-    files, counts = {}, {}
+    files, counts, listed = {}, {}, {}
     for split, index in splits.items():
         y = source.labels[index]
-        write_split(out / f"{split}_x.npy", pixels, index)
-        np.save(out / f"{split}_y.npy", y)
-        shapes = {"x": [len(index), *pixels.shape[1:]], "y": [len(index)]}
-        for part, shape in shapes.items():
-            name = f"{split}_{part}.npy"
-            files[name] = {"sha256": file_hash(out / name), "shape": shape}
+        parts = cut(index, keys, split, shard_images) if shard_images else {split: index}
+        listed[split] = list(parts)
+        for shard, part in parts.items():
+            write_split(out / f"{shard}_x.npy", pixels, part)
+            np.save(out / f"{shard}_y.npy", source.labels[part])
+            shapes = {"x": [len(part), *pixels.shape[1:]], "y": [len(part)]}
+            for kind, shape in shapes.items():
+                name = f"{shard}_{kind}.npy"
+                files[name] = {"sha256": file_hash(out / name), "shape": shape}
         per_class = np.bincount(y, minlength=len(source.classes))
         counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
-    mean, std = channel_stats(np.load(out / "train_x.npy", mmap_mode="r"))
+    mean, std = channel_stats(Shards([out / f"{shard}_x.npy" for shard in listed["train"]]))
     write_json(out / "classes.json", source.classes)
     write_json(out / "stats.json", {"mean": mean, "std": std, "computed_on": "train"})
     for name in ("classes.json", "stats.json", "decode.json"):  # class names, preprocessing
         if (out / name).exists():
             files[name] = {"sha256": file_hash(out / name)}
     manifest = {"files": files, "counts": counts, "made_from": made_from}
+    if shard_images:
+        manifest["shards"] = listed
     write_json(out / "manifest.json", manifest)
     return manifest
 
@@ -332,8 +347,12 @@ def build_cache(
     min_per_class: int = 1,
     dedupe: bool = True,
     origin: dict | None = None,
+    shard_images: int = 0,
 ) -> dict:
     """Decode, reject, split, de-duplicate and write the cache; returns the manifest.
+
+    `shard_images` 0: one file per split, split by a seeded stratified permutation; N > 0: each
+    image's split and shard from a hash of its name, shards of at most N images (`shards`).
 
     Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, or when
     a class keeps fewer than `min_per_class` good images, naming it. `origin` (the source's name
@@ -365,7 +384,13 @@ def build_cache(
         good = np.flatnonzero(ok)
         check_class_sizes(source, good, min_per_class)
         is_test = source.is_test[good] if source.is_test is not None else None
-        local = split_indices(source.labels[good], val_fraction, test_fraction, seed, is_test)
+        labels = source.labels[good]
+        keys = image_keys(source.names, seed) if shard_images else None
+        local = (
+            hash_split(labels, keys[good], val_fraction, test_fraction, is_test)
+            if shard_images
+            else split_indices(labels, val_fraction, test_fraction, seed, is_test)
+        )
         splits, duplicates = find_duplicates(
             {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
         )
@@ -379,7 +404,8 @@ def build_cache(
             )
         write_json(out / "decode.json", decode_record(decode))
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
-        manifest = write_cache(out, pixels, source, splits, {**(origin or {}), **split})
+        made_from = {**(origin or {}), **split}
+        manifest = write_cache(out, pixels, source, splits, made_from, shard_images, keys)
     finally:
         pixels = None  # drop the memmap before removing its file
         scratch.unlink(missing_ok=True)
@@ -457,6 +483,10 @@ def read_cache_meta(cache: Path) -> Cache:
 
 
 def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 NHWC images and int64 labels of one split (images memory-mapped when asked)."""
+    """uint8 NHWC images and int64 labels of one split (images memory-mapped when asked). A
+    sharded split's images are a `shards.Shards` when memory-mapped, else read into one array."""
+    if not (cache / f"{split}_x.npy").exists() and (cache / "manifest.json").exists():
+        x, y = read_sharded(cache, split)
+        return (x if mmap else np.asarray(x)), y
     x = np.load(cache / f"{split}_x.npy", mmap_mode="r" if mmap else None)
     return x, np.load(cache / f"{split}_y.npy")

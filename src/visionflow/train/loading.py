@@ -11,26 +11,26 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from visionflow.data.dataset import read_split
+from visionflow.data.shards import Shards
 
 
 class MemmapBatches(Dataset):
-    """Batches of a memory-mapped split, read in DataLoader workers (item i = index batch i)."""
+    """Batches of a memory-mapped split, read in DataLoader workers (item i = index batch i).
+    `x` is the split's one file or its shards; it is pickled to each worker as paths alone."""
 
-    def __init__(self, path: str, index_batches: list[np.ndarray]):
-        self.path, self.index_batches, self.x = path, index_batches, None
+    def __init__(self, x: Shards, index_batches: list[np.ndarray]):
+        self.x, self.index_batches = x, index_batches
 
     def __len__(self) -> int:
         return len(self.index_batches)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        if self.x is None:  # opened in each worker process, not pickled to it
-            self.x = np.load(self.path, mmap_mode="r")
         return torch.from_numpy(self.x[self.index_batches[i]])
 
 
 def load_for_training(
     cache: Path, split: str, device: torch.device, max_bytes: float
-) -> tuple[torch.Tensor | np.ndarray, torch.Tensor]:
+) -> tuple[torch.Tensor | np.ndarray | Shards, torch.Tensor]:
     """A split on the device when its images fit in `max_bytes`, else memory-mapped (see batches)."""
     x, y = read_split(cache, split, mmap=True)
     if x.nbytes > max_bytes:
@@ -40,7 +40,7 @@ def load_for_training(
 
 
 def batches(
-    x: torch.Tensor | np.ndarray,
+    x: torch.Tensor | np.ndarray | Shards,
     y: torch.Tensor,
     batch_size: int,
     generator: torch.Generator | None = None,
@@ -50,9 +50,10 @@ def batches(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of a split; shuffled when a generator is given (the training split).
 
-    In-memory tensors are sliced where they are. A memory-mapped array (larger than memory) is
-    read batch by batch in DataLoader worker processes, pinned when the device is a GPU, and sent
-    to `device`: the same batches in the same order either way.
+    In-memory tensors are sliced where they are. A memory-mapped split (larger than memory: one
+    file, or its shards, streamed without joining them) is read batch by batch in DataLoader
+    worker processes, pinned when the device is a GPU, and sent to `device`: the same batches in
+    the same order either way, whatever the shards.
 
     Under DDP each of `world` ranks takes every world-th item of the same permutation (the
     generators agree across ranks), so one step of all ranks sees `world * batch_size` items; the
@@ -65,11 +66,11 @@ def batches(
     )
     order = order[: len(order) - len(order) % world][rank::world]  # equal shards: equal steps
     n = len(order)
-    if isinstance(x, np.ndarray):
+    if not torch.is_tensor(x):
         device = device or torch.device("cpu")
         index_batches = [order[s : s + batch_size].numpy() for s in range(0, n, batch_size)]
         loader = DataLoader(
-            MemmapBatches(x.filename, index_batches),
+            MemmapBatches(x if isinstance(x, Shards) else Shards([x.filename]), index_batches),
             batch_size=None,
             num_workers=min(2, os.cpu_count() or 1),
             pin_memory=device.type == "cuda",
