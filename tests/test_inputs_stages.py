@@ -95,7 +95,10 @@ def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     )  # fmt: skip
     assert exported.returncode == 0, exported.stdout + exported.stderr
     card = (tmp_path / "export/MODEL_CARD.md").read_text()
-    assert "Source `digits`, split train/val/test with seed 0 (val 0.15, test 0.2)." in card
+    assert (
+        "Source `digits`, split train/val/test by a permutation with seed 0 (val 0.15, test 0.2)."
+        in card
+    )
     assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
     assert "1 epoch, batch 128, lr 0.001, weight decay 0.0, dropout 0.25, seed 0." in card
 

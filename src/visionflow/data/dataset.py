@@ -404,6 +404,8 @@ def build_cache(
             )
         write_json(out / "decode.json", decode_record(decode))
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
+        if shard_images:  # one file per split keeps its bytes: a permutation, as before
+            split["placed_by"] = "name hash"
         made_from = {**(origin or {}), **split}
         manifest = write_cache(out, pixels, source, splits, made_from, shard_images, keys)
     finally:

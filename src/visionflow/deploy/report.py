@@ -44,9 +44,11 @@ def data_line(made_from: dict) -> str:
     if "seed" not in made_from:
         return "Source and split: unknown (a cache prepared before they were recorded)."
     path = f" (`{made_from['path']}`)" if made_from.get("path") else ""
+    by = "each image's name hash" if made_from.get("placed_by") == "name hash" else "a permutation"
     return (
-        f"Source `{made_from['source']}`{path}, split train/val/test with seed "
-        f"{made_from['seed']} (val {made_from['val_fraction']}, test {made_from['test_fraction']})."
+        f"Source `{made_from.get('source', 'unknown')}`{path}, split train/val/test by {by} with "
+        f"seed {made_from['seed']} (val {made_from['val_fraction']}, test "
+        f"{made_from['test_fraction']})."
     )
 
 
