@@ -17,6 +17,7 @@ Run:  .venv/bin/python -m pipeline.experiments [WORKDIR] -e "train.lr=1e-3" -e "
 import argparse
 import json
 import math
+import re
 import signal
 import socket
 import sys
@@ -29,9 +30,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
-from prefect.exceptions import TerminationSignal
+from prefect.exceptions import ObjectNotFound, TerminationSignal
 from prefect.futures import wait
-from prefect.states import Cancelled, Cancelling, Completed, Failed, State
+from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, State
 
 from pipeline.flows import claimed, stopped_run
 from visionflow.ops import runner
@@ -44,6 +45,7 @@ from visionflow.ops.runner import (
     dvc_command,
     find_root,
     run_group,
+    stop_grace_s,
     workspace_lock,
 )
 from visionflow.ops.sweeps import (
@@ -57,6 +59,7 @@ from visionflow.ops.sweeps import (
     metric_values,
     pull_experiments,
     push_experiment,
+    spread_problem,
     start_workers,
     stop_idle_workers,
     stop_queue,
@@ -98,6 +101,8 @@ def experiments(
     logger = get_run_logger()
     root = find_root(Path(workdir))
     prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
+    if (runtime.flow_run.run_count or 1) > 1:  # a retry: the first try's names are taken
+        prefix += f"-try{runtime.flow_run.run_count}"
     plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
     problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
     if problems:
@@ -105,6 +110,8 @@ def experiments(
     poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
     if spread:  # not held: a child may run in this very checkout, and takes its lock
         rows = run_spread(root, plan, deployment, timeout_s, remote, poll)
+        if isinstance(rows, State):  # cancelled
+            return rows
     else:
         with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
             if workers:
@@ -144,9 +151,16 @@ def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> 
     except TerminationSignal:  # that cancellation: the experiment was stopped as every stop is
         return Cancelled(message=f"{name}: stopped by its cancellation")
     if code != 0:
-        last = tail.strip().splitlines()[-1:]  # DVC's own line for why
-        return Failed(message=f"{name}: failed (exit {code}): {''.join(last)}")
+        return Failed(message=f"{name}: failed (exit {code}): {why(tail)}")
     return ended(name, Poll(root, logger.warning).results([name])[name])
+
+
+def why(tail: str) -> str:
+    """The line of a failed `dvc exp run` that says why: the stage's `error:` line, or DVC's
+    `ERROR:`, not DVC's sign-off ("Having any troubles?")."""
+    lines = [line.strip() for line in tail.strip().splitlines() if line.strip()]
+    said = [line for line in lines if line.lower().startswith("error:")]
+    return (said or lines or [""])[-1]
 
 
 def ended(name: str, summary: dict, more: str = "") -> dict | State:
@@ -218,54 +232,66 @@ def experiment(
     remote: str = "origin",
 ) -> dict | State:
     """One experiment of a spread sweep, on the worker that took it: `dvc exp run` in this
-    worker's checkout (at the sweep's `baseline` commit, or it refuses in one line), then
-    `dvc exp push` to the git remote `remote` and the default DVC remote. Completed with where it
-    ran in its message, or Failed naming why."""
+    worker's checkout, then `dvc exp push` to the git remote `remote` and the default DVC
+    remote. A checkout that is not at the sweep's `baseline` commit, has uncommitted changes or
+    lacks a remote refuses first, in one line. Completed with where it ran in its message."""
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    head = git(root, "rev-parse", "HEAD").strip()
-    if head != baseline:
-        raise StageFailed(
-            f"{root} is at commit {head[:8]}, the sweep's is {baseline[:8]}: every worker's "
-            "checkout needs the sweep's commit (`git pull` there)"
-        )
-    where = f"{socket.gethostname()}:{root}"
     with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
+        if problem := spread_problem(root, remote, baseline):
+            raise StageFailed(problem)
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
         if state.is_cancelled():  # as a deployment's run ends when cancelled: quietly
             return stopped_run(state.message)
         if not state.is_completed():
             raise StageFailed(state.message)
-        push_experiment(root, name, remote, logger.warning)
+        push_experiment(root, name, remote, timeout_s)
     logger.info(f"{name}: pushed to {remote}")
-    return Completed(message=f"{name} ran on {where}", data=state.result())
+    return Completed(message=f"{name} ran on {socket.gethostname()}:{root}", data=state.result())
 
 
 def run_spread(
     root: Path, plan: dict[str, list[str]], deployment: str, timeout_s: float, remote: str, poll
-) -> list[dict]:
-    """Each experiment as a flow run of `deployment`; wait for them all (a stop or an error
-    here cancels those not ended), pull the ones that succeeded, and the sweep's table with
-    where each ran."""
+) -> list[dict] | State:
+    """Each experiment as a flow run of `deployment`; wait for them all (a stop, a cancellation
+    of this run or an error here cancels those not ended), pull the ones that succeeded, and the
+    sweep's table with where each ran."""
     logger = get_run_logger()
+    if problem := spread_problem(root, remote):
+        raise StageFailed(problem)
     commit = git(root, "rev-parse", "HEAD").strip()
     if changed := uncommitted(root):
         logger.warning(
-            f"uncommitted changes stay here ({', '.join(changed[:3])}): the workers run commit "
-            f"{commit[:8]}"
+            f"uncommitted changes here ({', '.join(changed[:3])}) are not part of the sweep: it "
+            f"runs commit {commit[:8]}, and a worker in this checkout refuses until they are "
+            "committed or stashed"
         )
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise StageFailed(
+                f"no deployment {deployment} on the Prefect server: `prefect deploy --all` in "
+                "the project (prefect.yaml), with a worker on its pool"
+            ) from None
     runs, ends = {}, {}
     try:
         for name, sets in plan.items():
             parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=timeout_s)
             runs[name] = run_deployment(
-                deployment, parameters=parameters | {"remote": remote}, timeout=0
+                deployment,
+                parameters=parameters | {"remote": remote},
+                flow_run_name=name,
+                timeout=0,
             )
             logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
-        ends = wait_for_children(runs)
+        ends = wait_for_children(runs, timeout_s)
     finally:
         cancel_unended(runs, ends)
-    pull_experiments(root, [n for n, s in ends.items() if s.is_completed()], remote, logger.warning)
+    if ends is None:  # this run was cancelled
+        return Cancelled(message="cancelled: the experiments not ended were cancelled")
+    succeeded = [n for n, state in ends.items() if state.is_completed()]
+    pull_experiments(root, succeeded, remote, timeout_s)
     rows = sweep_table(poll, plan)
     for row in rows:
         state = ends[row["experiment"]]
@@ -275,34 +301,49 @@ def run_spread(
     return rows
 
 
-def wait_for_children(runs: dict) -> dict[str, State]:
-    """Each child run's final state, said in the log as it comes (and, once, the ones no worker
-    took in UNTAKEN_S: a pool without a worker would wait for good)."""
+def wait_for_children(runs: dict, timeout_s: float) -> dict[str, State] | None:
+    """Each child run's final state, said in the log as it comes; None when this run is
+    cancelled meanwhile (`prefect flow-run cancel` of a sweep started from a terminal: no runner
+    stops it). One that has run past its own timeout and the stop's grace has lost its worker
+    (stopped, or its machine): marked Crashed. Said once: the ones no worker took in UNTAKEN_S."""
     logger = get_run_logger()
-    ends, start, said = {}, time.monotonic(), False
+    ends, started, start, said = {}, {}, time.monotonic(), False
+    lost_after = timeout_s + stop_grace_s() + 60
     with get_client(sync_client=True) as client:
         while len(ends) < len(runs):
+            if runtime.flow_run.id:
+                mine = client.read_flow_run(runtime.flow_run.id).state
+                if mine and mine.is_cancelling():
+                    return None
             states = {n: client.read_flow_run(r.id).state for n, r in runs.items() if n not in ends}
             for name, state in states.items():
+                if state and state.is_running():
+                    started.setdefault(name, time.monotonic())
+                    if time.monotonic() - started[name] > lost_after:
+                        message = f"no end reported {lost_after:.0f} s after it started: its worker was lost"
+                        client.set_flow_run_state(
+                            runs[name].id, Crashed(message=message), force=True
+                        )
+                        state = Crashed(message=message)
                 if state and state.is_final():
                     ends[name] = state
                     logger.info(f"{name}: {state.name}: {state.message or ''}".rstrip(": "))
             untaken = [n for n, state in states.items() if state and state.is_scheduled()]
             if untaken and not said and time.monotonic() - start > UNTAKEN_S:
                 logger.warning(
-                    f"no worker took {', '.join(untaken)} in {UNTAKEN_S:.0f} s: is a worker "
-                    "running on the deployment's pool (`prefect worker start --pool ...`)?"
+                    f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
+                    "the deployment's pool busy, or none running (`prefect worker start --pool ...`)"
                 )
                 said = True
             time.sleep(1.0)
     return ends
 
 
-def cancel_unended(runs: dict, ends: dict) -> None:
+def cancel_unended(runs: dict, ends: dict | None) -> None:
     """Cancel the child runs not ended (the sweep stopped or failed): their workers stop them."""
     with get_client(sync_client=True) as client:
         for name, run in runs.items():
-            if name not in ends:
+            if name not in (ends or {}):
                 client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
 
 
@@ -318,10 +359,11 @@ def main() -> None:
         "--experiment",
         action="append",
         required=True,
-        help='one experiment\'s overrides, space-separated: -e "train.lr=1e-3 train.epochs=3"',
+        help='one experiment\'s overrides: -e "train.lr=1e-3 train.epochs=3"',
     )
-    parser.add_argument("--workers", type=int, default=0, help="queued, N at a time (DVC's queue)")
-    parser.add_argument(
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--workers", type=int, default=0, help="queued, N at a time (DVC's queue)")
+    how.add_argument(
         "--spread",
         nargs="?",
         const=EXPERIMENT,
@@ -334,8 +376,10 @@ def main() -> None:
         root = find_root(Path(args.workdir))
     except NotAProject as e:
         sys.exit(f"error: {e}")
-    overrides = [e.split() for e in args.experiment]
-    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the experiments not ended are cancelled
+    # one override per `key=`: a value may hold spaces ("prepare.formats=[PNG, JPEG]")
+    overrides = [re.split(r"\s+(?=[\w.-]+=)", e.strip()) for e in args.experiment]
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: what has not ended is stopped
+        signal.signal(stop, interrupted)
     try:
         state = experiments(
             str(root),
@@ -348,14 +392,34 @@ def main() -> None:
             return_state=True,
         )
     except KeyboardInterrupt:
+        state = Cancelled()
+    if state.is_cancelled():
         print("stopped: the sweep's experiments that had not ended were stopped", file=sys.stderr)
         sys.exit(STOPPED_EXIT)
+    for row in table_of(state):  # the rows that succeeded too, when some did not
+        print(json.dumps(row))
     try:
-        rows = state.result()
+        state.result()
     except Exception as e:
         sys.exit(f"error: {e}")
-    for row in rows:
-        print(json.dumps(row))
+
+
+def table_of(state: State) -> list[dict]:
+    """The `experiments` table the sweep's run published (none when it failed before)."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["experiments"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
+    return json.loads(found[-1].data) if found else []
 
 
 if __name__ == "__main__":

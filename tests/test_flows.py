@@ -712,7 +712,8 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
     """Deployed from one checkout, run by workers whose VISIONFLOW_WORKDIR names their own: the
     working directory is the worker's, read when the run starts (two machines, two paths). A
     spread sweep of 4 runs on both workers, and both clones see all 4 (`dvc exp pull`)."""
-    from pipeline.experiments import experiment
+    from pipeline.experiments import experiment, experiments
+    from visionflow.ops.sweeps import spread_problem
 
     deploying = flows_env(VISIONFLOW_WORKDIR=str(tmp_path / "the-deploying-machines-checkout"))
     # the session's server may have it from another test: made again, as prefect.yaml names it
@@ -759,8 +760,17 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         sh(clone, "dvc", "pull", "-q")
         workers.append(start_worker(clone, cwd=tmp_path))
         wait_for(lambda: online_workers() >= 2, 120, "both workers online")
+        # what each side refuses, in one line, before anything runs
         with pytest.raises(StageFailed, match=r"is at commit \w+, the sweep's is 00000000"):
             experiment("elsewhere", [], "0" * 40, workdir=str(clone))
+        head = sh(clone, "git", "rev-parse", "HEAD").stdout.strip()
+        note_in_params(clone, "an edit of this machine's own")
+        with pytest.raises(StageFailed, match=r"has uncommitted changes \(params.yaml\)"):
+            experiment("edited", [], head, workdir=str(clone))  # dvc exp run would take it
+        sh(clone, "git", "checkout", "params.yaml")
+        with pytest.raises(StageFailed, match="no deployment nope/nope on the Prefect server"):
+            experiments(str(project), [["sanity.per_class=2"]], spread=True, deployment="nope/nope")
+        assert "has no git remote 'upstream'" in spread_problem(project, "upstream")
         sweep = subprocess.run(
             [sys.executable, "-m", "pipeline.experiments", str(project), "--spread"]
             + [arg for n in (2, 3, 4, 5) for arg in ("-e", f"sanity.per_class={n}")],

@@ -290,28 +290,67 @@ def git(root: Path, *args: str) -> str:
 
 
 def uncommitted(root: Path) -> list[str]:
-    """Tracked files changed and not committed: a spread sweep's workers run the commit alone."""
-    return [
-        line[3:] for line in git(root, "status", "--porcelain", "--untracked-files=no").splitlines()
-    ]
+    """Tracked files changed and not committed: a spread sweep's experiments run the commit."""
+    lines = git(root, "status", "--porcelain", "--untracked-files=no").splitlines()
+    return [line[3:] for line in lines]
 
 
-def cache_args(root: Path, say: Callable[[str], None]) -> list[str]:
-    """`--no-cache` (said once) when the project has no default DVC remote: the experiments' git
-    side (params, metrics, plots) still travels, their models stay where they ran."""
-    if dvc(root, "remote", "default", doing="finding the DVC remote").strip():
-        return []
-    say(f"{root} has no default DVC remote (`dvc remote add -d`): models stay where they ran")
-    return ["--no-cache"]
+def spread_problem(root: Path, remote: str, commit: str | None = None) -> str | None:
+    """Why this checkout cannot take part in a spread sweep from `commit` (this one's HEAD when
+    None): no git `remote`, no default DVC remote (the experiments' metrics and models travel
+    through it), the commit not on `remote`, or, for a worker, another commit or uncommitted
+    changes (`dvc exp run` would take them into the experiment)."""
+    if subprocess.run(
+        ["git", "remote", "get-url", remote], cwd=root, capture_output=True
+    ).returncode:
+        return f"{root} has no git remote {remote!r}: `git remote add {remote} URL` (the experiments travel through it)"
+    if not dvc(root, "remote", "default", doing="finding the DVC remote").strip():
+        return f"{root} has no default DVC remote: `dvc remote add -d NAME URL` (the experiments' metrics and models travel through it)"
+    head = git(root, "rev-parse", "HEAD").strip()
+    if commit is None:
+        git(root, "fetch", "-q", remote)
+        if not git(root, "branch", "-r", "--contains", head).strip():
+            return f"commit {head[:8]} is not on {remote}: `git push {remote}` first (every worker needs it)"
+        return None
+    if head != commit:
+        return (
+            f"{root} is at commit {head[:8]}, the sweep's is {commit[:8]}: every worker's "
+            "checkout needs the sweep's commit (`git pull` there)"
+        )
+    if changed := uncommitted(root):
+        return (
+            f"{root} has uncommitted changes ({', '.join(changed[:3])}): a sweep's experiment runs "
+            "the commit alone (commit or `git stash` them there)"
+        )
+    return None
 
 
-def push_experiment(root: Path, name: str, remote: str, say: Callable[[str], None]) -> None:
-    """`dvc exp push`: the experiment's commit to the git remote, its outputs to the DVC remote."""
-    args = cache_args(root, say)
-    dvc(root, "exp", "push", *args, remote, name, doing=f"pushing {name} to {remote}")
+def dvc_waiting(root: Path, *args: str, doing: str, timeout_s: float) -> str:
+    """`dvc ARGS`, waiting out (up to `timeout_s`) another dvc that holds the repository (a
+    `dvc status` takes its lock too) instead of failing on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dvc(root, *args, doing=doing, timeout_s=timeout_s)
+        except DvcBusy:
+            if time.monotonic() > deadline:
+                raise
+            runner.wait_until_free(root, timeout_s=max(deadline - time.monotonic(), 1))
 
 
-def pull_experiments(root: Path, names: list[str], remote: str, say) -> None:
+def push_experiment(root: Path, name: str, remote: str, timeout_s: float) -> None:
+    """`dvc exp push`: the experiment's commit to the git remote, its outputs to the DVC remote;
+    an experiment already there under the name, other than this one, fails it."""
+    out = dvc_waiting(
+        root, "exp", "push", remote, name, doing=f"pushing {name} to {remote}", timeout_s=timeout_s
+    )
+    if "diverged" in out:  # DVC says so and exits 0
+        raise StageFailed(
+            f"{remote} has another experiment named {name}: not pushed ({out.strip()})"
+        )
+
+
+def pull_experiments(root: Path, names: list[str], remote: str, timeout_s: float) -> None:
     if names:
-        args = cache_args(root, say)
-        dvc(root, "exp", "pull", *args, remote, *names, doing=f"pulling the sweep from {remote}")
+        doing = f"pulling the sweep from {remote}"
+        dvc_waiting(root, "exp", "pull", remote, *names, doing=doing, timeout_s=timeout_s)
