@@ -304,7 +304,8 @@ def spread_problem(root: Path, remote: str, commit: str | None = None) -> str | 
         ["git", "remote", "get-url", remote], cwd=root, capture_output=True
     ).returncode:
         return f"{root} has no git remote {remote!r}: `git remote add {remote} URL` (the experiments travel through it)"
-    if not dvc(root, "remote", "default", doing="finding the DVC remote").strip():
+    default = dvc_waiting(root, "remote", "default", doing="finding the DVC remote", timeout_s=300)
+    if not default.strip():
         return f"{root} has no default DVC remote: `dvc remote add -d NAME URL` (the experiments' metrics and models travel through it)"
     head = git(root, "rev-parse", "HEAD").strip()
     if commit is None:
