@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -469,6 +470,7 @@ def torchrun(cwd: Path, launch: list[str], out: str, state: str, fault: str = ""
     """`torchrun LAUNCH -m pipeline.train` in `cwd`, in its own session (a hung rank goes with
     the rest: nothing outlives the test)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
+    env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts shows where it was
     stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", *launch, *stage],
@@ -497,10 +499,22 @@ def ended(processes: list) -> list[subprocess.CompletedProcess]:
     return results
 
 
+ABORTED = "terminate called without an active exception"  # from C++, not from our code
+
+
 def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
-    """The train stage under `torchrun` with 2 gloo processes, as the manual runs it."""
+    """The train stage under `torchrun` with 2 gloo processes, as the manual runs it. A run in
+    which a rank aborted in torch's C++ (SIGABRT: seen once in CI on a loaded machine, never in
+    53 runs here under 3x load) is run once more from nothing, with a warning in the summary."""
     launch = ["--standalone", "--nproc_per_node", "2"]
-    return ended([torchrun(cwd, launch, out, f"{out}-ckpt", fault)])[0]
+    result = ended([torchrun(cwd, launch, out, f"{out}-ckpt", fault)])[0]
+    if result.returncode != 0 and ABORTED in result.stderr:
+        tail = result.stderr[-4000:]
+        warnings.warn(f"a torchrun rank aborted; running again:\n{tail}", stacklevel=2)
+        shutil.rmtree(cwd / out, ignore_errors=True)
+        shutil.rmtree(cwd / f"{out}-ckpt", ignore_errors=True)
+        result = ended([torchrun(cwd, launch, out, f"{out}-ckpt", fault)])[0]
+    return result
 
 
 @pytest.mark.slow
