@@ -432,10 +432,11 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     run = state.state_details.flow_run_id
     rows = json.loads(artifact("experiments", run).data)
     assert [row["state"] for row in rows] == ["success", "failed", "success"]
-    assert [(row["evaluate.top_k"], row["sanity.per_class"]) for row in rows] == [
-        (2, None),
-        (None, None),
-        (None, 3),
+    keys = ("evaluate.top_k", "train.epochs", "sanity.per_class")  # the failed one's too
+    assert [tuple(row[key] for key in keys) for row in rows] == [
+        (2, None, None),
+        (None, 0, None),
+        (None, None, 3),
     ]
     assert rows[1]["accuracy"] is None and all(0 <= rows[i]["accuracy"] <= 1 for i in (0, 2))
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
@@ -461,6 +462,7 @@ def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project
     rows = json.loads(artifact("experiments", run_id).data)
     failed, done = rows
     assert (failed["state"], failed["accuracy"]) == ("failed", None)  # not its baseline's
+    assert failed["train.epochs"] == 0  # what it was given, though DVC shows no params for it
     assert done["state"] == "success" and 0 <= done["accuracy"] <= 1
     assert_one_task_per_experiment(run_id, rows)
     said = [log.message for log in flow_logs(run_id)]

@@ -235,13 +235,16 @@ def main_metrics(summary: dict) -> str:
 
 def sweep_table(poll: Poll, plan: dict[str, list[str]]) -> list[dict]:
     """One row per experiment of the sweep: name, state, the params that differ from its
-    baseline (the union over the sweep, so every row has the same columns), the main metrics."""
+    baseline (the union over the sweep, so every row has the same columns), the main metrics.
+    A failed experiment, whose params DVC does not show, has the overrides it was given."""
     summaries = poll.results(plan)
     diffs = {}
     for name, summary in summaries.items():
         params = flatten((summary.get("params") or {}).get("params.yaml", {}).get("data", {}))
         base = flatten((summary.get("baseline") or {}).get("params.yaml", {}).get("data", {}))
-        diffs[name] = {k: v for k, v in params.items() if base.get(k) != v}
+        diffs[name] = overrides(plan.get(name, [])) | {
+            k: v for k, v in params.items() if base.get(k) != v
+        }
     keys = sorted({key for diff in diffs.values() for key in diff})
     rows = []
     for name, summary in summaries.items():
@@ -249,6 +252,19 @@ def sweep_table(poll: Poll, plan: dict[str, list[str]]) -> list[dict]:
         row |= {key: diffs[name].get(key) for key in keys}
         rows.append(row | metric_values(summary))
     return rows
+
+
+def overrides(sets: list[str]) -> dict:
+    """`-S` overrides as {param: value}: "train.lr=1e-3" -> {"train.lr": 0.001} (a value that is
+    not JSON stays text)."""
+    found = {}
+    for item in sets:
+        key, _, text = item.partition("=")
+        try:
+            found[key.rpartition(":")[2]] = json.loads(text)
+        except ValueError:
+            found[key.rpartition(":")[2]] = text
+    return found
 
 
 def stop_idle_workers(root: Path, say: Callable[[str], None]) -> None:
