@@ -164,7 +164,8 @@ def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path, m
 
     streamed = epoch(x)
     assert len(streamed) == 13
-    for other in (epoch(one_file), epoch(held)):
+    # however many workers the machine gives (its cores shared among the ranks on it)
+    for other in (epoch(one_file), epoch(held), epoch(x, workers=0), epoch(x, workers=3)):
         for (a, b), (c, d) in zip(streamed, other, strict=True):
             assert torch.equal(a, c) and torch.equal(b, d)
     second_rank = epoch(x, rank=1, world=2)
@@ -172,6 +173,11 @@ def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path, m
         torch.equal(a, c)
         for (a, _), (c, _) in zip(second_rank, epoch(held, rank=1, world=2), strict=True)
     )
+
+    monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(16)))
+    for ranks_here, workers in (("1", 8), ("4", 4), ("32", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks_here)
+        assert loading.loader_workers() == workers
 
     from pipeline.sanity import scan
     from visionflow.deploy.quantize import calibration_sample

@@ -47,13 +47,14 @@ def batches(
     rank: int = 0,
     world: int = 1,
     device: torch.device | None = None,
+    workers: int | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches of a split; shuffled when a generator is given (the training split).
 
     In-memory tensors are sliced where they are. A memory-mapped split (larger than memory: one
     file, or its shards, streamed without joining them) is read batch by batch in DataLoader
-    worker processes, pinned when the device is a GPU, and sent to `device`: the same batches in
-    the same order either way, whatever the shards.
+    worker processes (`workers`, default `loader_workers()`), pinned when the device is a GPU,
+    and sent to `device`: the same batches in the same order either way, whatever the shards.
 
     Under DDP each of `world` ranks takes every world-th item of the same permutation (the
     generators agree across ranks), so one step of all ranks sees `world * batch_size` items; the
@@ -72,7 +73,7 @@ def batches(
         loader = DataLoader(
             MemmapBatches(x if isinstance(x, Shards) else Shards([x.filename]), index_batches),
             batch_size=None,
-            num_workers=min(2, os.cpu_count() or 1),
+            num_workers=loader_workers() if workers is None else workers,
             pin_memory=device.type == "cuda",
         )
         for index, xb in zip(index_batches, loader, strict=True):
@@ -84,6 +85,18 @@ def batches(
     for start in range(0, n, batch_size):
         index = order[start : start + batch_size].to(x.device)
         yield x[index], y[index]
+
+
+MAX_LOADER_WORKERS = 8  # one gathers ~9,000 224 px images/s from the page cache (benchmarks.md)
+
+
+def loader_workers() -> int:
+    """DataLoader workers per rank for a memory-mapped split: the cores this process may use,
+    shared among the ranks on this machine (torchrun's LOCAL_WORLD_SIZE), 1 to
+    MAX_LOADER_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(MAX_LOADER_WORKERS, (cores or 1) // ranks_here))
 
 
 def to_unit(x: torch.Tensor) -> torch.Tensor:
