@@ -108,32 +108,58 @@ def experiments(
     if problems:
         raise StageFailed("; ".join(problems))
     poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
-    if spread:  # not held: a child may run in this very checkout, and takes its lock
-        rows = run_spread(root, plan, deployment, timeout_s, remote, poll)
-        if isinstance(rows, State):  # cancelled
-            return rows
-    else:
-        with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
-            if workers:
-                with guarded(root, plan):
-                    run_queued(root, plan, workers, timeout_s, poll)
-            else:
-                run_in_turn(root, plan, timeout_s)
-            rows = sweep_table(poll, plan)
+    stopped = None  # an in-turn sweep that ended early: why, and at which experiment
+    try:
+        if spread:  # not held: a child may run in this very checkout, and takes its lock
+            rows = run_spread(root, plan, deployment, timeout_s, remote, poll)
+            if isinstance(rows, State):  # cancelled
+                return rows
+        else:
+            with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
+                if workers:
+                    with guarded(root, plan):
+                        run_queued(root, plan, workers, timeout_s, poll)
+                else:
+                    stopped = run_in_turn(root, plan, timeout_s)
+                rows = sweep_table(poll, plan)
+                if stopped:
+                    rows = marked_stopped(rows, plan, stopped[1])
+    except KeyboardInterrupt:  # Ctrl-C (SIGTERM, SIGHUP to the command): stopped, not crashed
+        return stopped_run("the sweep's experiments that had not ended were stopped")
     create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
+    if stopped:
+        return stopped_run(stopped[0])
     failed = [row["experiment"] for row in rows if row["state"] != "success"]
     if failed:
         raise StageFailed(f"experiments {', '.join(failed)} did not succeed (see their logs)")
     return rows
 
 
-def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> None:
+def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> tuple[str, str] | None:
+    """Each experiment in turn; a failed one is its task's state, and the next one runs. A stop
+    (Ctrl-C, SIGTERM) or a cancellation during one ends the sweep there: returns why, and
+    which one it stopped."""
     stops = len(runner.FORWARDED)
-    for name, sets in plan.items():  # a failed one is its task's state: the next one runs
-        run_experiment(root, name, sets, timeout_s, return_state=True)
-        if len(runner.FORWARDED) > stops:  # a cancellation or Ctrl-C stopped that one: no more
+    for name, sets in plan.items():
+        state = run_experiment(root, name, sets, timeout_s, return_state=True)
+        if len(runner.FORWARDED) > stops:
             signal_name = signal.Signals(runner.FORWARDED[-1]).name
-            raise StageFailed(f"sweep stopped by {signal_name} during {name}; the rest not run")
+            return f"sweep stopped by {signal_name} during {name}; the rest not run", name
+        if state.is_cancelled():
+            return f"sweep cancelled during {name}; the rest not run", name
+    return None
+
+
+def marked_stopped(rows: list[dict], plan: dict[str, list[str]], at: str) -> list[dict]:
+    """The table of a sweep stopped during `at`: that one stopped, those after it not run (DVC
+    has no record of them, so they read as failed)."""
+    rest = list(plan)[list(plan).index(at) + 1 :]
+    for row in rows:
+        if row["experiment"] == at:
+            row["state"] = "stopped"
+        elif row["experiment"] in rest:
+            row["state"] = "not run"
+    return rows
 
 
 @task(task_run_name="{name}")
@@ -393,11 +419,12 @@ def main() -> None:
         )
     except KeyboardInterrupt:
         state = Cancelled()
-    if state.is_cancelled():
-        print("stopped: the sweep's experiments that had not ended were stopped", file=sys.stderr)
-        sys.exit(STOPPED_EXIT)
     for row in table_of(state):  # the rows that succeeded too, when some did not
         print(json.dumps(row))
+    if state.is_cancelled():
+        why = state.message or "the sweep's experiments that had not ended were stopped"
+        print(f"stopped: {why}", file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
     try:
         state.result()
     except Exception as e:
@@ -405,7 +432,10 @@ def main() -> None:
 
 
 def table_of(state: State) -> list[dict]:
-    """The `experiments` table the sweep's run published (none when it failed before)."""
+    """The `experiments` table the sweep's run published (none when it failed before, or was
+    stopped before its run began)."""
+    if state.state_details.flow_run_id is None:
+        return []
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,

@@ -23,6 +23,7 @@ import yaml
 from tests.helpers import (
     LATIN,
     ROOT,
+    SAFE_POINT_GRACE,
     add_stage,
     commit,
     copy_project,
@@ -442,6 +443,43 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
     assert_one_task_per_experiment(run, rows)
     assert_readable(flow_logs(run), "Running stage 'evaluate'", "train.epochs: Input should be")
+
+
+def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancelled(
+    project, tmp_path
+):
+    """`python -m pipeline.experiments` stopped with Ctrl-C in its first experiment's training:
+    that one reaches its safe point, the second never runs, the command prints the table and
+    exits 130, and the sweep's run on the server is Cancelled (it was Failed, exit 1)."""
+    from prefect.client.orchestration import get_client
+
+    params = (project / "params.yaml").read_text()
+    at, go = tmp_path / "at", tmp_path / "go"
+    env = flows_env(VISIONFLOW_FAULT=AT_EPOCH_2.format(at=at, go=go), **SAFE_POINT_GRACE)
+    command = [sys.executable, "-m", "pipeline.experiments", str(project)]
+    sweep = subprocess.Popen(
+        [*command, "-e", "train.lr=0.007", "-e", "train.lr=0.008"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    wait_for(at.exists, what="the first experiment's epoch 2")
+    sweep.send_signal(signal.SIGINT)
+    out, err = sweep.communicate(timeout=300)
+    assert sweep.returncode == 130, err[-3000:]
+    assert "stopped: sweep stopped by SIGINT during sweep-" in err, err[-3000:]
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(row["state"], row["train.lr"]) for row in rows] == [
+        ("stopped", 0.007),
+        ("not run", 0.008),
+    ]
+    with get_client(sync_client=True) as client:
+        [run] = [r for r in client.read_flow_runs() if rows[0]["experiment"][6:14] in str(r.id)]
+    assert run.state.is_cancelled() and "the rest not run" in run.state.message
+    assert not stage_processes(project)
+    assert (project / "params.yaml").read_text() == params
 
 
 def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project, monkeypatch):
