@@ -605,6 +605,7 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
 
 def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(project, tmp_path):
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
 
     at, go = tmp_path / "at", tmp_path / "go"  # training is at epoch 2; it may go on
@@ -676,6 +677,23 @@ def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(proj
             status = sh(project, "dvc", "queue", "status").stdout  # its end recorded
             assert "Running" not in status, status
             wait_for(lambda: not stage_processes(project, "queue-worker"), 60, "the queue stopped")
+
+            at.unlink()
+            go.unlink()  # in turn: the cancelled sweep runs no more experiments (it ran the next)
+            sweep = run_deployment(
+                "experiments/on-demand",
+                timeout=0,
+                parameters={"overrides": [["train.lr=0.007"], ["train.lr=0.008"]]},
+            )
+            wait_for(at.exists, what="the first experiment at epoch 2")
+            at.unlink()  # the second one would make it again
+            cancel(sweep)
+            wait_for(lambda: not stage_processes(project), 60, "no experiment process left")
+            tasks = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[sweep.id]))
+            )
+            assert [t.name for t in tasks] == [f"sweep-{str(sweep.id)[:8]}-1"], tasks
+            assert tasks[0].state.is_cancelled() and not at.exists()
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
