@@ -175,7 +175,7 @@ def test_a_split_in_many_shards_reads_and_trains_as_one_file(caches, tmp_path, m
     )
 
     monkeypatch.setattr(loading.os, "sched_getaffinity", lambda pid: set(range(16)))
-    for ranks_here, workers in (("1", 8), ("4", 4), ("32", 1)):
+    for ranks_here, workers in (("1", 8), ("4", 4), ("32", 1), ("0", 8), ("two", 8)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks_here)
         assert loading.loader_workers() == workers
 

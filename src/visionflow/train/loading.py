@@ -95,7 +95,8 @@ def loader_workers() -> int:
     shared among the ranks on this machine (torchrun's LOCAL_WORLD_SIZE), 1 to
     MAX_LOADER_WORKERS."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    given = os.environ.get("LOCAL_WORLD_SIZE", "")  # torchrun's; not ours to refuse: 1 if odd
+    ranks_here = int(given) if given.isdigit() and int(given) > 0 else 1
     return max(1, min(MAX_LOADER_WORKERS, (cores or 1) // ranks_here))
 
 
