@@ -505,7 +505,7 @@ ABORTED = "terminate called without an active exception"  # from C++, not from o
 def torchrun_train(cwd: Path, out: str, fault: str = "") -> subprocess.CompletedProcess:
     """The train stage under `torchrun` with 2 gloo processes, as the manual runs it. A run in
     which a rank aborted in torch's C++ (SIGABRT: seen once in CI on a loaded machine, never in
-    53 runs here under 3x load) is run once more from nothing, with a warning in the summary."""
+    348 runs here, three at once) is run once more from nothing, with a warning in the summary."""
     launch = ["--standalone", "--nproc_per_node", "2"]
     result = ended([torchrun(cwd, launch, out, f"{out}-ckpt", fault)])[0]
     if result.returncode != 0 and ABORTED in result.stderr:
