@@ -45,3 +45,15 @@ def test_the_pull_step_names_a_missing_or_wrong_checkout(tmp_path, monkeypatch):
     (tmp_path / "dvc.yaml").write_text("stages: {}\n")
     monkeypatch.chdir(ROOT)  # put back after the test
     assert worker_checkout() == {"directory": str(tmp_path)}
+
+
+def test_the_python_floor_is_the_one_doctor_checks_and_the_docs_say():
+    """pip refuses an older Python with requires-python; doctor says the same floor."""
+    from visionflow.ops.doctor import MIN_PYTHON
+
+    floor = re.search(
+        r'^requires-python = ">=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE
+    )
+    assert tuple(map(int, floor.groups())) == MIN_PYTHON == (3, 11)
+    for page in ("README.md", "docs/index.md"):
+        assert "Python 3.11+" in (ROOT / page).read_text(), page

@@ -294,6 +294,53 @@ def test_stalled_uploads_are_dropped_with_their_connections_and_files(tmp_path):
         assert post(url, png).status_code == 200
 
 
+def drip(client: socket.socket, stop: threading.Event) -> None:
+    """Send one byte of the body every 0.1 s until the server closes the connection."""
+    with contextlib.suppress(OSError):
+        while not stop.wait(0.1):
+            client.sendall(b"x")
+
+
+def taken(url: str, n: int) -> httpx.Response | None:
+    """/health's answer once `n` uploads are being received."""
+    answer = httpx.get(f"{url}/health")
+    return answer if answer.json()["uploads"]["receiving"] == n else None
+
+
+def test_uploads_that_drip_bytes_are_dropped_and_do_not_lock_other_clients_out(tmp_path):
+    """Two clients that each send a byte every 0.1 s take both upload slots: /health says so
+    (503, "uploads full"); once --body-timeout has passed, each is a 408 for averaging under
+    --min-upload-rate, and the next client is answered. Before, a deadline per receive let
+    them hold the slots for as long as they dripped: every other client got a 503."""
+    png = digit_pngs(tmp_path, 1)[0]
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    flags = ("--max-uploads", "2", "--body-timeout", "4", "--min-upload-rate", "1")
+    flags += ("--reload-interval", "0")
+    stop = threading.Event()
+    with serving(model, *flags) as (url, process):
+        clients = [stalled_upload(url, b"x", 100_000) for _ in range(2)]
+        drippers = [threading.Thread(target=drip, args=(c, stop)) for c in clients]
+        for dripper in drippers:
+            dripper.start()
+        try:
+            full = until(lambda: taken(url, 2), "both upload slots taken")
+            assert full.json()["status"] == "uploads full" and full.headers["retry-after"] == "1"
+            for client in clients:
+                status, headers, body = read_answer(client)
+                assert status == 408 and headers["connection"] == "close", body
+                assert "the upload is too slow" in body["error"], body
+                assert "under the minimum of 1 KB/s (--min-upload-rate)" in body["error"], body
+        finally:
+            stop.set()
+            for dripper in drippers:
+                dripper.join()
+            for client in clients:
+                client.close()
+        until(lambda: health(url)["uploads"]["receiving"] == 0, "the drippers dropped")
+        assert health(url)["status"] == "ok"
+        assert post(url, png).status_code == 200
+
+
 def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
     path = digit_pngs(tmp_path, 1)[0]
     png = path.read_bytes()

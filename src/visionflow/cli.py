@@ -9,7 +9,7 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
 visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32]
                  [--batch-window-ms 2] [--top-k 3] [--max-body-mb 20] [--max-pixels N]
                  [--reload-interval 2] [--decode-workers N] [--body-timeout 10]
-                 [--max-uploads 32]
+                 [--min-upload-rate 32] [--max-uploads 32]
                                                  the ONNX model over HTTP (POST /predict, GET
                                                  /health, GET /metadata), batching requests
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
@@ -250,6 +250,13 @@ def add_serve(commands) -> None:
         "its connection is dropped (default 10)",
     )
     s.add_argument(
+        "--min-upload-rate",
+        type=float,
+        default=32.0,
+        help="KB/s a request body must average once --body-timeout has passed, or it is dropped "
+        "with a 408: a client that drips bytes cannot hold an upload slot (default 32)",
+    )
+    s.add_argument(
         "--max-uploads",
         type=int,
         default=32,
@@ -274,6 +281,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "--decode-workers must be at least 1": (args.decode_workers or 1) < 1,
         "--body-timeout must be more than 0": not args.body_timeout > 0,
         "--max-uploads must be at least 1": args.max_uploads < 1,
+        "--min-upload-rate must be more than 0": not args.min_upload_rate > 0,
         "--port must be 0 to 65535": not 0 <= args.port <= 65535,
     }
     for message, wrong in checks.items():
@@ -289,6 +297,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         decode_workers=args.decode_workers or Settings().decode_workers,
         body_timeout_s=args.body_timeout,
         max_uploads=args.max_uploads,
+        min_upload_rate=args.min_upload_rate * 1024,
     )
     model = args.model or default_model("onnx")
     try:

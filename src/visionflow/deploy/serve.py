@@ -19,9 +19,10 @@ Runtime in their own thread.
 
 Bad input is a 400 (not an image, truncated, empty, a content type that is not an image) or a 413
 (a body over `max_body` bytes, an image over `max_pixels`, a decompression bomb), always a JSON
-`{"error": one line}`, and the server goes on. A body that sends no byte for `body_timeout_s` is
-a 408 and its connection closed; past `max_uploads` bodies being received at once, a request is
-a 503 with Retry-After: stalled clients hold neither the connections nor $TMPDIR. A model that
+`{"error": one line}`, and the server goes on. A body that sends no byte for `body_timeout_s`, or
+that averages under `min_upload_rate` after that grace, is a 408 and its connection closed; past
+`max_uploads` bodies being received at once, a request is a 503 with Retry-After (and /health a
+503 "uploads full"): stalled or dripping clients hold neither the connections nor $TMPDIR. A model that
 answers a batch with the wrong number of rows is a 500 for that batch's requests, logged. The
 model file is watched (its stat, every `reload_interval` seconds): a changed file is loaded from
 a snapshot of its bytes and validated fully (`inference.load_predictor`: metadata, shapes, one
@@ -78,6 +79,7 @@ class Settings(NamedTuple):
     graceful_s: float = 10.0  # on SIGTERM/SIGINT, how long requests in flight may finish
     body_timeout_s: float = 10.0  # the longest a request body may go without a byte
     max_uploads: int = 32  # request bodies received at once (each up to max_body in $TMPDIR)
+    min_upload_rate: float = 32 * 1024  # bytes/s a body must average after body_timeout_s
 
 
 def media_type(request) -> str:
@@ -93,25 +95,39 @@ def top_k_of(request, default: int) -> int:
     return int(raw)
 
 
-def limited(request, limit: int, timeout_s: float):
+def limited(request, limit: int, timeout_s: float, min_rate: float):
     """The request with a receive that refuses (413) a body past `limit` bytes as it arrives,
-    and drops (408, closing the connection) one that sends no byte for `timeout_s`."""
+    and drops (408, closing the connection) one that sends no byte for `timeout_s`, or that,
+    once `timeout_s` has passed since its first byte was awaited, has averaged under `min_rate`
+    bytes/s. A deadline per receive alone let a client that drips a byte now and then hold an
+    upload slot for good: with --max-uploads of them, every other client got a 503."""
     from starlette.requests import Request
 
-    seen = 0
+    seen, loop = 0, asyncio.get_running_loop()
+    start = last = loop.time()  # when the body was first awaited; when its last bytes came
 
     async def receive():
-        nonlocal seen
+        nonlocal seen, last
+        # the body's deadline for the bytes so far: the grace, then min_rate on average
+        due = start + timeout_s + seen / min_rate
         try:
-            message = await asyncio.wait_for(request.receive(), timeout_s)
-        except TimeoutError:
-            raise Refused(
-                408,
-                f"the upload stalled: no byte of the body for {timeout_s:g} s (--body-timeout); "
-                f"{seen} bytes came",
-                {"Connection": "close"},
-            ) from None
-        seen += len(message.get("body", b""))
+            wait = min(due, last + timeout_s) - loop.time()
+            message = await asyncio.wait_for(request.receive(), wait)
+        except TimeoutError:  # asyncio.TimeoutError is this class from Python 3.11 on
+            elapsed = loop.time() - start
+            if due < last + timeout_s:
+                why = (
+                    f"the upload is too slow: {seen} bytes in {elapsed:.0f} s, under the "
+                    f"minimum of {min_rate / 1024:g} KB/s (--min-upload-rate) after the first "
+                    f"{timeout_s:g} s (--body-timeout)"
+                )
+            else:
+                why = (
+                    f"the upload stalled: no byte of the body for {timeout_s:g} s "
+                    f"(--body-timeout); {seen} bytes came"
+                )
+            raise Refused(408, why, {"Connection": "close"}) from None
+        seen, last = seen + len(message.get("body", b"")), loop.time()
         if seen > limit:
             raise Refused(413, too_large(limit))
         return message
@@ -130,13 +146,13 @@ NOT_AN_IMAGE_TYPE = (
 )
 
 
-async def spool(request, dest: Path, limit: int, timeout_s: float) -> None:
+async def spool(request, dest: Path, limit: int, timeout_s: float, min_rate: float) -> None:
     """The request's image into the file `dest`: a raw body, or a multipart form's one file."""
     kind = media_type(request)
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise Refused(413, too_large(limit))
-    request = limited(request, limit, timeout_s)
+    request = limited(request, limit, timeout_s, min_rate)
     if kind == "multipart/form-data":
         await spool_form(request, dest)
     elif kind.startswith("image/") or kind in RAW_TYPES:
@@ -237,7 +253,7 @@ class Service:
         self.uploads += 1
         try:
             dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
-            await spool(request, dest, s.max_body, s.body_timeout_s)
+            await spool(request, dest, s.max_body, s.body_timeout_s, s.min_upload_rate)
         except OSError as e:
             raise Refused(503, f"the server cannot store the upload: {e.strerror or e}") from None
         finally:
@@ -250,10 +266,14 @@ class Service:
     async def health(self, request):
         from starlette.responses import JSONResponse
 
-        failing = self.batcher.failing is not None  # a load balancer takes it out (503)
+        # a load balancer takes it out (503) while its batches fail, or while every upload
+        # slot is taken (it refuses each new upload then)
+        failing = self.batcher.failing is not None
+        full = self.uploads >= self.settings.max_uploads
+        status = "failing" if failing else "uploads full" if full else "ok"
         return JSONResponse(
             {
-                "status": "failing" if failing else "ok",
+                "status": status,
                 "model": {"path": str(self.model.path), "sha256": self.model.sha256},
                 "loaded_at": iso(self.model.loaded_at),
                 "reload": {
@@ -265,7 +285,8 @@ class Service:
                 "uploads": {"receiving": self.uploads, "max": self.settings.max_uploads},
                 "batches": self.batcher.stats(),
             },
-            status_code=503 if failing else 200,
+            status_code=200 if status == "ok" else 503,
+            headers={"Retry-After": "1"} if full and not failing else None,
         )
 
     async def metadata(self, request):
@@ -292,6 +313,7 @@ class Service:
                     "max_pixels": s.max_pixels,
                     "max_uploads": s.max_uploads,
                     "body_timeout_s": s.body_timeout_s,
+                    "min_upload_rate_kb_s": s.min_upload_rate / 1024,
                 },
                 "top_k": s.top_k,
             }
