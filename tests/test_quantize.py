@@ -169,7 +169,49 @@ def test_the_int8_gate_fails_on_a_drop_the_test_split_can_tell_from_noise_only()
     noise = lost(360, 8, 0.01)
     assert noise["accuracy_drop"] > 0.01 and noise["passed"]
     assert noise["p_value"] == pytest.approx(0.0763, abs=1e-4)  # 0.68 ** 8 ... (1+3.6/8)/2
+    assert noise["drop_within_noise"] and not lost(360, 3, 0.01)["drop_within_noise"]
     assert not lost(360, 10, 0.01)["passed"]  # p 0.021
     assert lost(100, 4, 0.0)["passed"] and not lost(100, 5, 0.0)["passed"]  # 0.5**4, 0.5**5
     assert not lost(3600, 60, 0.01)["passed"]  # a larger split tells a smaller drop apart
     assert lost(360, 360, 1.0)["passed"]  # 1: the gate off
+
+
+def test_equal_accuracies_with_other_answers_miss_the_agreement_floor():
+    """INT8 right on the images fp32 gets wrong and wrong on those it gets right: the same
+    accuracy, no answer in common. It passed the gate before the agreement floor."""
+    labels = np.zeros(20, np.int64)
+    pixels = np.arange(20, dtype=np.uint8).reshape(20, 1, 1, 1)
+    spec = {"mean": [0.0], "std": [1 / 255]}  # to_input(pixels) == the index
+    half = lambda x: np.stack([x[:, 0, 0, 0].round() % 2 == 0, x[:, 0, 0, 0].round() % 2 == 1], 1)  # noqa: E731
+    fp32 = lambda x: half(x).astype(np.float32)  # noqa: E731
+    int8 = lambda x: (~half(x)).astype(np.float32)  # noqa: E731
+    r = int8_check(fp32, int8, pixels, labels, spec, max_drop=0.0, min_agreement=0.9)
+    assert r["fp32_accuracy"] == r["int8_accuracy"] == 0.5 and r["top1_agreement"] == 0.0
+    assert not r["passed"]
+    assert int8_check(fp32, int8, pixels, labels, spec, 0.0, min_agreement=0.0)["passed"]
+
+
+def test_the_int8_line_says_a_drop_over_the_allowance_passed_as_noise(capsys):
+    """A drop over export.int8_max_accuracy_drop that the test split cannot tell from noise
+    printed `may drop 0.0 ... ok`, as if there were none."""
+    from pipeline.export import print_int8, print_int8_speed
+
+    r = {**lost(90, 1, 0.0), "calibration": "minmax", "calibration_images": 1}
+    print_int8(r)
+    line = capsys.readouterr().out
+    assert r["passed"] and "may drop" not in line and line.rstrip().endswith("ok")
+    assert (
+        "dropped 0.0111, over the 0.0 allowed, which 90 test images cannot tell from noise: p 0.5)"
+        in line
+    )
+    assert "top-1 agreement 0.9889 (at least 0.0)" in line
+    latency = {
+        "batch_1": {"onnx": 0.02, "onnx_int8": 0.04},
+        "batch_64": {"onnx": 1.0, "onnx_int8": 0.5},
+    }
+    assert print_int8_speed(latency) == {"batch_1": False, "batch_64": True}
+    assert (
+        "slower than model.onnx on this machine (batch 1 0.04 vs 0.02 ms" in capsys.readouterr().out
+    )
+    latency["batch_1"]["onnx_int8"] = 0.01
+    assert all(print_int8_speed(latency).values()) and capsys.readouterr().out == ""

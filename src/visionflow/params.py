@@ -229,6 +229,7 @@ class Export(Section):
     int8_max_accuracy_drop: float = Field(0.01, ge=0, le=1)  # a fraction of the test images
     int8_calibration_images: int = Field(512, ge=1)  # training images, evenly spaced
     int8_calibration: Literal["minmax", "entropy"] = "minmax"
+    int8_min_top1_agreement: float = Field(0.9, ge=0, le=1)  # share of test images
 
     @field_validator("opset")
     @classmethod

@@ -152,7 +152,7 @@ class Batcher:
                 break
             try:
                 batch.append(await asyncio.wait_for(self.queue.get(), left))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 break
         return batch
 

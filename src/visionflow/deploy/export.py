@@ -221,26 +221,24 @@ def check_formats(
     return parity, predictors
 
 
+WARMUP = 3  # untimed calls of each predictor at each batch size
+
+
 def latency_table(
     predictors: dict[str, Predictor], x: np.ndarray, batch_sizes: tuple[int, ...], repeats: int
 ) -> dict[str, dict[str, float]]:
-    """Median ms per call of each predictor, at each batch size (rows of `x` repeated to fill it)."""
+    """Median ms per call of each predictor, at each batch size (rows of `x` repeated to fill it).
+    The predictors take turns, call by call, so that a pause of the machine (another process, a
+    thread pool waking up) falls on all of them rather than on the one timed just then."""
     table = {}
     for n in batch_sizes:
         batch = x[np.arange(n) % len(x)]
-        table[f"batch_{n}"] = {
-            name: latency_ms(lambda r=r, b=batch: r(b), repeats) for name, r in predictors.items()
-        }
+        times = {name: [] for name in predictors}
+        for turn in range(WARMUP + repeats):
+            for name, predict in predictors.items():
+                start = time.perf_counter()
+                predict(batch)
+                if turn >= WARMUP:
+                    times[name].append(time.perf_counter() - start)
+        table[f"batch_{n}"] = {name: float(np.median(t) * 1000) for name, t in times.items()}
     return table
-
-
-def latency_ms(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median wall time of one call, in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times) * 1000)

@@ -89,6 +89,14 @@ def int8_section(int8: dict, latency: dict) -> str:
         "or a drop the test split cannot tell from noise (a paired binomial test on the images "
         "where the two disagree, 95%)."
     )
+    faster = int8.get("faster_than_fp32", {})
+    if faster and not all(faster.values()):
+        how += (
+            " On the machine that exported it, INT8 ran slower than fp32 at "
+            + " and ".join(b.replace("_", " ") for b, f in faster.items() if not f)
+            + ": serve `model.onnx` on such a machine (INT8 gains on CPUs with fast integer "
+            "kernels, and on larger models)."
+        )
     return f"""## INT8 ONNX (`model.int8.onnx`)
 {how}
 
