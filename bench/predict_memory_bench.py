@@ -1,5 +1,6 @@
 """Benchmark: peak memory of `visionflow predict FOLDER` over a short and a long photo folder,
-side by side in one run (the #26 bound: 18,000 photos at most 1.5x the peak over 60).
+side by side in one run (the #26 bound: 18,000 photos at most 1.5x the peak over 60; #45: the
+same with a 64 px RGB model, and 600 between).
 
 Generates `--unique` camera-size JPEGs (1024x768, bench/photos.py) and fills two folders with
 hard links to them (memory depends on the count, not on the bytes being new): `--short` and
@@ -7,7 +8,8 @@ hard links to them (memory depends on the count, not on the bytes being new): `-
 pipeline exported (the ONNX file, and model.pt through torch), each as a fresh process, and
 reads its peak resident memory (the kernel's ru_maxrss of that child alone).
 
-    .venv/bin/python bench/predict_memory_bench.py [--short 60] [--long 18000] [--unique 300]
+    .venv/bin/python bench/predict_memory_bench.py [--counts 60 600 18000] [--unique 300]
+        [--model NAME=PATH ...]   # other model files (default: the pipeline's ONNX and model.pt)
 
 Run it in a project where `make repro` (or `dvc repro`) has made results/export.
 """
@@ -46,16 +48,17 @@ def peak(command: list[str]) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", type=int, default=60)
-    parser.add_argument("--long", type=int, default=18000)
+    parser.add_argument("--counts", type=int, nargs="+", default=[60, 600, 18000])
     parser.add_argument("--unique", type=int, default=300, help="distinct photos generated")
+    parser.add_argument("--model", action="append", help="NAME=PATH: a model file to run")
     args = parser.parse_args()
+    models = dict(m.split("=", 1) for m in args.model) if args.model else MODELS
     visionflow = str(Path(sys.executable).parent / "visionflow")
     with tempfile.TemporaryDirectory(dir=ROOT) as tmp:
         photos, _ = generate(Path(tmp) / "photos", args.unique)
-        folders = {n: fill(Path(tmp) / str(n), photos, n) for n in (args.short, args.long)}
+        folders = {n: fill(Path(tmp) / str(n), photos, n) for n in args.counts}
         rows = []
-        for runtime, model in MODELS.items():
+        for runtime, model in models.items():
             for count, folder in folders.items():
                 command = [visionflow, "predict", "--json", "--model", model, str(folder)]
                 rows.append((runtime, count, *peak(command)))
@@ -64,10 +67,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for runtime, count, mb, wall in rows:
         print(f"| {runtime} | {count} | {mb:.0f} | {wall:.1f} | {count / wall:.0f} |")
-    for runtime in MODELS:
-        short, long = (mb for r, _, mb, _ in rows if r == runtime)
+    for runtime in models:
+        peaks = [mb for r, _, mb, _ in rows if r == runtime]
         print(
-            f"{runtime}: {args.long} photos peak at {long / short:.2f}x the peak over {args.short}"
+            f"{runtime}: {args.counts[-1]} photos peak at {peaks[-1] / peaks[0]:.2f}x the peak "
+            f"over {args.counts[0]}"
         )
 
 

@@ -307,6 +307,11 @@ def test_metrics_are_few_and_describe_the_kept_model(viewed):
 def test_exp_show_after_two_experiments_fits_160_columns(project):
     sh(project, "dvc", "exp", "run", "-S", "train.lr=1e-2", "-S", "train.epochs=3")
     sh(project, "dvc", "exp", "run", "-S", "sanity.per_class=3")  # one more column: check, sanity
+    # what docs/experiments.md warns of: an experiment run in the workspace leaves its values in
+    # params.yaml, so the second one ran with the first's lr and epochs too
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    assert (params["train"]["lr"], params["train"]["epochs"]) == (1e-2, 3)
+    assert params["sanity"]["per_class"] == 3 and sh(project, "git", "status", "--porcelain").stdout
     env_columns = {**os.environ, "COLUMNS": "160"}
     table = subprocess.run(
         [str(Path(sys.executable).parent / "dvc"), "exp", "show", "--only-changed", "--no-pager"],

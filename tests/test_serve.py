@@ -829,3 +829,61 @@ def test_images_decoding_at_once_stay_within_the_pixel_budget():
     with budget.held(500):  # over the budget, but alone
         seen.append(budget.used)
     assert seen == [100, 50, 500] and budget.used == 0
+
+
+def conv_onnx(path: Path, size: int = 64, channels: int = 64) -> Path:
+    """An RGB `size` px classifier whose activations grow with the batch as a real network's do:
+    a 3x3 convolution to `channels` maps (1 MB an image at 64 px), then an average and 2 classes."""
+    rng = np.random.default_rng(0)
+    conv = rng.standard_normal((channels, 3, 3, 3)).astype(np.float32)
+    head = rng.standard_normal((channels, 2)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Conv", ["image", "conv"], ["maps"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["maps"], ["relu"]),
+            helper.make_node("GlobalAveragePool", ["relu"], ["pooled"]),
+            helper.make_node("Flatten", ["pooled"], ["flat"]),
+            helper.make_node("MatMul", ["flat", "head"], ["logits"]),
+        ],
+        "conv",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["batch", 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 2])],
+        [
+            helper.make_tensor("conv", TensorProto.FLOAT, conv.shape, conv.ravel()),
+            helper.make_tensor("head", TensorProto.FLOAT, head.shape, head.ravel()),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    spec = preprocess_spec(size, 3, [0.5] * 3, [0.25] * 3)
+    helper.set_model_props(model, file_metadata(["a", "b"], spec))
+    onnx.save(model, str(path))
+    return path
+
+
+def predict_peak_mb(model: Path, folder: Path) -> float:
+    """The peak resident memory of one `visionflow predict` process over `folder`, in MB."""
+    cmd = [sys.executable, "-m", "visionflow.cli", "predict", "--model", str(model), str(folder)]
+    with open(os.devnull, "w") as null:
+        process = subprocess.Popen(cmd, stdout=null, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(process.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, process.stderr.read()
+        process.stderr.close()
+    return usage.ru_maxrss / 1024  # Linux: KB
+
+
+def test_predicts_peak_memory_does_not_grow_with_the_folder_for_a_larger_input(tmp_path):
+    """A 64 px RGB model over 60 and 600 photos: the runtime's activations grow with the batch,
+    and batches of 256 made the 600 peak at about 3x the 60 (#45). Batches now hold a bounded
+    number of input values, so both peak alike."""
+    model = conv_onnx(tmp_path / "m.onnx")
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(1).integers(0, 256, (64, 64, 3), np.uint8)).save(photo)
+    peaks = []
+    for count in (60, 600):
+        folder = tmp_path / str(count)
+        folder.mkdir()
+        for i in range(count):
+            os.link(photo, folder / f"{i:04d}.png")
+        peaks.append(predict_peak_mb(model, folder))
+    assert peaks[1] < 1.2 * peaks[0], peaks
