@@ -48,8 +48,6 @@ def network_problem(t: Train, image_size: int) -> str | None:
         except Unavailable as e:
             return f"train.pretrained: {e}"
         return None
-    if t.model == "resnet18":
-        return problem
     # a file for another architecture, truncated, pickled: said now, not after DVC has
     # deleted the train stage's results
     return zoo.fit_problem(t.model, t.pretrained, zoo.input_size(t.model, image_size, t.pretrained))
