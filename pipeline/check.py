@@ -55,14 +55,16 @@ def network_problem(t: Train, image_size: int) -> str | None:
 
 def own_code_problem(model: str) -> str | None:
     """A network of your own must be a file in the project that the train stage lists as a dep
-    (else DVC would not rerun train when it changes)."""
+    (else DVC would not rerun train when it changes), and import."""
     import importlib.util
+
+    from visionflow.train import zoo
 
     module = model.partition(":")[0]
     try:
         spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as e:
-        spec, why = None, f" ({e})"
+    except Exception as e:  # a package's __init__ runs here: any error
+        spec, why = None, f" ({type(e).__name__}: {e})"
     else:
         why = ""
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
@@ -77,6 +79,10 @@ def own_code_problem(model: str) -> str | None:
             f"train.model: {relative} is not among the train stage's deps in dvc.yaml: add "
             f"`- {relative}` there, so that DVC reruns train when it changes"
         )
+    try:  # a module that raises on import: said now, not as a traceback from train
+        zoo.builder_of(model)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -194,10 +194,23 @@ def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduce
     report = json.loads((project / "results/train/health.json").read_text())
     assert report["gradient_check"]["passed"] is True
     assert report["gradient_check"]["max_relative_error"] < 1e-4
+    model = (project / "results/train/model.pt").read_bytes()
+    raising = "raise RuntimeError('mynets needs a GPU')\n" + NETS
+    (project / "mynets.py").write_text(raising)  # a module that raises on import
     write_params(project, {"train": {"model": "mynets:BadGrad"}})
+    result = sh(project, "dvc", "repro", "train", check=False)
+    said = "error: train.model: cannot import mynets:BadGrad (RuntimeError: mynets needs a GPU)"
+    assert said in result.stderr.splitlines() and "Traceback" not in result.stderr, result.stderr
+    assert "Running stage 'train'" not in result.stdout  # said by check: train's results stay
+    assert (project / "results/train/model.pt").read_bytes() == model
+    (project / "mynets.py").write_text(NETS)
     result = sh(project, "dvc", "repro", "train", check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: train.model: mynets:BadGrad fails the gradient check")
+    (project / "mynets.py").write_text(raising)  # a train dep, not check's: train says it
+    result = sh(project, "dvc", "repro", "train", check=False)
+    assert "Running stage 'train'" in result.stdout and "Running stage 'check'" not in result.stdout
+    assert said in result.stderr.splitlines() and "Traceback" not in result.stderr, result.stderr
 
 
 def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_keys(tmp_path):

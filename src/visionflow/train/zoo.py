@@ -335,14 +335,19 @@ def finetune(
     return FineTune(net, size, head, gray)
 
 
-def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """`package.module:Name(in_channels=, num_classes=, image_size=)`, imported from the project."""
+def builder_of(path: str):
+    """`Name` of `package.module:Name`, imported from the project; a module that fails to import
+    (whatever it raises) or lacks `Name` is one line."""
     module_name, _, name = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-        builder = getattr(module, name)
-    except (ImportError, AttributeError) as e:
+        return getattr(importlib.import_module(module_name), name)
+    except Exception as e:  # the module's own code runs here: any error
         raise ValueError(f"train.model: cannot import {path} ({type(e).__name__}: {e})") from None
+
+
+def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """`package.module:Name(in_channels=, num_classes=, image_size=)`, imported from the project."""
+    builder = builder_of(path)
     try:
         return builder(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     except Exception as e:
