@@ -48,8 +48,6 @@ def network_problem(t: Train, image_size: int) -> str | None:
         except Unavailable as e:
             return f"train.pretrained: {e}"
         return None
-    if t.model == "resnet18":
-        return problem
     # a file for another architecture, truncated, pickled: said now, not after DVC has
     # deleted the train stage's results
     return zoo.fit_problem(t.model, t.pretrained, zoo.input_size(t.model, image_size, t.pretrained))
@@ -57,14 +55,16 @@ def network_problem(t: Train, image_size: int) -> str | None:
 
 def own_code_problem(model: str) -> str | None:
     """A network of your own must be a file in the project that the train stage lists as a dep
-    (else DVC would not rerun train when it changes)."""
+    (else DVC would not rerun train when it changes), and import."""
     import importlib.util
+
+    from visionflow.train import zoo
 
     module = model.partition(":")[0]
     try:
         spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as e:
-        spec, why = None, f" ({e})"
+    except Exception as e:  # a package's __init__ runs here: any error
+        spec, why = None, f" ({type(e).__name__}: {e})"
     else:
         why = ""
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
@@ -79,6 +79,10 @@ def own_code_problem(model: str) -> str | None:
             f"train.model: {relative} is not among the train stage's deps in dvc.yaml: add "
             f"`- {relative}` there, so that DVC reruns train when it changes"
         )
+    try:  # a module that raises on import: said now, not as a traceback from train
+        zoo.builder_of(model)
+    except ValueError as e:
+        return str(e)
     return None
 
 

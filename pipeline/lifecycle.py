@@ -28,7 +28,7 @@ Where each step lives:
 
 Training's resumable state lives in `<checkpoints>/<fingerprint>/`, the fingerprint a hash of
 `run_of` (the seed, the train params, and the content of the data, the stage's code and the
-pretrained file); `state_to_resume` decides what a run starts from, `resume` applies it.
+pretrained weights); `state_to_resume` decides what a run starts from, `resume` applies it.
 """
 
 import json
@@ -43,7 +43,7 @@ from visionflow.data.files import file_hash
 from visionflow.ops import project
 from visionflow.train import checkpoint
 from visionflow.train.training import Progress
-from visionflow.train.zoo import is_weights_name
+from visionflow.train.zoo import is_weights_name, weights_enum
 
 
 def run_of(params, cache: Path) -> dict:
@@ -53,14 +53,24 @@ def run_of(params, cache: Path) -> dict:
     depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
     budget resumes a finished run."""
     t = params.train
-    weights = None if not t.pretrained or is_weights_name(t.pretrained) else Path(t.pretrained)
     train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
     hashes = {
         "data": file_hash(cache / "manifest.json"),
         "code": code_digest("train"),
-        "pretrained weights": file_hash(weights) if weights else None,
+        "pretrained weights": weights_content(t.model, t.pretrained),
     }
     return {"seed": params.seed, "train": train, "hashes": hashes}
+
+
+def weights_content(model: str, pretrained: str) -> str | None:
+    """What the pretrained weights are: a file's content hash, or for a weights name the file
+    torchvision resolves it to (its name ends in the file's hash: `resnet50-11ad3fa6.pth`), so
+    a torchvision release that points DEFAULT at other weights does not resume the old ones."""
+    if not pretrained:
+        return None
+    if is_weights_name(pretrained):
+        return weights_enum(model, pretrained).url.rsplit("/", 1)[-1]
+    return file_hash(Path(pretrained))
 
 
 # why a changed key starts training fresh, where that is not plain from its name

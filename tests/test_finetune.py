@@ -9,6 +9,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from torch import nn
 
 from tests.helpers import ROOT, copy_project, sh, write_params
 
@@ -135,6 +136,17 @@ def test_a_weights_name_offline_fails_in_one_line_naming_the_file_to_fetch(
     # said by check, before DVC removed the train stage's results to run it
     assert "Running stage 'train'" not in result.stdout, result.stdout
     assert (project / "results/train/model.pt").read_bytes() == model
+    # resnet18 from a file that is not a state_dict: said by check too (it was said by train,
+    # after DVC had deleted its results)
+    (project / "data/pretrained/r18.pth").write_bytes(b"PK\x03\x04 cut short")
+    write_params(project, {"train": {"model": "resnet18", "pretrained": "data/pretrained/r18.pth"}})
+    result = sh(project, "dvc", "repro", "train", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith(
+        "error: train.pretrained: data/pretrained/r18.pth is not a loadable state_dict"
+    ), result.stderr
+    assert "Running stage 'train'" not in result.stdout, result.stdout
+    assert (project / "results/train/model.pt").read_bytes() == model
 
 
 NETS = """
@@ -182,10 +194,23 @@ def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduce
     report = json.loads((project / "results/train/health.json").read_text())
     assert report["gradient_check"]["passed"] is True
     assert report["gradient_check"]["max_relative_error"] < 1e-4
+    model = (project / "results/train/model.pt").read_bytes()
+    raising = "raise RuntimeError('mynets needs a GPU')\n" + NETS
+    (project / "mynets.py").write_text(raising)  # a module that raises on import
     write_params(project, {"train": {"model": "mynets:BadGrad"}})
+    result = sh(project, "dvc", "repro", "train", check=False)
+    said = "error: train.model: cannot import mynets:BadGrad (RuntimeError: mynets needs a GPU)"
+    assert said in result.stderr.splitlines() and "Traceback" not in result.stderr, result.stderr
+    assert "Running stage 'train'" not in result.stdout  # said by check: train's results stay
+    assert (project / "results/train/model.pt").read_bytes() == model
+    (project / "mynets.py").write_text(NETS)
     result = sh(project, "dvc", "repro", "train", check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert errors[0].startswith("error: train.model: mynets:BadGrad fails the gradient check")
+    (project / "mynets.py").write_text(raising)  # a train dep, not check's: train says it
+    result = sh(project, "dvc", "repro", "train", check=False)
+    assert "Running stage 'train'" in result.stdout and "Running stage 'check'" not in result.stdout
+    assert said in result.stderr.splitlines() and "Traceback" not in result.stderr, result.stderr
 
 
 def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_keys(tmp_path):
@@ -210,9 +235,19 @@ def test_weights_load_from_safetensors_and_a_file_for_another_network_names_its_
         zoo.finetune("squeezenet1_1", 3, 5, 40, ([0.5] * 3, [0.25] * 3), str(tmp_path / "r18.pth"))
 
 
+class RunsCode:
+    """A pickle that calls a function when it is loaded (here a harmless one)."""
+
+    def __reduce__(self):
+        return (print, ("this ran",))
+
+
 def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_line(
     tmp_path, monkeypatch
 ):
+    import argparse
+
+    from safetensors.torch import save_file
     from torchvision.models import get_model
 
     from pipeline.check import network_problem
@@ -224,31 +259,82 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
     torch.manual_seed(0)
     net = get_model("squeezenet1_1")
     weights = net.state_dict()
-    wrapped = {"model": {f"module.{k}": v for k, v in weights.items()}, "epoch": 3}
-    torch.save(wrapped, "reference.pth")  # torchvision's reference scripts, trained under DDP
-    loaded = zoo.read_weights("reference.pth")
-    assert loaded.keys() == weights.keys() and all(
-        torch.equal(loaded[k], weights[k]) for k in loaded
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    args = argparse.Namespace(model="squeezenet1_1", lr=0.1, epochs=90, weights=None, amp=True)
+    torch.save(  # as torchvision's references/classification/train.py writes checkpoint.pth
+        {
+            "model": weights,
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 30).state_dict(),
+            "epoch": 3,
+            "args": args,
+            "model_ema": torch.optim.swa_utils.AveragedModel(net).state_dict(),
+            "scaler": torch.amp.GradScaler("cpu").state_dict(),
+        },
+        "reference.pth",
     )
+    ddp = nn.Module()  # DDP keeps the network as `.module`; torch.compile as `._orig_mod`
+    ddp.module = net
+    torch.save(torch.compile(ddp).state_dict(), "compiled_ddp.pth")  # _orig_mod.module.*
+    save_file({f"module.{k}": v for k, v in weights.items()}, "ddp.safetensors")
+    for name in ("reference.pth", "compiled_ddp.pth", "ddp.safetensors"):
+        loaded = zoo.read_weights(name)
+        assert loaded.keys() == weights.keys(), name
+        assert all(torch.equal(loaded[k], weights[k]) for k in loaded), name
     torch.save(net, "whole.pth")  # the whole model, pickled: never unpickled
     with pytest.raises(
         Unavailable,
-        match=r"whole.pth holds pickled Python objects .* save model.state_dict\(\) instead",
+        match=r"^whole.pth holds pickled Python objects \(torchvision.models.squeezenet.SqueezeNet\), "
+        r"which are not loaded \(they can run code\): save model.state_dict\(\) instead$",
     ):
         zoo.read_weights("whole.pth")
+    torch.save({"model": weights, "hook": RunsCode()}, "runs_code.pth")
     torch.save(get_model("resnet18").state_dict(), "r18.pth")
+    Path("truncated.pth").write_bytes(Path("r18.pth").read_bytes()[:5000])
     base = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     cases = {  # before any stage runs (DVC deletes a stage's results as it starts it)
-        "reference.pth": None,
-        "r18.pth": "train.pretrained: r18.pth does not fit squeezenet1_1: missing features.0.bias",
-        "whole.pth": "train.pretrained: whole.pth holds pickled Python objects",
+        ("squeezenet1_1", "reference.pth"): None,
+        ("squeezenet1_1", "compiled_ddp.pth"): None,
+        ("squeezenet1_1", "ddp.safetensors"): None,
+        ("squeezenet1_1", "r18.pth"): "train.pretrained: r18.pth does not fit squeezenet1_1: "
+        "missing features.0.bias",
+        ("squeezenet1_1", "whole.pth"): "train.pretrained: whole.pth holds pickled Python objects",
+        ("resnet18", "r18.pth"): None,  # resnet18 from a file is torchvision's: the same checks
+        ("resnet18", "reference.pth"): "train.pretrained: reference.pth does not fit resnet18: "
+        "missing bn1.bias",
+        (
+            "resnet18",
+            "truncated.pth",
+        ): "train.pretrained: truncated.pth is not a loadable state_dict",
+        ("resnet18", "whole.pth"): "train.pretrained: whole.pth holds pickled Python objects",
+        ("resnet18", "runs_code.pth"): "train.pretrained: runs_code.pth holds pickled Python "
+        "objects (print)",
     }
-    for name, words in cases.items():
-        problem = network_problem(
-            Train(**{**base, "model": "squeezenet1_1", "pretrained": name}), 64
-        )
-        assert (problem or "").startswith(words or ""), problem
-        assert (problem is None) == (words is None), problem
+    for (model, name), words in cases.items():
+        problem = network_problem(Train(**{**base, "model": model, "pretrained": name}), 64)
+        assert (problem or "").startswith(words or ""), (model, name, problem)
+        assert (problem is None) == (words is None), (model, name, problem)
+
+
+def test_a_weights_name_resumes_only_the_weights_it_names_today(tmp_path, monkeypatch):
+    """A weights name is fingerprinted by the file torchvision resolves it to: DEFAULT is
+    IMAGENET1K_V2 for resnet50 today, and a torchvision release that points it elsewhere must
+    not resume checkpoints fine-tuned from the old weights."""
+    from pipeline.lifecycle import run_of
+    from visionflow.params import parse_params
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "manifest.json").write_text("{}")
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+    def weights_of(pretrained: str) -> str | None:
+        train = {**raw["train"], "model": "resnet50", "pretrained": pretrained}
+        return run_of(parse_params({**raw, "train": train}), tmp_path)["hashes"][
+            "pretrained weights"
+        ]
+
+    assert weights_of("DEFAULT") == weights_of("IMAGENET1K_V2") == "resnet50-11ad3fa6.pth"
+    assert weights_of("IMAGENET1K_V1") == "resnet50-0676ba61.pth"
 
 
 def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients():

@@ -13,6 +13,7 @@ A network of your own is `package.module:Name`, built as `Name(in_channels=, num
 image_size=)`; `check_network` gives it the checks a new model needs (output shape, gradients).
 """
 
+import argparse
 import difflib
 import importlib
 import pickle
@@ -35,6 +36,9 @@ NO_AUX = {"inception_v3": {"aux_logits": False}, "googlenet": {"aux_logits": Fal
 AUX_KEYS = ("AuxLogits.", "aux1.", "aux2.")
 # builders with a fixed input size (position embeddings, partitions): it must be the weights'
 FIXED_SIZE = ("vit_", "maxvit_")
+WRAPPERS = ("module.", "_orig_mod.", "net.")  # DDP, torch.compile, FineTune: before every key
+# the class weights_only refused, in torch's message
+UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (\S+) ")
 
 
 def registry() -> list[str]:
@@ -150,7 +154,9 @@ def head_keys(arch: str, num_classes: int, built: nn.Module, size: int | None = 
 
 
 def read_weights(source: str) -> dict:
-    """A state_dict from a file: `.safetensors`, or torch's format read with weights_only."""
+    """A state_dict from a file: `.safetensors`, or torch's format read with weights_only (and
+    `argparse.Namespace` allowed: torchvision's reference scripts save their `args` beside the
+    model; it holds only plain values, which weights_only checks in turn)."""
     path = Path(source)
     if not path.is_file():
         raise Unavailable(f"{source} is not a file (a state_dict in torchvision's layout)")
@@ -158,16 +164,20 @@ def read_weights(source: str) -> dict:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
 
-            return load_file(path)
-        weights = torch.load(path, map_location="cpu", weights_only=True)
+            weights = load_file(path)
+        else:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                weights = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # Python objects: loading them could run code
         if "Weights only load failed" not in str(e):
             raise Unavailable(
                 f"{source} is not a loadable state_dict (UnpicklingError: {e})"
             ) from None
+        found = UNSUPPORTED.search(str(e))
+        what = f" ({found.group(1)})" if found else ""
         raise Unavailable(
-            f"{source} holds pickled Python objects (a whole model saved with torch.save(model)?), "
-            "which are not loaded (they can run code): save model.state_dict() instead"
+            f"{source} holds pickled Python objects{what}, which are not loaded (they can run "
+            "code): save model.state_dict() instead"
         ) from None
     except Exception as e:  # truncated, not torch's format
         raise Unavailable(
@@ -180,16 +190,19 @@ def unwrapped(weights, source: str) -> dict:
     """The state_dict inside the usual checkpoint layouts: `{"state_dict": ...}` (this
     project's model.pt, Lightning), `{"model": ...}` (torchvision's reference scripts),
     `{"model_state_dict": ...}`; keys with `module.` (DDP), `_orig_mod.` (torch.compile) or
-    `net.` (this project's fine-tuned model.pt) before every name lose it."""
+    `net.` (this project's fine-tuned model.pt) before every name lose it, as often as they
+    are nested (`_orig_mod.module.`: torch.compile of a DDP model)."""
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(weights, dict) and isinstance(weights.get(key), dict):
             weights = weights[key]
             break
     if not isinstance(weights, dict):
         raise Unavailable(f"{source} holds a {type(weights).__name__}, not a state_dict")
-    for prefix in ("module.", "_orig_mod.", "net."):
-        if weights and all(str(k).startswith(prefix) for k in weights):
-            weights = {k.removeprefix(prefix): v for k, v in weights.items()}
+    while weights:
+        prefix = next((p for p in WRAPPERS if all(str(k).startswith(p) for k in weights)), None)
+        if prefix is None:
+            return weights
+        weights = {k.removeprefix(prefix): v for k, v in weights.items()}
     return weights
 
 
@@ -322,14 +335,19 @@ def finetune(
     return FineTune(net, size, head, gray)
 
 
-def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
-    """`package.module:Name(in_channels=, num_classes=, image_size=)`, imported from the project."""
+def builder_of(path: str):
+    """`Name` of `package.module:Name`, imported from the project; a module that fails to import
+    (whatever it raises) or lacks `Name` is one line."""
     module_name, _, name = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
-        builder = getattr(module, name)
-    except (ImportError, AttributeError) as e:
+        return getattr(importlib.import_module(module_name), name)
+    except Exception as e:  # the module's own code runs here: any error
         raise ValueError(f"train.model: cannot import {path} ({type(e).__name__}: {e})") from None
+
+
+def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+    """`package.module:Name(in_channels=, num_classes=, image_size=)`, imported from the project."""
+    builder = builder_of(path)
     try:
         return builder(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
     except Exception as e:
