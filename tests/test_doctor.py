@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,8 @@ from visionflow.ops import doctor
 def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None, cwd=ROOT):
     env = {
         **os.environ,
+        # as `make test` runs: the venv first on PATH (the stages' `python`)
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
         **(env_change or {}),
     }
@@ -114,3 +117,20 @@ def test_a_torch_torchvision_mismatch_fails():
 def test_a_prefect_server_that_answers_is_ok(prefect_server):
     check = doctor.prefect_api()
     assert (check["status"], check["found"]) == ("ok", f"{prefect_server} answers")
+
+
+def test_a_stage_python_outside_the_venv_fails_with_the_fix(tmp_path):
+    """`.venv/bin/dvc repro` runs each stage with the `python` first on PATH: without the venv
+    there, every stage stopped with ModuleNotFoundError and doctor said nothing."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    base = subprocess.run(
+        [sys.executable, "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True
+    ).stdout.strip()
+    (bare / "python").symlink_to(f"{base}/bin/python3")  # the Python the venv was made from
+    result = run_doctor("--json", env_change={"PATH": f"{bare}{os.pathsep}/usr/bin:/bin"})
+    checks = by_name(json.loads(result.stdout))
+    assert result.returncode == 1 and checks["stage python"]["status"] == "FAIL"
+    assert "cannot import torch, dvclive" in checks["stage python"]["found"]
+    assert "ModuleNotFoundError" in checks["stage python"]["found"]
+    assert checks["stage python"]["fix"].startswith("`source .venv/bin/activate`")

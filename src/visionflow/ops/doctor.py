@@ -206,6 +206,37 @@ def prefect_api() -> dict:
 MIN_PYTHON = (3, 11)
 
 
+ACTIVATE = "`source .venv/bin/activate` (or `export PATH=$PWD/.venv/bin:$PATH`) before `dvc`"
+STAGE_NEEDS = ("visionflow", "torch", "dvclive")  # what `python -m pipeline.<stage>` imports
+
+
+def stage_python() -> dict:
+    """The `python` that DVC runs each stage with: the first on PATH, which `.venv/bin/dvc`
+    alone does not change. Outside the venv it lacks the packages, and every stage fails with
+    ModuleNotFoundError."""
+    found = shutil.which("python")
+    if found is None:
+        return check("stage python", "FAIL", "no `python` on PATH: no stage can start", ACTIVATE)
+    if Path(found).parent == Path(sys.executable).parent:
+        return check("stage python", "ok", found)
+    probe = "import importlib.util as u; print(*[m for m in %r if u.find_spec(m) is None])"
+    try:
+        missing = subprocess.run(
+            [found, "-c", probe % (STAGE_NEEDS,)], capture_output=True, text=True, timeout=60
+        ).stdout.split()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        missing = [f"({type(e).__name__})"]
+    if missing:
+        return check(
+            "stage python",
+            "FAIL",
+            f"{found} (the stages' `python`, first on PATH) cannot import {', '.join(missing)}: "
+            "`dvc repro` would stop with ModuleNotFoundError",
+            ACTIVATE,
+        )
+    return check("stage python", "ok", found)
+
+
 def diagnose(workdir: Path) -> list[dict]:
     results = [
         check(
@@ -217,6 +248,7 @@ def diagnose(workdir: Path) -> list[dict]:
     ]
     found, modules = packages()
     results += found
+    results.append(stage_python())
     if "torch" in modules:
         results += gpu(modules["torch"], nvidia_driver())
         if "torchvision" in modules:
