@@ -128,7 +128,8 @@ def main() -> None:
             except (OutOfMemory, NonFiniteLoss) as e:
                 raise failed(args, t, monitor, rank, e, epoch) from None
             improved = progress.update(epoch, record)
-            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped)
+            frozen = isinstance(model, FineTune) and model.frozen  # the head alone trained
+            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped, frozen)
             rngs = trainer.rng_of_every_rank()  # every rank asked: each goes on with its own
             if live:
                 log_epoch(live, epoch, record)
