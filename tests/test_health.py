@@ -209,7 +209,11 @@ def train(caches, tmp_path, cache: str, change: dict, fault: str = ""):
     """The train stage on one of the caches; returns (exit code, log, health report)."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 3, "batch_size": 32, "augment": STILL, **change}})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VISIONFLOW_FAULT": fault}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+        "VISIONFLOW_FAULT": fault,
+    }
     cmd = [
         sys.executable,
         "-m",

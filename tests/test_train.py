@@ -451,7 +451,7 @@ def train_cmd(cwd, out):
 
 
 def run_train(cwd, out):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
 
 
@@ -1054,7 +1054,7 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
         "seed_everything(0, True, compiled=False)\n"
         "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     result = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
