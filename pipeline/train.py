@@ -19,6 +19,8 @@ on the budget); a run that cannot resume says which key changed since the newest
 import argparse
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,6 +56,7 @@ from visionflow.train.training import (  # noqa: F401  (Trainer, seed_everything
     epoch_record,
     live_curves,
     log_epoch,
+    lost_rank,
     peak_memory_mb,
     seed_everything,
     start_distributed,
@@ -116,7 +119,7 @@ def main() -> None:
     # --- the epoch loop: train, validate, record, keep the best, checkpoint -------------------
     out = staged(args.out) if rank == 0 else None  # moved to args.out when the run succeeds
     stop, best_state = StopRequest(), None  # best_state: the best epoch, in memory
-    with live_curves(out, progress.history) as live:
+    with live_curves(out, progress.history) as live, named_if_lost(rank, world, progress, folder):
         for epoch in range(progress.start, t.epochs + 1):
             if t.early_stop and progress.stale >= t.early_stop:
                 say(f"train: early stop, no better val accuracy for {progress.stale} epochs")
@@ -128,7 +131,8 @@ def main() -> None:
             except (OutOfMemory, NonFiniteLoss) as e:
                 raise failed(args, t, monitor, rank, e, epoch) from None
             improved = progress.update(epoch, record)
-            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped)
+            frozen = isinstance(model, FineTune) and model.frozen  # the head alone trained
+            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped, frozen)
             rngs = trainer.rng_of_every_rank()  # every rank asked: each goes on with its own
             if live:
                 log_epoch(live, epoch, record)
@@ -152,6 +156,24 @@ def main() -> None:
         dist.destroy_process_group()
     if rank == 0:
         write_outputs(out, args.out, best_state, folder, progress, monitor, model_meta)
+
+
+@contextmanager
+def named_if_lost(rank: int, world: int, progress: Progress, folder: Path) -> Iterator[None]:
+    """A collective that fails because another rank is gone (its node lost, killed or crashed)
+    becomes one line naming that rank and what to do, not gloo's traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        gone = lost_rank(e, rank, world)
+        if gone is None:
+            raise
+        raise GateError(
+            f"train: {gone} stopped during epoch {len(progress.history) + 1}: rank {rank} "
+            "cannot go on without it (that node's own log says why: a crash, a kill, a lost "
+            "machine or network). Every rank stops; start torchrun again on every node and "
+            f"training resumes from rank 0's last checkpoint in {folder}"
+        ) from None
 
 
 def train_and_validate(

@@ -63,6 +63,8 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     meta = saved["meta"]
     assert meta["network"]["input_size"] == 56  # ImageNet's 224 of 256, of a 64 px cache
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["network"]["weights"] == "mnv3.pth"
+    report = json.loads((project / "results/train/health.json").read_text())
+    assert not any("dead ReLUs" in m for m in report["messages"])  # of a backbone that is frozen
 
     write_params(project, {"train": {"epochs": 2}})
     out = sh(project, "dvc", "repro", "train").stdout

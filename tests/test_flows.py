@@ -855,6 +855,37 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
             stop_worker(worker)
 
 
+def test_the_watch_follows_a_new_prepare_path_and_lets_the_old_one_go(tmp_path, capsys):
+    """The deps are read again when params.yaml changes. Before, they were read once: after
+    prepare.path changed, an image added to the new folder started no run and one added to the
+    old folder still did."""
+    import contextlib
+
+    from visionflow.ops.watching import settled_changes
+
+    stage = {"cmd": "true", "deps": ["${prepare.path}"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"prepare": stage}}))
+    (tmp_path / "params.yaml").write_text("prepare:\n  path: old\n")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    bursts = queue.Queue()
+
+    def watch() -> None:  # two bursts, then the watch ends
+        with contextlib.closing(settled_changes(tmp_path, 0.5)) as changes:
+            for _, burst in zip(range(2), changes, strict=False):
+                bursts.put(burst)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    wait_for(lambda: "watching" in capsys.readouterr().out, 60, "the watch to start")
+    (tmp_path / "params.yaml").write_text("prepare:\n  path: new\n")
+    assert bursts.get(timeout=60) == ["params.yaml"]
+    (tmp_path / "old/a.png").write_bytes(b"x")  # no longer a dep: in no burst
+    (tmp_path / "new/b.png").write_bytes(b"x")
+    assert bursts.get(timeout=60) == ["new/b.png"]
+    watcher.join(timeout=60)
+
+
 def test_watcher_turns_a_burst_of_edits_into_one_run_and_sees_every_dep(project, tmp_path):
     go = tmp_path / "go"  # train pauses at its start while this file is missing
     go.touch()

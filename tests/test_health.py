@@ -66,6 +66,39 @@ def test_gradients_out_of_range_are_named_by_layer():
     assert health.gradients(2, {"a": 1.0}, 1e3, 1e-7) is None
 
 
+def test_a_frozen_backbone_is_judged_by_the_head_that_trains_not_as_dead_relus():
+    """Fine-tuning's frozen epochs: only the new head has gradients. Before, a head whose weight
+    gradient vanished (weights that do not suit the images) read as "every weight: the network
+    has stopped learning ... dead ReLUs ... lower train.lr", of a backbone that did not train."""
+    import torch
+    from torchvision.models import get_model
+
+    from visionflow.train.engine import grad_norms
+    from visionflow.train.zoo import FineTune, head_keys
+
+    torch.manual_seed(1)  # "pretrained" weights that do not suit the images, as a user's may not
+    net = get_model("mobilenet_v3_small", num_classes=3)
+    model = FineTune(net, 56, head_keys("mobilenet_v3_small", 3, net, 56))
+    model.freeze(True)
+    x, y = torch.randn(8, 3, 64, 64), torch.arange(8) % 3
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    norms = grad_norms(model)
+    assert norms.keys() == {"net.classifier.3.weight", "net.classifier.3.bias"}  # the head's
+    assert norms["net.classifier.3.weight"] < 1e-7  # vanishing, as measured
+
+    said = []
+    monitor = health.Monitor(limits(), CLASSES, said.append)
+    metrics = {"data_seconds": 0.0, "seconds": 1.0, "first_losses": [], "first_labels": {}}
+    history = [{"train/loss": 1.0, "val/loss": 1.0}]
+    monitor.epoch(1, {**metrics, "layer_grad_norms": norms}, history, 1e-3, False, frozen=True)
+    (message,) = said
+    assert "vanishing in net.classifier.3.weight" in message
+    assert "only the new head trains (the backbone is frozen, train.freeze_epochs)" in message
+    assert "dead ReLUs" not in message and "lower train.lr" not in message
+    whole = health.gradients(2, norms, 1e3, 1e-7)  # the whole network trained: the old verdict
+    assert "every weight: the network has stopped learning" in whole.message
+
+
 def test_gradient_norms_leave_out_batchnorm_biases_that_a_following_batchnorm_cancels():
     import torch
     from torch import nn
@@ -176,7 +209,11 @@ def train(caches, tmp_path, cache: str, change: dict, fault: str = ""):
     """The train stage on one of the caches; returns (exit code, log, health report)."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 3, "batch_size": 32, "augment": STILL, **change}})
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VISIONFLOW_FAULT": fault}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
+        "VISIONFLOW_FAULT": fault,
+    }
     cmd = [
         sys.executable,
         "-m",

@@ -545,3 +545,48 @@ def test_a_disk_that_fills_while_prepare_decodes_is_named_and_the_results_come_b
     again = repro(project)  # restores first if the full disk kept the first restore from it
     assert again.returncode == 0 and ran(again.stdout) == [], again.stdout + again.stderr
     assert dvc_clean(project) and (project / "data/prepared/manifest.json").exists()
+
+
+def test_the_reaper_kills_what_the_group_started_in_a_session_of_its_own_once_it_is_empty(
+    tmp_path,
+):
+    """The runner dies; the group ends on the reaper's SIGINT but leaves a process in a session
+    of its own (as torchrun's ranks are). Before, the reaper found the group empty and swept
+    nothing: the process kept running."""
+    from tests.helpers import ROOT
+    from visionflow.ops.runner import REAPER
+
+    leader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, subprocess; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "rank = subprocess.Popen(['sleep', '600'], start_new_session=True); "
+            "print(rank.pid, flush=True); signal.pause()",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    rank = psutil.Process(int(leader.stdout.readline()))
+    output, keep = os.pipe()  # the group's output, which the reaper drains
+    reaper = subprocess.Popen(
+        [sys.executable, str(REAPER), str(leader.pid), "300", str(output)],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        stdin=subprocess.PIPE,
+        pass_fds=(output,),
+    )
+    try:
+        reaper.stdin.close()  # the runner died: the reaper stops the group
+        assert leader.wait(timeout=60) == -signal.SIGINT
+        assert reaper.wait(timeout=60) == 0  # the group empty, long before the grace ends
+        deadline = time.monotonic() + 60  # SIGKILLed by the reaper (it is not our child)
+        while rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the process outlived its group and the reaper"
+            time.sleep(0.1)
+    finally:
+        os.close(keep)
+        os.close(output)
+        if rank.is_running():
+            rank.kill()
+        reaper.kill()

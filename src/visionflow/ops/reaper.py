@@ -7,14 +7,17 @@ runs from then); "done" means the group has ended. Without "done", the runner di
 keeps the group's output pipe open (drained, so a stage can still print), asks the group to
 stop with SIGINT if the runner had not, waits out the grace period, then kills the group until
 none of it is left, zombies included (DVC takes a dead run's lock entry for a live one until its
-process is reaped), for at most 30 s.
+process is reaped), for at most 30 s; and, even when the group ended first, what it had started
+in sessions of their own (torchrun's ranks) as the reaper saw them when the runner died.
 """
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -30,6 +33,19 @@ def main() -> None:
         target=lambda: [None for _ in iter(lambda: os.read(output, 65536), b"")], daemon=True
     ).start()
     try:
+        from visionflow.ops.runner import family, kill_family
+    except Exception:  # the group alone, then
+
+        def family(group: int) -> set[int]:
+            return set()
+
+        def kill_family(group: int) -> None:
+            pass
+
+    # torchrun's ranks, each in a session of its own, noted while the group can still name
+    # them: once it is empty they are orphans no sweep of it finds
+    seen = {pid: started(pid) for pid in family(group)}
+    try:
         if not done:
             if deadline is None:
                 os.killpg(group, signal.SIGINT)
@@ -37,20 +53,31 @@ def main() -> None:
             while time.monotonic() < deadline:
                 os.killpg(group, 0)
                 time.sleep(0.1)
-        try:
-            from visionflow.ops.runner import kill_family
-        except Exception:  # the group alone, then
-
-            def kill_family(group: int) -> None:
-                pass
-
         end = time.monotonic() + 30
         while time.monotonic() < end:
-            kill_family(group)  # torchrun's ranks too, each in a session of its own
+            kill_family(group)
+            kill_seen(seen)
             os.killpg(group, signal.SIGKILL)
             time.sleep(0.05)
     except (ProcessLookupError, PermissionError):
-        pass
+        kill_seen(seen)  # the group is gone: what it started may not be
+
+
+def started(pid: int) -> str | None:
+    """A process's start time (clock ticks after boot), which tells it from a later one that
+    reuses its pid; None when it is gone or a zombie."""
+    try:  # "pid (comm) state ppid ...": the start time is the 22nd field
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def kill_seen(seen: dict[int, str | None]) -> None:
+    for pid, start in seen.items():
+        if start is not None and started(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

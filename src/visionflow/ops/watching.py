@@ -17,15 +17,18 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
     """Yields once per burst of changes to the deps of the project at `root`, after `settle_s`
     seconds without a further change: an editor's save or a copy of many images is one; what
     it yields is the burst's changed paths, relative to `root`, sorted. A dep folder (or one
-    above a dep) that goes and comes back is watched again."""
+    above a dep) that goes and comes back is watched again; a change to params.yaml or dvc.yaml
+    reads the deps again (a new `prepare.path` is watched, the old one no longer)."""
     from watchdog.events import FileSystemEventHandler
     from watchdog.observers import Observer
 
     deps = all_deps(root)
+    says_deps = {root / "params.yaml", root / "dvc.yaml"}  # what the deps are
     changed_at: list[float] = []
     changed: set[Path] = set()  # this burst's paths
     lock = threading.Lock()
     rewatch = threading.Event()
+    reread = threading.Event()  # params.yaml or dvc.yaml changed: the deps are read again
     gone: set[Path] = set()  # folders (deps or above) that came or went: watched again
 
     class Changes(FileSystemEventHandler):
@@ -35,10 +38,15 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
             if event.is_directory and event.event_type == "modified":
                 return  # a file in it came, went or changed: that file's own event says so
             paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
-            hits = {path for path in paths for dep in deps if path.is_relative_to(dep)}
+            with lock:
+                now = list(deps)
+            hits = {path for path in paths for dep in now if path.is_relative_to(dep)}
+            if hits & says_deps:
+                reread.set()
+                rewatch.set()
             if event.event_type in ("created", "deleted", "moved"):
                 # a dep folder, or one above a dep, came or went: its watch is gone or due
-                above = {path for path in paths for dep in deps if dep.is_relative_to(path)}
+                above = {path for path in paths for dep in now if dep.is_relative_to(path)}
                 if above:
                     with lock:
                         gone.update(above)
@@ -56,10 +64,16 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
         """Watch again what went or came back (at or below a folder in `gone`), watch what is
         new, drop what is no longer there. The other watches are never taken down: a change
         made meanwhile (right after a run, say) is seen, which unscheduling all first missed."""
+        if reread.is_set():
+            reread.clear()
+            with contextlib.suppress(Exception):  # a half-written file: the next event reads it
+                read = all_deps(root)
+                with lock:
+                    deps[:] = read
         with lock:
             came_or_went = list(gone)
             gone.clear()
-        points = watch_points(root, deps)
+            points = watch_points(root, deps)
         for point, watch in list(watched.items()):
             if point not in points or any(point[0].is_relative_to(p) for p in came_or_went):
                 with contextlib.suppress(KeyError):  # watchdog dropped it with its folder
@@ -79,6 +93,8 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
             if rewatch.wait(0.2):
                 rewatch.clear()
                 schedule()
+            if rewatch.is_set():  # the burst waits until what it may have changed is watched
+                continue
             if changed_at and time.monotonic() - changed_at[0] >= settle_s:
                 with lock:
                     burst = sorted(os.path.relpath(path, root) for path in changed)

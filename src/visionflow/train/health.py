@@ -112,7 +112,11 @@ def first_steps(
     )
 
 
-def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float) -> Finding | None:
+def gradients(
+    epoch: int, layer_norms: dict[str, float], high: float, low: float, frozen: bool = False
+) -> Finding | None:
+    """`layer_norms` are the parameters that trained (a frozen one has no gradient); `frozen`:
+    the backbone was frozen (fine-tuning's first epochs), so they are the new head's alone."""
     exploding = {k: v for k, v in layer_norms.items() if not math.isfinite(v) or v > high}
     vanishing = {k: v for k, v in layer_norms.items() if v < low}
     if not (exploding or vanishing):
@@ -132,8 +136,13 @@ def gradients(epoch: int, layer_norms: dict[str, float], high: float, low: float
             + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
             + f" (under train.health.min_grad_norm {low:g}): "
             + (
-                "every weight: the network has stopped learning, typically dead ReLUs after "
-                "a learning rate far too high; lower train.lr"
+                "every weight that trains, and only the new head trains (the backbone is frozen, "
+                "train.freeze_epochs): the frozen backbone gives it next to nothing to learn "
+                "from, so its weights or their preprocessing do not suit these images; check "
+                "train.pretrained, or set train.freeze_epochs to 0 to train the backbone too"
+                if dead and frozen
+                else "every weight: the network has stopped learning, typically dead ReLUs "
+                "after a learning rate far too high; lower train.lr"
                 if dead
                 else "these layers barely learn; try a ResNet (skip connections) or a higher "
                 "train.lr"
@@ -253,7 +262,13 @@ class Monitor:
             self.say(f"health: {finding.message}")
 
     def epoch(
-        self, epoch: int, metrics: dict, history: list[dict], lr: float, mapped: bool
+        self,
+        epoch: int,
+        metrics: dict,
+        history: list[dict],
+        lr: float,
+        mapped: bool,
+        frozen: bool = False,  # the backbone is frozen: the new head alone trains
     ) -> None:
         c = self.config
         self.data_wait = max(
@@ -268,7 +283,8 @@ class Monitor:
             self.labels[label] = self.labels.get(label, 0) + n
         if wanted and not self.steps_wanted():  # a run shorter than first_steps is not judged
             self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
-        self.add(gradients(epoch, metrics["layer_grad_norms"], c.max_grad_norm, c.min_grad_norm))
+        norms = metrics["layer_grad_norms"]
+        self.add(gradients(epoch, norms, c.max_grad_norm, c.min_grad_norm, frozen))
         self.add(diverging(history, math.log(len(self.classes))))
         self.add(overfitting(history, c.overfit_epochs))
 

@@ -8,6 +8,7 @@ Takes values, never the params models: the stage (pipeline/train.py) builds thes
 import io
 import os
 import random
+import re
 import resource
 import signal
 import sys
@@ -59,6 +60,28 @@ def start_distributed(device_name: str) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), world
+
+
+# what a collective raises when the rank at the other end is gone: gloo's words, then NCCL's
+LOST = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|remote process exited"
+)
+
+
+def lost_rank(error: BaseException, rank: int, world: int) -> str | None:
+    """The rank `error` says is gone, as "rank 1 on node 1 (Connection reset by peer)", when a
+    collective failed because the rank at its other end is (gloo: "Read error [10.0.0.2]:41235:
+    Connection reset by peer", under some 40 lines of traceback); else None."""
+    said = LOST.search(str(error))
+    if world == 1 or said is None:
+        return None
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))  # torchrun's --nnodes and --node_rank
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    if world == 2:  # the other rank
+        where = f"node {1 - node}" if nodes == 2 else "this node"
+        return f"rank {1 - rank} on {where} ({said[0]})"
+    peer = re.search(r"\[([^\]]+)\]:\d+", str(error))  # gloo names the peer's address
+    return f"a rank at {peer[1]} ({said[0]})" if peer else f"a rank ({said[0]})"
 
 
 def cpu_copy(state_dict: dict) -> dict:
