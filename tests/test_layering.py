@@ -1,4 +1,4 @@
-"""The layering shared/STYLE.md keeps, held against the imports and read from the packages, so a
+"""The layering docs/development.md describes, held against the imports and read from the packages, so a
 new module is covered by where it lives:
 
     visionflow/data     image files to pixels, sources, the cache: torch-free
@@ -99,7 +99,7 @@ def functions(path):
 
 def test_functions_fit_on_a_screen_and_the_step_reads_in_one():
     """No function in src/ or pipeline/ over 80 lines (docstring included); the training step,
-    `train_one_epoch`, at most 60 lines and 8 parameters (shared/STYLE.md: the two loops a
+    `train_one_epoch`, at most 60 lines and 8 parameters (docs/development.md: the two loops a
     reader sees at once)."""
     paths = [*(ROOT / "src/visionflow").rglob("*.py"), *(ROOT / "pipeline").glob("*.py")]
     long = [

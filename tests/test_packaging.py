@@ -3,6 +3,7 @@ files (the development machines have no Docker daemon: the image is not built he
 
 import json
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -57,3 +58,18 @@ def test_the_python_floor_is_the_one_doctor_checks_and_the_docs_say():
     assert tuple(map(int, floor.groups())) == MIN_PYTHON == (3, 11)
     for page in ("README.md", "docs/index.md"):
         assert "Python 3.11+" in (ROOT / page).read_text(), page
+
+
+def test_no_file_cites_a_page_a_clone_does_not_have():
+    """shared/ is the team's, beside the checkout: a clone has no shared/STYLE.md to read."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    citing = [
+        name
+        for name in tracked
+        if (ROOT / name).is_file()
+        and name != "tests/test_packaging.py"
+        and re.search(rb"shared/(STYLE|DESIGN)\.md", (ROOT / name).read_bytes())
+    ]
+    assert citing == []

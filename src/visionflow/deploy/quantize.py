@@ -2,11 +2,9 @@
 
 Activations uint8 and weights int8 per output channel (U8S8), in QDQ form (QuantizeLinear /
 DequantizeLinear pairs around float operators, which ONNX Runtime fuses into integer kernels).
-U8S8 because it is what ORT's x86 integer kernels are fast at: an untrained resnet18 at 64 px ran
-in 0.81 ms at batch 1 and 20.7 ms at batch 64 (fp32: 1.56 and 79.2 ms), while int8 activations
-(S8S8) took 2.99 and 94.3 ms, slower than fp32 (this workplace's 2 shared cores, ORT 1.32).
-ORT's QOperator form lost 12 points of test accuracy on the digits model on this workplace's CPU;
-QDQ kept it (shared/DESIGN.md). The ranges are calibrated on training images only
+U8S8 because it is what ORT's x86 integer kernels are fast at: int8 activations (S8S8) ran
+slower than fp32, U8S8 faster, on a resnet18; and ORT's QOperator form lost a tenth of the digits
+model's test accuracy where QDQ kept it (both measured: docs/export-and-serving.md, "INT8"). The ranges are calibrated on training images only
 (never test images), preprocessed exactly as the model's own metadata says; the input stays
 float32 NCHW and the output float logits, so any client of the fp32 file runs this one unchanged.
 The file carries the fp32 file's metadata (`visionflow.classes`, `visionflow.preprocess`) plus

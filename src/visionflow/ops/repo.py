@@ -1,6 +1,6 @@
 """Asking DVC about the project, for the flows and `visionflow repro`: short `dvc` commands with
 a timeout that names what they were doing, the stages in the order of DVC's own graph, a stage's
-dvc.lock entry, and whether `dvc repro` would skip a stage. No Prefect here (shared/STYLE.md):
+dvc.lock entry, and whether `dvc repro` would skip a stage. No Prefect here (docs/development.md, the layers):
 the flows add the tasks, states and artifacts.
 """
 

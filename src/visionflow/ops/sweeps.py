@@ -1,7 +1,7 @@
 """A sweep's DVC side, for the `experiments` flow: `dvc exp run` arguments, DVC's queue
 (workers, a guard process that stops the sweep if the flow's process dies, stopping it), and what
 `dvc exp show` says of each experiment (its state, the params that differ from the baseline, the
-main metrics). No Prefect here (shared/STYLE.md): the flow makes the tasks and the table artifact.
+main metrics). No Prefect here (docs/development.md, the layers): the flow makes the tasks and the table artifact.
 """
 
 import json
