@@ -63,13 +63,13 @@ def check_pixels(path: Path, max_pixels: int) -> int:
     return width * height
 
 
-TRIM_AFTER_PIXELS = 4_000_000  # a decode this large hands its freed memory back (a few ms)
+TRIM_AFTER_PIXELS = 4_000_000  # a decode this large hands its freed memory back (a trim is cheap)
 
 
 def release_freed_memory() -> None:
     """Give the memory a large decode freed back to the system. glibc keeps freed memory in
-    each thread's arena: four decoding threads that each once decoded a 49 Mpx image kept 2.4 GB
-    between them, though they decoded one at a time (`PixelBudget`)."""
+    each thread's arena: decoding threads that each once decoded a large image kept that memory
+    between them, though they decoded one at a time (`PixelBudget`; docs/export-and-serving.md)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
@@ -79,7 +79,7 @@ def release_freed_memory() -> None:
 class PixelBudget:
     """The pixels being decoded at once, over all the decoding threads, kept within `limit`
     (--max-pixels): an image of the limit's size decodes alone, so memory does not grow with the
-    threads (a 381 KB, 49 Mpx 16-bit PNG took 0.8 GB to decode; four at once 1.7 GB)."""
+    threads (a small file can decode to a large image: docs/export-and-serving.md has the numbers)."""
 
     def __init__(self, limit: int):
         self.limit, self.used, self.changed = limit, 0, threading.Condition()

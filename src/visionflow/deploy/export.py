@@ -148,7 +148,7 @@ def export_all(
     used, and for each format that cannot express the model, why (one line): some architectures
     do not trace or do not pass torch.export. ONNX, which INT8 and serving need, must be made."""
     paths = {runtime: folder / name for runtime, name in FILES.items()}
-    try:  # made once for ONNX's dynamo exporter and model.pt2 (2 s of a small model's stage)
+    try:  # made once for ONNX's dynamo exporter and model.pt2 (it is the slow part)
         program = exported(model, example)
     except Exception:  # each says why below (ONNX through the legacy exporter)
         program = None

@@ -209,7 +209,7 @@ class Service:
     def __init__(self, model: ServedModel, settings: Settings, scratch: Path):
         self.model, self.settings, self.scratch = model, settings, scratch
         self.batcher = Batcher(settings.max_batch, settings.window_s)
-        # threads, not processes: 0.7 ms less CPU per image (no pickling, no pipes), and
+        # threads, not processes: less CPU per image (no pickling, no pipes), and
         # Pillow and ONNX Runtime release the GIL while they work (bench/serve_bench.py)
         self.decoders = ThreadPoolExecutor(settings.decode_workers, "serve-decode")
         self.budget = PixelBudget(settings.max_pixels)

@@ -115,8 +115,8 @@ def json_or_text(value: str | None):
 
 
 def session_options():
-    """ONNX Runtime's threads sleep between runs: spinning (its default) burned 4-5 ms of CPU
-    per run, a core's worth between requests, taken from the threads that decode images."""
+    """ONNX Runtime's threads sleep between runs: spinning (its default) burns CPU after each
+    run, a core's worth between requests, taken from the threads that decode images."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -133,7 +133,7 @@ def input_shape(spec: dict) -> list:
 def onnx_opset(data: bytes | memoryview) -> int | None:
     """The default-domain opset an ONNX file imports, read from the protobuf's top level
     (ModelProto field 8, OperatorSetIdProto {1: domain, 2: version}): importing the onnx
-    package for it would cost 0.65 s of start-up."""
+    package for it would cost most of serve's start-up."""
     for field, value in protobuf_fields(data):
         if field == 8 and not isinstance(value, int):
             entry = dict(protobuf_fields(value))

@@ -21,7 +21,7 @@ def pick_per_class(labels: np.ndarray, num_classes: int, k: int) -> list[np.ndar
 
 def label_grid(images: np.ndarray, labels: np.ndarray, classes: list[str], k: int):
     """One row per class of `k` images (float NCHW in 0..1), each row named by its class: one
-    mosaic in one axes (an axes per image made the sanity stage's pictures take 3 s of its 8)."""
+    mosaic in one axes (an axes per image made drawing most of the sanity stage's time)."""
     rows = pick_per_class(labels, len(classes), k)
     channels, height, width = images.shape[1:]
     gap = max(1, height // 8)  # white between the images

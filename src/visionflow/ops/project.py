@@ -216,7 +216,7 @@ def lock_problem(root: Path) -> str | None:
     if not (isinstance(content, dict) and isinstance(content.get("stages"), dict)):
         return f"{lock} is empty or not a DVC lock file (it records no stages): {fix}"
     import voluptuous
-    from dvc.schema import COMPILED_LOCKFILE_SCHEMA  # DVC's own check (0.3 s to import)
+    from dvc.schema import COMPILED_LOCKFILE_SCHEMA  # DVC's own check (imported only here)
 
     try:  # a file cut inside an entry still reads as YAML; DVC refuses it, then every restore
         COMPILED_LOCKFILE_SCHEMA(content)

@@ -122,8 +122,8 @@ def lock_refused(output: str, stage: str) -> bool:
 
 def unchanged(workdir: Path, stage: str) -> bool:
     """Whether `dvc repro --single-item <stage>` would skip the stage, asked of DVC in this
-    process (`Stage.changed()`, the test `dvc repro` makes): a `dvc` process spends 0.4 s of CPU
-    to say so. False when unsure (DVC's lock taken, an output in use, no such single stage, a
+    process (`Stage.changed()`, the test `dvc repro` makes): a `dvc` process to say so costs a
+    Python start and DVC's imports. False when unsure (DVC's lock taken, an output in use, no such single stage, a
     FIFO among the deps or outputs, made during the run, which would block hashing here with no
     timeout): the stage's own `dvc repro` then decides, under the stage timeout."""
     from dvc.exceptions import DvcException
