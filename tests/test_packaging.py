@@ -73,3 +73,16 @@ def test_no_file_cites_a_page_a_clone_does_not_have():
         and re.search(rb"shared/(STYLE|DESIGN)\.md", (ROOT / name).read_bytes())
     ]
     assert citing == []
+
+
+def test_the_image_leaves_out_data_that_dvc_tracks_but_keeps_its_pointers():
+    """`dvc add data/images` leaves the images in the folder, ignored by git but not by docker
+    build: they went into every image. The .dvc pointers must stay (dvc pull reads them)."""
+    rules = [
+        line
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    assert "data/**" in rules and "!data/**/*.dvc" in rules
+    assert rules.index("data/**") < rules.index("!data/**/*.dvc")  # the exception comes after
+    assert ".git" not in rules and ".git/" not in rules  # DVC needs the history
