@@ -49,11 +49,13 @@ from visionflow.train.zoo import is_weights_name, weights_enum
 def run_of(params, cache: Path) -> dict:
     """What a resumable checkpoint must match (its folder is named by the hash of this, and its
     run.json keeps it): the seed, train params, and the content of the data, the stage's code and
-    the pretrained file. train.epochs is left out but for the cosine schedule, whose learning rate
-    depends on it: under the others a longer run's first epochs are a shorter run's, so a larger
-    budget resumes a finished run."""
+    the pretrained file. train.epochs is left out but for the cosine and one-cycle schedules,
+    whose learning rate depends on it: under the others a longer run's first epochs are a shorter
+    run's, so a larger budget resumes a finished run. train.lr `auto` is kept as it is: the rate
+    the range test found is recorded in the folder (pipeline/lr_find.py) and reused on resume."""
     t = params.train
-    train = t.model_dump(exclude=set() if t.scheduler == "cosine" else {"epochs"})
+    budgeted = t.scheduler in ("cosine", "onecycle")
+    train = t.model_dump(exclude=set() if budgeted else {"epochs"})
     hashes = {
         "data": file_hash(cache / "manifest.json"),
         "code": code_digest("train"),
@@ -74,7 +76,7 @@ def weights_content(model: str, pretrained: str) -> str | None:
 
 
 # why a changed key starts training fresh, where that is not plain from its name
-FRESH_BECAUSE = {"train.epochs": "the cosine schedule's learning rate depends on it"}
+FRESH_BECAUSE = {"train.epochs": "the cosine and one-cycle schedules' rates depend on it"}
 
 
 PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt its run published

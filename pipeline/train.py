@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pipeline import GateError, Interrupted, run, staged, when_published
 from pipeline.lifecycle import mark_published, resume, run_of, save_epoch
+from pipeline.lr_find import rate_for, record_rate
 from pipeline.train_setup import (
     Data,
     checked_network,
@@ -103,15 +104,19 @@ def main() -> None:
     d = load_data(args.data, t, device)
     model, norm_mean, norm_std, network = model_for(t, d, device, say)
     norm = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
-    trainer = trainer_for(model, t, params.seed, rank, world, d.image_size)
+    run = run_of(params, args.data)  # the fingerprint: its folder holds the resumable state
+    folder = args.checkpoints / checkpoint.fingerprint(run)
+    t, found = rate_for(t, model, d, norm, params.seed, folder, rank, world, say)  # lr: auto
+    trainer = trainer_for(model, t, params.seed, rank, world, d.image_size, len(d.y_train))
     model_meta = model_metadata(t, params.seed, d, norm_mean, norm_std, network)
+    model_meta["train"]["lr_found"] = found is not None  # train.lr: auto
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
-    run = run_of(params, args.data)
-    folder = args.checkpoints / checkpoint.fingerprint(run)
     monitor = health.Monitor(health.Limits(**t.health.model_dump()), d.meta.classes, say)
     checked_network(t, model, d, monitor)
     progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
+    if rank == 0:
+        record_rate(folder, found)  # the rate a resumed run takes
     say(starting(t, trainer, d, device))
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
@@ -224,6 +229,8 @@ def write_outputs(
     dataset.write_json(out / "health.json", report)
     best = progress.best
     compared = {"best_epoch": best["epoch"], "val_acc": best["accuracy"]}  # the kept model's
+    if model_meta["train"]["lr_found"]:  # train.lr: auto: the rate it found (`dvc exp show`)
+        compared["lr"] = model_meta["train"]["lr"]
     compared |= {k: report[k] for k in ("healthy", "findings")}
     dataset.write_json(out / "metrics.json", compared)
     print(monitor.summary(str(final / "health.json")))

@@ -123,6 +123,8 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
                 f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
                 "tracks: DVC will not rerun train when that file changes"
             )
+    if isinstance(model, FineTune):
+        model.train_bn = t.train_bn  # BatchNorm trains in the frozen epochs (fastai's train_bn)
     model = model.to(device)
     if t.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -199,23 +201,38 @@ def model_metadata(
     }
 
 
+def parameter_groups(model: nn.Module, t: Train) -> list[dict] | None:
+    """Fine-tuning: the new head at train.lr, then the backbone's layer groups from the last
+    (train.lr x train.backbone_lr_factor) down, each at the next one's rate x
+    train.group_lr_factor (fastai's `slice(lr / 100, lr)`: early layers move least)."""
+    if not (isinstance(model, FineTune) and t.pretrained):
+        return None
+    groups, rate = [{"params": model.head_parameters(), "lr": t.lr}], t.lr * t.backbone_lr_factor
+    for layers in reversed(model.layer_groups()):
+        groups.append({"params": layers, "lr": rate})
+        rate *= t.group_lr_factor
+    return groups
+
+
+def steps_per_epoch(images: int, t: Train, world: int) -> int:
+    """Optimizer steps in an epoch of `images` training images (`loading.batches`)."""
+    return math.ceil(math.ceil(images // world / t.batch_size) / t.accumulate)
+
+
 def trainer_for(
-    model: nn.Module, t: Train, seed: int, rank: int, world: int, image_size: int
+    model: nn.Module, t: Train, seed: int, rank: int, world: int, image_size: int, images: int
 ) -> Trainer:
     """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
-    the generators of the batch order and the augmentation, as train.* says."""
+    the generators of the batch order and the augmentation, as train.* says (`images`: the
+    training images, for a per-step schedule's length)."""
     device = next(model.parameters()).device
     net = stepping(model, world, t.compile)
-    groups = None
-    if isinstance(model, FineTune) and t.pretrained:  # the new head, then the backbone
-        backbone_lr = t.lr * t.backbone_lr_factor
-        groups = [{"params": model.head_parameters(), "lr": t.lr}]
-        groups += [{"params": model.backbone(), "lr": backbone_lr}]
     optimizer = make_optimizer(
-        t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov, groups
+        t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov, parameter_groups(model, t)
     )
+    steps = steps_per_epoch(images, t, world)
     scheduler = make_scheduler(
-        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
+        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step, steps
     )
     dtype = amp_dtype(t.amp, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

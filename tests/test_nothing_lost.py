@@ -270,7 +270,7 @@ def test_a_larger_epoch_budget_extends_the_recorded_run_and_cosine_says_why_not(
     fresh = sh(project, "dvc", "repro", "train").stdout
     assert re.search(
         r"train: starting fresh: train.epochs 1 -> 2 changed since the checkpoint in "
-        r"checkpoints/train/\w+ \(the cosine schedule's learning rate depends on it\)\n",
+        r"checkpoints/train/\w+ \(the cosine and one-cycle schedules' rates depend on it\)\n",
         fresh,
     ), fresh
     assert epochs_run(fresh, 2) == [1, 2]

@@ -14,6 +14,7 @@ of dvc.yaml beside the file (DVC refuses the pipeline then, naming neither).
 """
 
 import difflib
+import math
 import os
 import re
 from pathlib import Path
@@ -129,20 +130,49 @@ class Health(Section):
 
 MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")  # a name, or package.module:Name
 
+# The fine-tuning recipe (train.recipe; docs/fine-tuning.md, measured by bench/recipe_bench.py):
+# under it, each of these keys still at its from-scratch default (params.yaml's) takes the
+# recipe's value; a key the user set to anything else keeps the user's.
+FINETUNE = {  # key: (from scratch, fine-tuning)
+    "scheduler": ("plateau", "onecycle"),  # one cycle over both phases, per optimizer step
+    "freeze_epochs": (0, 1),  # the new head alone first
+    "group_lr_factor": (1.0, 0.3),  # earlier backbone groups move less
+    "optimizer": ("adam", "adamw"),
+    "weight_decay": (0.0, 0.01),
+}
+
+
+def with_recipe(train: dict) -> dict:
+    """The train section as it runs: train.recipe `finetune` (or `auto` with train.pretrained
+    set) puts the fine-tuning values into the keys left at their from-scratch defaults."""
+    model, pretrained = train.get("model"), train.get("pretrained")
+    fine_tuned = isinstance(model, str) and isinstance(pretrained, str) and pretrained
+    if train.get("recipe", "auto") not in ("auto", "finetune") or not fine_tuned:
+        return train  # finetune without a network to fine-tune: the model's rule says so
+    if not from_torchvision(model, pretrained):
+        return train
+    unset = {
+        k: tuned for k, (scratch, tuned) in FINETUNE.items() if train.get(k, scratch) == scratch
+    }
+    return {**train, **unset}
+
 
 class Train(Section):
     # the project's own, any torchvision classifier (the check stage asks torchvision), or an
     # import path package.module:Name
     model: str
     pretrained: str
+    recipe: Literal["auto", "finetune", "scratch"] = "auto"  # auto: finetune when pretrained
     freeze_epochs: int = Field(0, ge=0)  # pretrained: train only the new head for this many epochs
     backbone_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: the backbone's lr is lr x this
+    group_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: a group's lr is the next's x this
+    train_bn: bool = True  # pretrained, frozen epochs: BatchNorm layers keep training
     checkpointing: bool
     device: Literal["auto", "cpu", "cuda"]
     epochs: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     optimizer: Literal["adam", "adamw", "sgd"]
-    lr: float = Field(gt=0)
+    lr: float | Literal["auto"]  # auto: a range test's rate (`rate`)
     momentum: float = Field(ge=0, lt=1)
     nesterov: bool
     weight_decay: float = Field(ge=0)
@@ -150,7 +180,7 @@ class Train(Section):
     grad_clip: float = Field(ge=0)
     accumulate: int = Field(ge=1)
     amp: Literal["auto", "bf16", "fp16", "off"]
-    scheduler: Literal["plateau", "cosine", "step", "none"]
+    scheduler: Literal["plateau", "cosine", "step", "onecycle", "none"]
     lr_patience: int = Field(ge=0)
     lr_factor: float = Field(gt=0, lt=1)
     lr_step: int = Field(ge=1)
@@ -165,6 +195,21 @@ class Train(Section):
     auto_batch: bool
     augment: Augment
     health: Health
+
+    @model_validator(mode="before")
+    @classmethod
+    def recipe_applied(cls, raw):
+        return with_recipe(raw) if isinstance(raw, dict) else raw
+
+    @field_validator("lr", mode="before")
+    @classmethod
+    def rate(cls, lr):
+        number = isinstance(lr, int | float) and not isinstance(lr, bool)
+        if lr == "auto" or (number and math.isfinite(lr) and lr > 0):
+            return float(lr) if number else lr
+        raise ValueError(
+            f"a learning rate > 0, or auto (a range test finds one: docs/training.md), not {lr!r}"
+        )
 
     @field_validator("model")
     @classmethod
@@ -190,12 +235,19 @@ class Train(Section):
         for key, value, off in (
             ("freeze_epochs", self.freeze_epochs, 0),
             ("backbone_lr_factor", self.backbone_lr_factor, 1.0),
+            ("group_lr_factor", self.group_lr_factor, 1.0),
+            ("train_bn", self.train_bn, True),
         ):
             if value != off and not fine_tuned:
                 raise ValueError(
                     f"train.{key} is for a torchvision classifier with train.pretrained "
                     f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
                 )
+        if self.recipe == "finetune" and not fine_tuned:
+            raise ValueError(
+                "train.recipe finetune is for a torchvision classifier with train.pretrained "
+                f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
+            )
         if self.checkpointing and (
             self.model not in ("small_resnet", "resnet18")
             or from_torchvision(self.model, self.pretrained)

@@ -58,8 +58,9 @@ def training_line(meta: dict) -> str:
     if not t:
         return "Training values: unknown (a model.pt saved before they were recorded)."
     epochs = f"{t['epochs']} epoch" + ("s" if t["epochs"] != 1 else "")
+    found = " (train.lr auto: the range test's suggestion)" if t.get("lr_found") else ""
     return (
-        f"{epochs}, batch {t['batch_size']}, lr {t['lr']}, weight decay {t['weight_decay']}, "
+        f"{epochs}, batch {t['batch_size']}, lr {t['lr']}{found}, weight decay {t['weight_decay']}, "
         f"dropout {t['dropout']}, seed {t['seed']}."
     )
 

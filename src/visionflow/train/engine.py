@@ -85,8 +85,15 @@ def make_scheduler(
     patience: int,
     factor: float,
     step_size: int,
+    steps_per_epoch: int = 1,
 ):
-    """Stepped once per epoch; `plateau` on the validation loss (see `step_scheduler`)."""
+    """Stepped once per epoch; `plateau` on the validation loss (see `step_scheduler`); but
+    `onecycle`, stepped after each optimizer step (`per_step`): warm-up to each parameter group's
+    rate, then cosine annealing, over the whole run (fastai's fit_one_cycle)."""
+    if name == "onecycle":
+        rates = [group["lr"] for group in optimizer.param_groups]  # each group's own peak
+        total = epochs * steps_per_epoch
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, rates, total_steps=total)
     if name == "plateau":
         return torch.optim.lr_scheduler.ReduceLROnPlateau(
             optimizer, mode="min", factor=factor, patience=patience
@@ -98,10 +105,23 @@ def make_scheduler(
     return None
 
 
+def per_step(scheduler) -> bool:
+    """Whether `scheduler` steps after each optimizer step (in `train_one_epoch`), not per epoch."""
+    return isinstance(scheduler, torch.optim.lr_scheduler.OneCycleLR)
+
+
 def step_scheduler(scheduler, val_loss: float) -> None:
+    """The epoch's step of the schedule (none for a per-step one)."""
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         scheduler.step(val_loss)
-    elif scheduler is not None:
+    elif scheduler is not None and not per_step(scheduler):
+        scheduler.step()
+
+
+def step_within(scheduler) -> None:
+    """A per-step schedule's step, but past its last (an out-of-memory retry with half the
+    batch can take a step more than the budget counted) it stays at its end."""
+    if scheduler is not None and scheduler.last_epoch < scheduler.total_steps:
         scheduler.step()
 
 
@@ -177,6 +197,7 @@ def train_one_epoch(
     scaler: torch.amp.GradScaler | None = None,
     epoch: int = 0,
     record_losses: int = 0,
+    scheduler=None,
 ) -> dict:
     """One shuffled pass: for each optimizer step, for each of its micro-batches, forward, loss,
     backward; then unscale, clip, step, zero. Returns the epoch's numbers (`EpochStats.totals`).
@@ -189,6 +210,7 @@ def train_one_epoch(
     see Step). A step is not taken three ways, each its own branch: a non-finite loss on any rank
     (skipped on every rank), an fp16 overflow (skipped before the optimizer), out of memory
     (raised on every rank). The first `record_losses` losses and labels go to the health checks.
+    `scheduler`: a per-step schedule (one-cycle), stepped after each step taken.
     """
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
@@ -217,6 +239,7 @@ def train_one_epoch(
                     stats.overflowed()
                 else:
                     stats.stepped(*optimizer_step(model, optimizer, scaler, step, stats.sample))
+                    step_within(scheduler)
                 scaler.update()  # fp16: a lower scale after an overflow, higher after a good run
         optimizer.zero_grad(set_to_none=True)
     # the epoch's one sync (a last step's out-of-memory with it) before any rank raises: one that

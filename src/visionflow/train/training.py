@@ -29,7 +29,7 @@ from visionflow import faults
 from visionflow.errors import OutOfMemory
 from visionflow.train import health
 from visionflow.train.augment import augment
-from visionflow.train.engine import Split, Step, train_one_epoch
+from visionflow.train.engine import Split, Step, per_step, train_one_epoch
 
 
 def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
@@ -128,8 +128,8 @@ class Trainer:
         return groups[1]["lr"] if len(groups) > 1 else None
 
     def freeze(self, frozen: bool) -> None:
-        """Fine-tuning (zoo.FineTune): train the new head alone (the backbone's weights and
-        BatchNorm statistics kept), or the whole network. DDP takes the parameters that need
+        """Fine-tuning (zoo.FineTune): train the new head alone (the backbone's weights kept; its
+        BatchNorm layers train with train.train_bn), or the whole network. DDP takes the parameters that need
         gradients when it is made: it is made again for the new set."""
         if self.model.frozen == frozen:
             return
@@ -142,6 +142,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "rng": self.rng(),
         }
 
@@ -173,6 +174,8 @@ class Trainer:
         device = next(self.model.parameters()).device.type
         self.scaler = torch.amp.GradScaler(device, enabled=self.scaler.is_enabled())
         self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None:  # a per-step schedule moved within the epoch
+            self.scheduler.load_state_dict(state["scheduler"])
         ranks = state.get("rng_of_ranks") or []  # a checkpoint's: this rank's own, if it has it
         rng = ranks[self.rank] if self.rank < len(ranks) else state["rng"]
         torch.set_rng_state(rng["torch"].cpu())
@@ -204,6 +207,7 @@ class Trainer:
                     scaler=self.scaler,
                     epoch=epoch,
                     record_losses=monitor.steps_wanted(),
+                    scheduler=self.scheduler if per_step(self.scheduler) else None,
                 )
             except torch.OutOfMemoryError:
                 self.out_of_memory(epoch, monitor, retry=saved is not None)

@@ -269,17 +269,24 @@ def load_into(net: nn.Module, arch: str, weights: dict, head: set[str], source: 
     net.load_state_dict({k: v for k, v in weights.items() if k not in head}, strict=False)
 
 
+LR_GROUPS = 3  # the backbone's layer groups for rates per group (train.group_lr_factor)
+
+
 class FineTune(nn.Module):
     """A torchvision network as the project feeds it (see the module's docstring): centre-crop
     to `size`, one channel to the three the network takes (each with the weights' own
     normalisation, from the project's one-channel mean/std), then the network.
 
-    `freeze(True)` keeps the backbone (everything but the `head` keys) as it is: no gradients,
-    and its BatchNorm statistics frozen (its norms stay in eval mode while the rest trains)."""
+    `freeze(True)` keeps the backbone (everything but the `head` keys) as it is, no gradients,
+    but for its BatchNorm layers while `train_bn` (fastai's default): they keep training, their
+    scale and shift and their statistics, so that they follow the new data's statistics (photos
+    darker or smaller than ImageNet's). Without `train_bn` they are kept too (eval mode while the
+    rest trains): the frozen epochs then leave every backbone weight as the file has it."""
 
     def __init__(self, net: nn.Module, size: int, head: set[str], gray: tuple | None = None):
         super().__init__()
         self.net, self.size, self.head, self.frozen = net, size, head, False
+        self.train_bn = True  # train.train_bn
         self.gray = gray is not None
         if gray is not None:  # the network's 3-channel (mean, std); the project normalised
             mean3, std3 = torch.tensor(gray[0]), torch.tensor(gray[1])  # with their averages
@@ -300,19 +307,34 @@ class FineTune(nn.Module):
     def head_parameters(self) -> list[nn.Parameter]:
         return [p for name, p in self.net.named_parameters() if name in self.head]
 
+    def layer_groups(self, n: int = LR_GROUPS) -> list[list[nn.Parameter]]:
+        """The backbone's parameters in `n` groups of consecutive layers, the earliest first: as
+        many parameter tensors in each (depth, whatever the family), for rates per group."""
+        params = self.backbone()
+        bounds = [round(i * len(params) / n) for i in range(n + 1)]
+        groups = [params[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return [group for group in groups if group]
+
+    def backbone_norms(self) -> list[tuple[str, nn.Module]]:
+        heads = {name.rpartition(".")[0] for name in self.head}
+        return [
+            (name, module)
+            for name, module in self.net.named_modules()
+            if isinstance(module, nn.modules.batchnorm._NormBase) and name not in heads
+        ]
+
     def freeze(self, frozen: bool) -> None:
         self.frozen = frozen
+        trained = {id(p) for _, m in self.backbone_norms() for p in m.parameters()}
         for p in self.backbone():
-            p.requires_grad_(not frozen)
+            p.requires_grad_(not frozen or (self.train_bn and id(p) in trained))
         self.train(self.training)
 
     def train(self, mode: bool = True) -> "FineTune":
         super().train(mode)
-        if self.frozen:
-            heads = {name.rpartition(".")[0] for name in self.head}
-            for name, module in self.net.named_modules():
-                if isinstance(module, nn.modules.batchnorm._NormBase) and name not in heads:
-                    module.eval()
+        if self.frozen and not self.train_bn:
+            for _, module in self.backbone_norms():
+                module.eval()
         return self
 
 

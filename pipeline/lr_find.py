@@ -1,0 +1,127 @@
+"""The learning-rate range test on the prepared data and the configured model: `visionflow
+lr-find` (this module's main) and `train.lr: auto` (the train stage calls `rate_for`).
+
+The model is train.model with train.pretrained's weights, frozen as the first epochs will be
+(train.freeze_epochs), its parameter groups at their shares of the head's rate; the test runs
+on a copy of it, with generators of its own: the training that follows is the one a run with
+`train.lr` set to the found rate makes. Under `train.lr: auto` the rate goes to the train log,
+metrics.json (`lr`), model.pt's meta and the model card, and into the run's state folder
+(lr_find.json): a resumed run takes it from there.
+
+Reads:  params.yaml (seed, train.*), the cache from prepare
+Writes: <out>/lr_find.png (loss against rate, log x, the suggestion marked), <out>/lr_find.json
+Run:    python -m pipeline.lr_find --data data/prepared --out results/lr_find
+"""
+
+import argparse
+import copy
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipeline import GateError, run
+from pipeline.train_setup import Data, device_for, load_data, model_for, trainer_for
+from visionflow.data import dataset
+from visionflow.params import Train, load_params
+from visionflow.train.augment import augment
+from visionflow.train.engine import Split
+from visionflow.train.lr_find import START, range_test, range_test_figure
+from visionflow.train.training import seed_everything
+from visionflow.train.zoo import FineTune
+
+RECORD = "lr_find.json"  # in the run's state folder: the rate `train.lr: auto` found
+
+
+def range_test_of(t: Train, model, d: Data, norm: tuple, seed: int) -> dict:
+    """The range test on a copy of `model` (left as it is), frozen as train.freeze_epochs will
+    freeze it, with train.*'s optimizer, batches and augmentation; the global generators (dropout's)
+    are put back after it."""
+    probe = copy.deepcopy(model)
+    if isinstance(probe, FineTune) and t.freeze_epochs:
+        probe.freeze(True)
+    plain = t.model_copy(update={"lr": 1.0, "scheduler": "none", "compile": False})
+    trainer = trainer_for(probe, plain, seed, 0, 1, d.image_size, len(d.y_train))
+    draws = partial(augment, generator=trainer.augment_rng, **trainer.augment)
+    split = Split(d.x_train, d.y_train, *norm, trainer.shuffle, draws)
+    devices = [norm[0].device] if norm[0].device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        return range_test(probe, trainer.optimizer, split, trainer.step)
+
+
+def rate_for(
+    t: Train, model, d: Data, norm: tuple, seed: int, folder: Path, rank: int, world: int, say
+):
+    """(train.* with the rate the run uses, the range test's result or None). Under `train.lr:
+    auto` the rate recorded in the run's state folder (a resumed run's), else the range test's
+    suggestion (rank 0's, sent to every rank); no suggestion is a GateError in one line."""
+    if t.lr != "auto":
+        return t, None
+    found = None
+    if rank == 0:
+        record = folder / RECORD
+        found = json.loads(record.read_text()) if record.exists() else None
+        if found is None:
+            found = range_test_of(t, model, d, norm, seed)
+    if world > 1:
+        shared = [found]
+        dist.broadcast_object_list(shared, src=0)
+        found = shared[0]
+    if found["suggestion"] is None:
+        raise GateError(no_rate(t, found))
+    say(
+        f"train: train.lr auto: {found['suggestion']:.2e}, the range test's suggestion "
+        f"({len(found['rates'])} steps; `visionflow lr-find` plots it)"
+    )
+    return t.model_copy(update={"lr": found["suggestion"]}), found
+
+
+def no_rate(t: Train, found: dict) -> str:
+    steps = len(found["rates"])
+    why = (
+        f"the loss was not finite from its first steps ({steps} steps with a finite loss)"
+        if steps < 5
+        else f"the loss did not fall over {steps} steps of rates {START:g} to {found['rates'][-1]:.2g}"
+    )
+    return (
+        f"train.lr: auto: the range test found no rate for {t.model} on this data: {why}; "
+        "set train.lr to a number (docs/training.md)"
+    )
+
+
+def record_rate(folder: Path, found: dict | None) -> None:
+    """Keep the range test's result in the run's state folder (a resumed run reads it)."""
+    if found is not None:
+        dataset.write_json(folder / RECORD, found)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The learning-rate range test.")
+    parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write")
+    args = parser.parse_args()
+    params = load_params()
+    t = params.train
+    seed_everything(params.seed, t.deterministic, compiled=False)
+    device = device_for(t)
+    d = load_data(args.data, t, device)
+    model, mean, std, _ = model_for(t, d, device, print)
+    norm = torch.tensor(mean, device=device), torch.tensor(std, device=device)
+    found = range_test_of(t, model, d, norm, params.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    dataset.write_json(args.out / "lr_find.json", found)
+    frozen = " (backbone frozen)" if isinstance(model, FineTune) and t.freeze_epochs else ""
+    figure = range_test_figure(found, f"{t.model}{frozen}: {len(found['rates'])} steps")
+    figure.savefig(args.out / "lr_find.png", dpi=100)
+    if found["suggestion"] is None:
+        raise GateError(no_rate(t, found))
+    print(
+        f"lr-find: suggested train.lr {found['suggestion']:.2e} ({t.model}, "
+        f"{len(found['rates'])} steps; plot: {args.out / 'lr_find.png'})"
+    )
+
+
+if __name__ == "__main__":
+    run(main)
