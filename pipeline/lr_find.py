@@ -59,22 +59,20 @@ def rate_for(
     suggestion (rank 0's, sent to every rank); no suggestion is a GateError in one line."""
     if t.lr != "auto":
         return t, None
-    found = None
+    found, record = None, folder / RECORD
     if rank == 0:
-        record = folder / RECORD
         found = json.loads(record.read_text()) if record.exists() else None
+        how = f"recorded in {record}"
         if found is None:
             found = range_test_of(t, model, d, norm, seed)
+            how = f"{len(found['rates'])} steps; `visionflow lr-find` plots it"
+        say(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
     if world > 1:
         shared = [found]
         dist.broadcast_object_list(shared, src=0)
         found = shared[0]
     if found["suggestion"] is None:
         raise GateError(no_rate(t, found))
-    say(
-        f"train: train.lr auto: {found['suggestion']:.2e}, the range test's suggestion "
-        f"({len(found['rates'])} steps; `visionflow lr-find` plots it)"
-    )
     return t.model_copy(update={"lr": found["suggestion"]}), found
 
 

@@ -15,6 +15,10 @@ visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
                                                  `dvc repro`, one run at a time, nothing orphaned
 visionflow verify [--data data/prepared]         re-hash the prepared cache and DVC's objects
+visionflow lr-find [--data data/prepared] [--out results/lr_find]
+                                                 the learning-rate range test on the prepared
+                                                 data and train.*'s model: a plot and the
+                                                 suggested train.lr in one line
 visionflow doctor [--json]                       versions, GPU, disk, pipeline and Prefect, with fixes
 """
 
@@ -318,6 +322,28 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return run(model, args.host, args.port, settings)
 
 
+def lr_find(args: argparse.Namespace) -> int:
+    """`python -m pipeline.lr_find` in the project: the stages' code, which the library never
+    imports, run with this Python."""
+    import subprocess
+
+    from visionflow.ops.runner import NotAProject, find_root
+
+    try:
+        root = find_root(Path.cwd())
+    except NotAProject as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not (root / args.data / "manifest.json").is_file():
+        print(
+            f"error: {args.data} holds no prepared cache: `dvc repro sanity` makes it",
+            file=sys.stderr,
+        )
+        return 2
+    command = [sys.executable, "-m", "pipeline.lr_find", "--data", str(args.data)]
+    return subprocess.run([*command, "--out", str(args.out)], cwd=root).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="visionflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -353,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("dvc_args", nargs="*", help="passed to `dvc repro` (after --)")
     v = commands.add_parser("verify", help="re-hash the prepared cache and the DVC cache objects")
     v.add_argument("--data", type=Path, default=Path("data/prepared"), help="prepared cache folder")
+    f = commands.add_parser(
+        "lr-find", help="the learning-rate range test: a plot and the suggested train.lr"
+    )
+    f.add_argument("--data", type=Path, default=Path("data/prepared"), help="prepared cache folder")
+    f.add_argument("--out", type=Path, default=Path("results/lr_find"), help="folder to write")
     d = commands.add_parser(
         "doctor", help="check the environment and workspace; fixes for problems"
     )
@@ -364,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         return doctor(Path.cwd(), args.json)
     if args.command == "serve":
         return serve(args, parser)
+    if args.command == "lr-find":
+        return lr_find(args)
     if args.command == "repro":
         from visionflow.ops.runner import repro
 

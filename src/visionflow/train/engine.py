@@ -119,9 +119,9 @@ def step_scheduler(scheduler, val_loss: float) -> None:
 
 
 def step_within(scheduler) -> None:
-    """A per-step schedule's step, but past its last (an out-of-memory retry with half the
-    batch can take a step more than the budget counted) it stays at its end."""
-    if scheduler is not None and scheduler.last_epoch < scheduler.total_steps:
+    """A per-step schedule's step; at its last rate (the run's last step, or a step more than
+    the budget counted: an out-of-memory retry with half the batch) it stays there."""
+    if scheduler is not None and scheduler.last_epoch < scheduler.total_steps - 1:
         scheduler.step()
 
 
