@@ -53,12 +53,22 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     train = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/mnv3.pth"}
     train |= {"freeze_epochs": 1, "epochs": 1, "batch_size": 8, "backbone_lr_factor": 0.1}
     write_params(project, {"prepare": prepare, "train": train})
-    sh(project, "dvc", "repro", "train")
+    sh(project, "dvc", "repro", "train")  # the recipe: one-cycle, train_bn, ...
     saved = torch.load(project / "results/train/model.pt", weights_only=True)
     trained = {k.removeprefix("net."): v for k, v in saved["state_dict"].items()}
-    for key, value in weights.items():  # BatchNorm statistics included
-        if key not in HEAD:
+    bn = [
+        n
+        for n, m in get_model("mobilenet_v3_small").named_modules()
+        if isinstance(m, nn.BatchNorm2d)
+    ]
+    norms = {k for k in weights if k.rpartition(".")[0] in bn}  # BatchNorm's weights, statistics
+    for key, value in weights.items():  # frozen: but BatchNorm, which trains (train.train_bn)
+        if key not in HEAD and key not in norms:
             assert torch.equal(trained[key], value), key
+    moved = [
+        k for k in norms if k.endswith("running_mean") and not torch.equal(trained[k], weights[k])
+    ]
+    assert moved  # (torchvision's momentum 0.01 for this network: small steps, but steps)
     assert trained[HEAD[0]].shape == (3, 1024) and not torch.equal(trained[HEAD[1]], torch.zeros(3))
     meta = saved["meta"]
     assert meta["network"]["input_size"] == 56  # ImageNet's 224 of 256, of a 64 px cache
@@ -68,7 +78,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
 
     write_params(project, {"train": {"epochs": 2}})
     out = sh(project, "dvc", "repro", "train").stdout
-    assert "extending the recorded 1-epoch run to 2 epochs" in out
+    assert "train.epochs 1 -> 2 changed since the checkpoint" in out  # one cycle over the run
     second = epoch_state(project, 2)
     first_conv = "net.features.0.0.weight"
     assert not torch.equal(second[first_conv], weights[first_conv.removeprefix("net.")])
@@ -344,6 +354,7 @@ def test_a_frozen_backbone_keeps_its_batchnorm_statistics_and_gets_no_gradients(
 
     torch.manual_seed(0)
     model = zoo.finetune("resnet18", 3, 4, 32, ([0.5] * 3, [0.25] * 3))
+    model.train_bn = False  # train.train_bn: false (true: tests/test_recipe.py)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model.freeze(True)
     model.train()
