@@ -7,6 +7,7 @@ committed page is not what it writes.
 
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def kind(annotation) -> str:
     """A field's type in words: its choices, or its Python type."""
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # lr: a number or auto
+        return " \\| ".join(kind(a) for a in typing.get_args(annotation))
     if typing.get_origin(annotation) is tuple:
         return "list"
     if typing.get_origin(annotation) is typing.Annotated:

@@ -192,6 +192,6 @@ def test_values_no_stage_could_use_are_refused_here():
 def test_the_parameter_reference_in_the_docs_is_the_params_models_and_file():
     made = runpy.run_path(str(ROOT / "docs/make_reference.py"))["reference"](ROOT / "params.yaml")
     assert "| `prepare.fit` | `crop` \\| `squash` |  | `crop` |" in made  # a choice, a default
-    assert "| `train.lr` | float | > 0 | required | learning rate (> 0) |" in made
+    assert "| `train.lr` | float \\| `auto` |  | required | learning rate (> 0) \\| auto" in made
     committed = (ROOT / "docs/reference.md").read_text()
     assert committed == made, "run: .venv/bin/python docs/make_reference.py"

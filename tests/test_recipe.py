@@ -151,7 +151,7 @@ def test_rates_per_layer_group_fall_geometrically_from_the_head_and_cover_the_ba
         assert str(e.value).splitlines()[1].strip().startswith("train.group_lr_factor: Input")
     with pytest.raises(ParamsError, match="train.group_lr_factor is for a torchvision classifier"):
         parse_params(params_with({"group_lr_factor": 0.5}))  # simple_cnn, from scratch
-    with pytest.raises(ParamsError, match=r"train.lr: a learning rate > 0, or auto .* not 'fast'"):
+    with pytest.raises(ParamsError, match=r"train.lr: a number > 0, or auto .* not .fast."):
         parse_params(params_with({"lr": "fast"}))
 
 

@@ -205,10 +205,12 @@ class Train(Section):
     @classmethod
     def rate(cls, lr):
         number = isinstance(lr, int | float) and not isinstance(lr, bool)
-        if lr == "auto" or (number and math.isfinite(lr) and lr > 0):
+        if number and not math.isfinite(lr):
+            raise ValueError(f"Input should be a finite number (got {lr!r})")
+        if lr == "auto" or (number and lr > 0):
             return float(lr) if number else lr
         raise ValueError(
-            f"a learning rate > 0, or auto (a range test finds one: docs/training.md), not {lr!r}"
+            f"a number > 0, or auto (a range test finds one: docs/training.md), not {lr!r}"
         )
 
     @field_validator("model")
