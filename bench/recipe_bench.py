@@ -1,0 +1,179 @@
+"""Benchmark (#46): the default fine-tuning recipe against the defaults before it, training from
+zero, and a plain torchvision fine-tuning script written without visionflow, at equal epochs.
+
+The tasks are finetune_bench.py's, made here, offline: mobilenet_v3_small pretrained in plain
+PyTorch on task A (22 classes of shapes), saved in torchvision's layout to data/pretrained/;
+task B (10 letters, 50 PNGs per class: 15 train, 10 val, 25 test per class) is the user's photo
+folder. Per seed, in a temporary copy of the project (`dvc repro evaluate`, as tests do):
+  - recipe:   only train.model and train.pretrained set (and the common epochs, batch, device):
+              train.recipe auto gives one-cycle, a frozen first epoch, rates per layer group,
+              BatchNorm training while frozen, AdamW
+  - before:   the same with train.recipe scratch: the defaults before #46 (plateau, no freeze,
+              one rate, Adam)
+  - zero:     train.pretrained "": the same network from random weights
+  - plain:    a script without visionflow on the same split (the prepared cache's .npy files):
+              torchvision's model, the weights file, a new head, Adam at 1e-3 on the whole network,
+              random resized crops and flips, the centre crop to test; the last epoch's model
+Test accuracy (the evaluate stage's; the plain script's own), mean of the seeds, and the
+seconds of `dvc repro evaluate` once prepare and sanity have run (train and evaluate, and DVC's
+own time) or of the script. Then, seed 0: `visionflow lr-find`'s suggestion under the recipe,
+and the recipe at rates around it, to see where runs converge.
+
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/recipe_bench.py [--seeds 3] [--weights-cache /tmp/w.pt]
+"""
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import yaml
+from finetune_bench import ARCH, CROP, MEAN, SIZE, STD, letters_folder, make_project, pretrain, sh
+
+RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)  # the recipe at these, seed 0: where it converges
+
+
+def set_params(project: Path, seed: int, train: dict) -> None:
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["seed"] = seed
+    params["prepare"] |= {"source": "imagefolder", "path": "data/photos", "image_size": SIZE}
+    params["prepare"] |= {"color": "rgb", "test_fraction": 0.5, "val_fraction": 0.4}
+    params["train"] |= train
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def pipeline_run(project: Path) -> dict:
+    started = time.perf_counter()
+    sh(project, "dvc", "repro", "evaluate")
+    seconds = time.perf_counter() - started
+    test = json.loads((project / "results/evaluate/metrics.json").read_text())
+    return {"test_accuracy": test["accuracy"], "seconds": seconds}
+
+
+def plain_script(project: Path, weights: Path, seed: int, epochs: int, batch: int) -> dict:
+    """Fine-tuning as a user writes it with torchvision alone, on the pipeline's split."""
+    from torchvision.models import get_model
+    from torchvision.transforms import v2
+
+    started = time.perf_counter()
+    cache = project / "data/prepared"
+    x, y = np.load(cache / "train_x.npy"), torch.from_numpy(np.load(cache / "train_y.npy"))
+    xt, yt = np.load(cache / "test_x.npy"), torch.from_numpy(np.load(cache / "test_y.npy"))
+    torch.manual_seed(seed)
+    model = get_model(ARCH)
+    state = torch.load(weights, weights_only=True)
+    model.load_state_dict(
+        {k: v for k, v in state.items() if not k.startswith("classifier.3")}, strict=False
+    )
+    model.classifier[3] = torch.nn.Linear(model.classifier[3].in_features, int(y.max()) + 1)
+    train_tf = v2.Compose([v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip()])
+    norm = v2.Normalize(MEAN, STD)
+    images = torch.from_numpy(x).permute(0, 3, 1, 2).float() / 255
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(epochs):
+        model.train()
+        for index in torch.randperm(len(y)).split(batch):
+            inputs = torch.stack([norm(train_tf(images[i])) for i in index])
+            loss = F.cross_entropy(model(inputs), y[index])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    test = torch.from_numpy(xt).permute(0, 3, 1, 2).float() / 255
+    top = (SIZE - CROP) // 2
+    with torch.no_grad():
+        logits = model(norm(test[..., top : top + CROP, top : top + CROP]))
+    accuracy = (logits.argmax(1) == yt).float().mean().item()
+    return {"test_accuracy": accuracy, "seconds": time.perf_counter() - started}
+
+
+def lr_find(project: Path) -> float:
+    out = sh(project, sys.executable, "-m", "visionflow.cli", "lr-find").stdout
+    return float(re.search(r"suggested train.lr (\S+)", out)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--pretrain-epochs", type=int, default=12)
+    parser.add_argument("--weights-cache", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="recipe-bench-"))
+    try:
+        project = tmp / "project"
+        make_project(project)
+        letters_folder(project / "data/photos", 50, seed=1234)
+        if args.weights_cache and args.weights_cache.exists():
+            saved = torch.load(args.weights_cache, weights_only=True)
+        else:
+            weights, report = pretrain(args.pretrain_epochs, seed=0)
+            saved = {"state_dict": weights, "report": report}
+            if args.weights_cache:
+                torch.save(saved, args.weights_cache)
+        weights_file = project / "data/pretrained/shapes_mnv3.pth"
+        torch.save(saved["state_dict"], weights_file)
+        print(f"pretrained: {saved['report']}", flush=True)
+        common = {"model": ARCH, "epochs": args.epochs, "batch_size": args.batch_size}
+        common |= {"device": "cpu"}
+        tuned = "data/pretrained/shapes_mnv3.pth"
+        contenders = {
+            "recipe": {"pretrained": tuned, "recipe": "auto"},
+            "before": {"pretrained": tuned, "recipe": "scratch"},
+            "zero": {"pretrained": "", "recipe": "auto"},
+        }
+        runs = {name: [] for name in [*contenders, "plain"]}
+        for seed in range(args.seeds):
+            set_params(project, seed, common | contenders["recipe"])
+            sh(project, "dvc", "repro", "sanity")  # prepare and sanity: outside the timings
+            for name, train in contenders.items():
+                set_params(project, seed, common | train)
+                runs[name].append(pipeline_run(project))
+                print(f"seed {seed} {name:7s} {runs[name][-1]}", flush=True)
+            runs["plain"].append(
+                plain_script(project, weights_file, seed, args.epochs, args.batch_size)
+            )
+            print(f"seed {seed} plain   {runs['plain'][-1]}", flush=True)
+        set_params(project, 0, common | contenders["recipe"])
+        sh(project, "dvc", "repro", "sanity")
+        suggested = lr_find(project)
+        print(f"lr-find suggests {suggested:.2e}", flush=True)
+        sweep = {}
+        for rate in (*RATES, "auto"):
+            set_params(project, 0, common | contenders["recipe"] | {"lr": rate})
+            sweep[str(rate)] = pipeline_run(project)
+            print(f"recipe at lr {rate}: {sweep[str(rate)]}", flush=True)
+        report(runs, sweep, suggested, saved["report"], args)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def report(runs: dict, sweep: dict, suggested: float, pretrained: dict, args) -> None:
+    print(f"\npretraining: held-out accuracy {pretrained['held_out_accuracy']:.4f}")
+    print("\n| contender | test accuracy per seed | mean | median seconds |\n|---|---|---|---|")
+    for name, results in runs.items():
+        accs = [r["test_accuracy"] for r in results]
+        seconds = statistics.median(r["seconds"] for r in results)
+        cells = ", ".join(f"{a:.3f}" for a in accs)
+        print(f"| {name} | {cells} | **{statistics.mean(accs):.3f}** | {seconds:.0f} |")
+    print(f"\nlr-find (seed 0, recipe): {suggested:.2e}")
+    print("| recipe's lr (seed 0) | test accuracy |\n|---|---|")
+    for rate, result in sweep.items():
+        print(f"| {rate} | {result['test_accuracy']:.3f} |")
+    if args.out:
+        data = {"runs": runs, "sweep": sweep, "suggested": suggested, "pretrained": pretrained}
+        args.out.write_text(json.dumps(data, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
