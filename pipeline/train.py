@@ -45,7 +45,7 @@ from visionflow.data import dataset
 from visionflow.params import Train, load_params
 from visionflow.train import checkpoint, health
 from visionflow.train.engine import NonFiniteLoss, evaluate, step_scheduler, sync_buffers
-from visionflow.train.models import save_atomic
+from visionflow.train.models import input_words, save_atomic
 from visionflow.train.training import (  # noqa: F401  (Trainer, seed_everything: for tests)
     OutOfMemory,
     Progress,
@@ -113,6 +113,7 @@ def main() -> None:
     checked_network(t, model, d, monitor)
     progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
     say(starting(t, trainer, d, device))
+    say(f"train: the network sees {input_words(model_meta)}")
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
 
@@ -144,7 +145,8 @@ def main() -> None:
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             best = "  (best)" if improved else ""
-            say(f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}{best}")
+            phase = " (frozen: head only)" if frozen else ""
+            say(f"epoch {epoch:3d}/{t.epochs}{phase}  {epoch_line(record)}{best}")
             if stop.agreed(world, device):  # any rank's, on every rank
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
@@ -191,7 +193,7 @@ def train_and_validate(
     step_scheduler(trainer.scheduler, val_metrics["loss"])
     record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))
     if backbone_lr is not None:  # fine-tuning: the backbone's own rate (train.backbone_lr_factor)
-        record["lr_backbone"] = backbone_lr
+        record["lr_backbone"] = 0.0 if trainer.model.frozen else backbone_lr  # frozen: it rests
     return train_metrics, record
 
 

@@ -195,6 +195,7 @@ def model_metadata(
             "weight_decay": t.weight_decay,
             "dropout": t.dropout,
             "seed": seed,
+            "hflip": t.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
         },
     }
 

@@ -211,6 +211,8 @@ class Evaluate(Section):
     batch_size: int = Field(ge=1)
     top_k: int = Field(ge=1)
     misclassified: int = Field(ge=0, le=100)
+    top_losses: int = Field(16, ge=0, le=100)
+    tta: bool = False
 
 
 ONNX_FLOOR_OPSET = 21  # the newest opset of onnx 1.16, the oldest that pyproject.toml allows

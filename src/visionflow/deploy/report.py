@@ -11,6 +11,8 @@ import onnx
 import onnxruntime
 import torch
 
+from visionflow.train.models import input_words
+
 
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -61,6 +63,17 @@ def training_line(meta: dict) -> str:
     return (
         f"{epochs}, batch {t['batch_size']}, lr {t['lr']}, weight decay {t['weight_decay']}, "
         f"dropout {t['dropout']}, seed {t['seed']}."
+    )
+
+
+def tta_line(metrics: dict) -> str:
+    """What `tta_acc` is, when evaluate.tta wrote it: no exported file averages."""
+    if "tta_acc" not in metrics:
+        return ""
+    return (
+        "`tta_acc` is the test accuracy of the evaluate stage's test-time augmentation (the mean "
+        "prediction over shifted crops and/or mirrored images, `evaluate.tta`); every exported "
+        "file is single-pass, scored by `accuracy`.\n"
     )
 
 
@@ -150,13 +163,18 @@ Preprocessing: decode ({draft_words(spec)}), EXIF transpose, convert to {spec["c
 and std {[round(s, 4) for s in spec["std"]]}, float32 NCHW. Normalisation statistics: {
         meta.get("norm", "unknown (a model.pt saved before this was recorded)")
     }. Every exported file carries this as `visionflow.preprocess` and the class names as
-`visionflow.classes`.
+`visionflow.classes`. The network sees {input_words(meta)}.
 
 ## Training
 {training_line(meta)} Best epoch {meta["epoch"]} (val accuracy {meta["val_accuracy"]:.4f}).
 
 ## Test metrics
 {table(["metric", "value"], scores)}
+
+{
+        tta_line(metrics)
+    }Where it fails: [the highest-loss test images](../evaluate/top_losses.png) (predicted /
+actual / loss / probability) and [the class pairs most confused](../evaluate/most_confused.json).
 
 ## Parity with eager PyTorch (real test images)
 ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.

@@ -307,9 +307,12 @@ def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: flo
 
 def epoch_line(r: dict) -> str:
     """The log line's numbers for one epoch's record `r`."""
+    rates = f"lr {r['lr']:.2e}"
+    if "lr_backbone" in r:  # fine-tuning's second group: 0 while it is frozen
+        rates += f" backbone {r['lr_backbone']:.2e}" if r["lr_backbone"] else " backbone frozen"
     return (
         f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
-        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
+        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  {rates}  "
         f"{r['train/images_per_s']:7.0f} img/s"
         + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else "")
     )
