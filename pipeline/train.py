@@ -31,6 +31,7 @@ from pipeline.lifecycle import mark_published, resume, run_of, save_epoch
 from pipeline.train_setup import (
     Data,
     checked_network,
+    cut_photos,
     degenerate_batches,
     device_for,
     load_data,
@@ -114,6 +115,8 @@ def main() -> None:
     progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
     say(starting(t, trainer, d, device))
     say(f"train: the network sees {input_words(model_meta)}")
+    if warning := cut_photos(args.data, model_meta):
+        say(f"train: warning: {warning}")
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
 

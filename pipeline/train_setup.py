@@ -2,6 +2,7 @@
 data (verified once), the model (a torchvision classifier with its weights' preprocessing, or a
 network of your own with its checks), what model.pt says about it, and what steps it."""
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -275,3 +276,26 @@ def degenerate_batches(images: int, batch_size: int, accumulate: int) -> list[st
             f"epoch: one optimizer step per epoch, over {per_epoch} batches"
         )
     return found
+
+
+SEEN_AT_LEAST = 0.7  # warn when the network sees less of each photo than this share, at evaluation
+
+
+def cut_photos(cache: Path, meta: dict) -> str | None:
+    """The warning when evaluation sees under SEEN_AT_LEAST of each photo: the centre square that
+    prepare.fit: crop kept (the manifest's fit_kept), then the weights' centre crop of the cache."""
+    made_from = json.loads((cache / "manifest.json").read_text())["made_from"]
+    fit = made_from.get("fit_kept", 1.0)  # a cache made before it was recorded: unknown, 1
+    side = meta["image_size"]
+    size = meta.get("network", {}).get("input_size", side)
+    seen = fit * size**2 / side**2
+    if seen >= SEEN_AT_LEAST:
+        return None
+    parts = [f"prepare.fit: crop keeps {fit:.0%} of each photo"] if fit < 1 else []
+    if size < side:
+        parts.append(f"the {size} px centre crop {size**2 / side**2:.0%} of the {side} px cache")
+    return (
+        f"at evaluation the network sees {seen:.0%} of each photo on average ({', then '.join(parts)}"
+        "): what lies near the edges is lost (results/sanity/eval_view.png shows what it sees)"
+        + ("; prepare.fit: squash keeps the whole photo in the cache" if fit < 1 else "")
+    )
