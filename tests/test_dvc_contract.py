@@ -356,7 +356,8 @@ def test_plots_draw_every_curve_and_read_right(viewed):
     vega = {
         name: plots[0]["content"] for name, plots in specs.items() if plots[0]["type"] == "vega"
     }
-    assert {"loss", "accuracy", "learning rate", "confusion"} <= set(vega)
+    assert {"loss", "accuracy", "learning rate", "confusion", "most confused"} <= set(vega)
+    assert {"results/evaluate/top_losses.png", "results/sanity/eval_view.png"} <= set(specs)
     layers = [n for n in vega if "grad_norm_layer" in n]
     assert len(layers) == 8  # simple_cnn's four weights and four biases, each a curve
     for name, spec in vega.items():  # Vega reads "a.b" as a nested field: no curve would show

@@ -140,21 +140,22 @@ def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_pa
     from pipeline.check import tta_problem
     from visionflow.params import load_params
 
-    params = load_params(project / "params.yaml")  # simple_cnn, no flips: nothing to average
+    params = load_params(project / "params.yaml")  # 8 px, no flips
 
     def tta(**train):
         evaluate = params.evaluate.model_copy(update={"tta": True})
         train = params.train.model_copy(update=train)
         return tta_problem(params.model_copy(update={"evaluate": evaluate, "train": train}))
 
-    assert tta() == (
-        "evaluate.tta: simple_cnn takes the whole 16 px cached image (no crop to shift) and "
+    assert tta(model="simple_cnn") == (  # no crop, no flip: nothing to average
+        "evaluate.tta: simple_cnn takes the whole 8 px cached image (no crop to shift) and "
         "train.augment.hflip is false (no mirror it learnt): there is no view to average; set "
         "train.augment.hflip: true, or evaluate.tta: false"
     )
-    assert tta(augment=params.train.augment.model_copy(update={"hflip": True})) is None
-    assert tta(model="mobilenet_v3_small", pretrained="DEFAULT") is None  # 14 px crops of 16
-    assert tta(model="mobilenet_v3_small") is not None  # from scratch: no crop
+    flips = params.train.augment.model_copy(update={"hflip": True})
+    assert tta(model="simple_cnn", augment=flips) is None
+    assert tta(model="mobilenet_v3_small", pretrained="DEFAULT") is None  # 7 px crops of 8
+    assert tta(model="mobilenet_v3_small", pretrained="") is not None  # from scratch: no crop
 
 
 @pytest.mark.slow
