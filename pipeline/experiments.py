@@ -318,14 +318,12 @@ def heartbeat(where: str, every_s: float) -> Iterator[None]:
                 stop.wait(every_s)
 
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
-    if run_id:  # a run of the flow, not the function called alone
-        thread.start()
+    thread.start()
     try:
         yield
     finally:
         stop.set()
-        if thread.is_alive():
-            thread.join()
+        thread.join(timeout=every_s)  # not for a beat the API is slow to take
 
 
 def run_spread(
