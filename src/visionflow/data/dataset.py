@@ -391,6 +391,7 @@ def build_cache(
             if shard_images
             else split_indices(labels, val_fraction, test_fraction, seed, is_test)
         )
+        check_training_images(source.classes, labels[local["train"]])
         splits, duplicates = find_duplicates(
             {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
         )
@@ -445,6 +446,18 @@ def check_class_sizes(source: Source, good: np.ndarray, min_per_class: int) -> N
         raise DataError(
             f"classes below the minimum of {min_per_class} images: {small}",
             setting="min_per_class",
+        )
+
+
+def check_training_images(classes: list[str], train_labels: np.ndarray) -> None:
+    """DataError naming the classes the split left without a training image (all of them in a
+    source's own test split, or a class too small for the fractions): a model cannot learn them."""
+    counts = np.bincount(train_labels, minlength=len(classes))
+    none = [c for c, n in zip(classes, counts, strict=True) if n == 0]
+    if none:
+        raise DataError(
+            f"no training images for classes {none}: the split put all of their images in val "
+            "or test (or the source's own test split holds them all); add images to them"
         )
 
 
