@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -893,6 +896,95 @@ def test_fp16_on_the_gpu_scales_and_steps():
     )
 
 
+# the host reads that make it wait for a GPU: a value taken off the device
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextmanager
+def host_reads() -> Iterator[list[str]]:
+    """Every read of a tensor's value on the host while it is open, named by where it was made."""
+    calls, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            calls.append(f"{name} at {Path(caller.filename).name}:{caller.lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+SYNC_CASES = {  # name: (Step, fp16 scaler, health's first losses, host reads a step may make)
+    "defaults": (Step(8), False, 0, 1),  # whether the step's losses were finite: skip it if not
+    "bf16, clipped, accumulated": (Step(4, 2, grad_clip=1.0, dtype=torch.bfloat16), False, 0, 1),
+    "health's first losses": (Step(8), False, 50, 1),
+    "fp16": (Step(8, dtype=torch.float16), True, 0, 2),  # and whether the scaler overflowed
+}
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SYNC_CASES)
+def test_a_training_step_reads_nothing_on_the_host_but_what_a_feature_needs(case, device):
+    """A read on the host (`.item()`, `.tolist()`, `bool(tensor)`, ...) makes the host wait for
+    the GPU to finish everything queued: the loss, accuracy, gradient norms and health's first
+    losses stay on the device and are read once at the epoch's end. Counted per step as the
+    difference between an epoch of 16 steps and one of 8 (each also reads once at its end, and
+    syncs once after its warm-up). On a GPU, CUDA's own sync check counts alike."""
+    step, fp16, record, allowed = SYNC_CASES[case]
+    counts = {}
+    for steps in (8, 16):
+        x, y = (t.to(device) for t in toy(steps * 8))
+        model = fresh_model().to(device)
+        optimizer = make_optimizer("adam", model, 1e-3, 0, 0.9, False)
+        scaler = torch.amp.GradScaler(device, enabled=fp16)
+        split = Split(x, y, MEAN.to(device), STD.to(device), torch.Generator().manual_seed(0))
+        with host_reads() as reads, cuda_syncs(device) as syncs:
+            metrics = train_one_epoch(
+                model, optimizer, split, step, scaler=scaler, record_losses=record
+            )
+        assert metrics["steps"] == steps and len(metrics["first_losses"]) == min(record, steps)
+        counts[steps] = (reads, syncs)
+    (reads_8, syncs_8), (reads_16, syncs_16) = counts[8], counts[16]
+    per_step = (len(reads_16) - len(reads_8)) / 8
+    assert per_step <= allowed, f"{per_step} host reads a step: {reads_16}"
+    assert (len(syncs_16) - len(syncs_8)) / 8 <= allowed, syncs_16
+
+
+@contextmanager
+def cuda_syncs(device: str) -> Iterator[list[str]]:
+    """CUDA's own count of the calls that synchronised with the device (none on the CPU)."""
+    if device != "cuda":
+        yield []
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield (found := [])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    found += [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)]
+
+
 @pytest.mark.slow
 def test_a_compiled_model_trains_like_the_eager_one():
     """`train.compile: true` wraps the model in torch.compile (inductor, C++ on the CPU)."""
@@ -1042,18 +1134,22 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
     assert result.stdout.split() == ["True", "False"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_resumed_gpu_run_draws_the_dropout_an_uninterrupted_one_draws():
-    """Dropout on a GPU draws from the CUDA generators: the checkpoint carries them."""
-    from pipeline.train import Trainer
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resumed_run_draws_the_dropout_an_uninterrupted_one_draws(device):
+    """Dropout draws from the device's generator (on a GPU, CUDA's): the checkpoint carries it.
+    The trainer is the stage's own (`trainer_for`, from params.yaml)."""
+    from pipeline.train_setup import trainer_for
     from visionflow.params import load_params
 
     t = load_params(ROOT / "params.yaml").train
-    trainer = Trainer.create(fresh_model().cuda(), t, seed=0, rank=0, world=1)
+    trainer = trainer_for(fresh_model().to(device), t, seed=0, rank=0, world=1, image_size=8)
     saved = trainer.state()
-    ones = torch.ones(10_000, device="cuda")
+    ones = torch.ones(10_000, device=device)
     uninterrupted = F.dropout(ones, 0.5)
-    torch.cuda.manual_seed_all(123)  # a fresh process: other draws
+    torch.manual_seed(123)  # a fresh process: other draws
+    if device == "cuda":
+        torch.cuda.manual_seed_all(123)
+    assert not torch.equal(F.dropout(ones, 0.5), uninterrupted)  # the draws do differ
     trainer.restore(saved)
     assert torch.equal(F.dropout(ones, 0.5), uninterrupted)
 
