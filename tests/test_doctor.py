@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import ROOT, copy_project, write_params
+from tests.helpers import ROOT, copy_project, python_path, write_params
 from visionflow.ops import doctor
 
 
 def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None, cwd=ROOT):
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
+        "PYTHONPATH": python_path(*filter(None, [pythonpath]), ROOT / "src"),
         **(env_change or {}),
     }
     return subprocess.run(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, sh, write_params
+from tests.helpers import ROOT, python_path, sh, write_params
 from visionflow.data import dataset, shards, sources
 from visionflow.data.splits import SPLITS
 from visionflow.errors import DataError
@@ -213,7 +213,7 @@ def test_every_stage_reads_a_sharded_cache(caches, tmp_path):
             "train": {"epochs": 1, "batch_size": 32, "max_memory_gb": 0.0},
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT)}
     said = {}
     for stage in (
         "sanity --data prepared --out sanity",

@@ -53,6 +53,37 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
 
 
+# What `auto` picks per model on a GPU, from measurements on an H200 (bench/gpu_bench.py, 32 px,
+# batch 512; docs/benchmarks.md): simple_cnn trained fastest in fp32 with the default memory format
+# (bf16 0.90x, bf16 + channels_last 0.87x): its two small convolutions gain nothing from tensor
+# cores and pay for the casts and the layout. small_resnet gained 1.46x with bf16 + channels_last
+# (cuDNN's tensor-core convolutions want NHWC); torchvision's networks are fine-tuned that way.
+FP32_ON_A_GPU = {"simple_cnn"}
+
+
+def speed_settings(
+    amp: str, channels_last: bool | str, model: str, device: torch.device
+) -> tuple[torch.dtype | None, bool, str]:
+    """(autocast dtype or None, channels_last, why) for `train.amp` and `train.channels_last`.
+
+    `auto` picks what was measured faster for this model on this device: on the CPU no autocast
+    and channels_last (NHWC was the faster layout for convolutions on 2 cores); on a GPU fp32
+    and the default layout for FP32_ON_A_GPU, else bf16 (fp16 on GPUs without it) and
+    channels_last. A value set in params.yaml is taken as it is."""
+    fp32 = device.type == "cuda" and model in FP32_ON_A_GPU
+    dtype = None if amp == "auto" and fp32 else amp_dtype(amp, device)
+    nhwc = not fp32 if channels_last == "auto" else channels_last
+    if "auto" not in (amp, channels_last):
+        why = "as params.yaml sets them"
+    elif fp32:
+        why = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
+    elif device.type == "cuda":
+        why = "auto: bf16 with channels_last trained residual networks faster on a GPU"
+    else:
+        why = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
+    return dtype, nhwc, why
+
+
 def make_optimizer(
     name: str,
     model: nn.Module,
@@ -436,7 +467,7 @@ class EpochStats:
             "data_seconds": self.data_seconds,
             "seconds": time.perf_counter() - self.started,
             "warmup_seconds": self.warmup[0],
-            "warmup_images": self.warmup[1],
+            "warmup_images": self.warmup[1] * self.world,  # every rank's, as `images`
             "out_of_memory": bool(out_of_memory),
         }
 
