@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, solid, write_params
+from tests.helpers import ROOT, python_path, solid, write_params
 from visionflow.data import archive, dataset, sources, splits
 from visionflow.train import loading
 
@@ -325,7 +325,7 @@ PEAK_RSS = (
 def peak_rss_mb(cwd: Path, *args: str) -> float:
     """Run `python -m ARGS` in `cwd` with the project's code; the peak resident memory (MB) of
     its largest process, as `/usr/bin/time -v` gives it."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     run = subprocess.run(
         [sys.executable, "-c", PEAK_RSS, sys.executable, "-m", *args],
         cwd=cwd,

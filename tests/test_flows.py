@@ -30,6 +30,7 @@ from tests.helpers import (
     dvc_clean,
     note_in_params,
     params_recorded,
+    python_path,
     sh,
     write_params,
 )
@@ -50,7 +51,7 @@ def flows_env(**extra: str) -> dict[str, str]:
     return {
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(ROOT),
         **extra,
     }
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, sh, write_params
+from tests.helpers import ROOT, python_path, sh, write_params
 from visionflow.data import dataset, shards, sources
 from visionflow.data.splits import SPLITS
 from visionflow.errors import DataError
@@ -126,7 +126,7 @@ def test_a_small_class_keeps_training_images_whichever_placement(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     prepare = {"source": "imagefolder", "path": "images", "image_size": 8, "color": "rgb"}
     write_params(tmp_path, {"prepare": {**prepare, "shard_images": 4, "min_per_class": 5}})
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     made = subprocess.run(
         [sys.executable, "-m", "pipeline.prepare", "--out", "prepared"],
         cwd=tmp_path,
@@ -249,7 +249,7 @@ def test_every_stage_reads_a_sharded_cache(caches, tmp_path):
             "train": {"epochs": 1, "batch_size": 32, "max_memory_gb": 0.0},
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT)}
     said = {}
     for stage in (
         "sanity --data prepared --out sanity",
