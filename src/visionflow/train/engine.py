@@ -219,11 +219,10 @@ def train_one_epoch(
     over its images as one big batch would take it (an epoch's last, short micro-batch weighs
     what its images weigh; every rank's shard is the same size, so DDP's mean over ranks is the
     mean over all the step's images). Under DDP the gradients are all-reduced once per step, on
-    its last micro-batch (with `step.agree_on_memory`, by hand once every rank had the memory:
-    see Step). A step is not taken three ways, each its own branch: a non-finite loss on any rank
-    (skipped on every rank), an fp16 overflow (skipped before the optimizer), out of memory
-    (raised on every rank). The first `record_losses` losses and labels go to the health checks.
-    """
+    its last micro-batch (by hand with `step.agree_on_memory`: see Step). A step is not taken
+    three ways, each its own branch: a non-finite loss on any rank (skipped on every rank), an
+    fp16 overflow (skipped before the optimizer), out of memory (raised on every rank). The
+    first `record_losses` losses and labels go to the health checks."""
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     stats, memory = EpochStats(step, split, epoch, record_losses), MemoryFlag(step.agree_on_memory)
