@@ -19,7 +19,13 @@ from visionflow.data import dataset
 from visionflow.errors import DataError, Unavailable
 from visionflow.params import Train
 from visionflow.train import from_torchvision, health, loading
-from visionflow.train.engine import Step, amp_dtype, make_optimizer, make_scheduler, pick_device
+from visionflow.train.engine import (
+    Step,
+    make_optimizer,
+    make_scheduler,
+    pick_device,
+    speed_settings,
+)
 from visionflow.train.models import build_model
 from visionflow.train.training import Trainer, stepping
 from visionflow.train.zoo import (
@@ -125,7 +131,7 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
                 "tracks: DVC will not rerun train when that file changes"
             )
     model = model.to(device)
-    if t.channels_last:
+    if speed_settings(t.amp, t.channels_last, t.model, device)[1]:
         model = model.to(memory_format=torch.channels_last)
     return model, mean, std, network
 
@@ -219,7 +225,7 @@ def trainer_for(
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step
     )
-    dtype = amp_dtype(t.amp, device)
+    dtype, _, _ = speed_settings(t.amp, t.channels_last, t.model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step = Step(
         t.batch_size,
@@ -253,11 +259,15 @@ def trainer_for(
 
 
 def starting(t: Train, trainer: Trainer, d: Data, device: torch.device) -> str:
+    """The run's first lines: what trains where, on what, and the speed settings picked."""
     parameters = sum(p.numel() for p in trainer.model.parameters())
+    dtype, channels_last, why = speed_settings(t.amp, t.channels_last, t.model, device)
     return (
-        f"train: {t.model} on {device} x {trainer.world} (amp {trainer.step.dtype or 'off'}), "
+        f"train: {t.model} on {device} x {trainer.world}, "
         f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
-        f"{len(d.y_val)} val images, {parameters} parameters"
+        f"{len(d.y_val)} val images, {parameters} parameters\n"
+        f"train: amp {str(dtype).removeprefix('torch.') if dtype else 'off'}, channels_last "
+        f"{str(channels_last).lower()} ({why})"
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, commit, copy_project, sh
+from tests.helpers import ROOT, commit, copy_project, python_path, sh
 from visionflow.params import Params, ParamsError, Section, load_params, read_yaml
 
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -232,7 +232,7 @@ def test_the_import_reading_sees_what_python_loads():
         "import sys, pipeline.train; print('\\n'.join(m.__file__ for m in list(sys.modules.values())"
         " if getattr(m, '__file__', None)))"
     )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     loaded = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout.split()

@@ -14,14 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, copy_project, solid, write_params
+from tests.helpers import ROOT, copy_project, python_path, solid, write_params
 from visionflow.data.decode import Decode, pixels_of
 from visionflow.deploy.inference import load_images, preprocess_spec, to_input
 
 
 def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m pipeline.<stage> ARGS` in `cwd` (params.yaml there), the project's code."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True
     )

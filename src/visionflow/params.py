@@ -158,7 +158,7 @@ class Train(Section):
     max_nonfinite_steps: int = Field(ge=1)
     overfit_batches: int = Field(ge=0)
     deterministic: bool
-    channels_last: bool
+    channels_last: Literal["auto"] | bool  # auto: per model and device (speed_settings)
     max_memory_gb: float = Field(ge=0)
     compile: bool
     dropout: float = Field(ge=0, lt=1)
