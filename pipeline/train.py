@@ -204,7 +204,7 @@ def train_and_validate(
     step_scheduler(trainer.scheduler, val_metrics["loss"])
     record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))
     if backbone_lr is not None:  # fine-tuning: the backbone's own rate (train.backbone_lr_factor)
-        record["lr_backbone"] = 0.0 if trainer.model.frozen else backbone_lr  # frozen: it rests
+        record["lr_backbone"] = 0.0 if getattr(trainer.model, "frozen", False) else backbone_lr
     laps("validation")
     return train_metrics, record
 
