@@ -117,18 +117,9 @@ def int8_section(int8: dict, latency: dict) -> str:
 """
 
 
-def model_card(
-    meta: dict,
-    manifest: dict,
-    metrics: dict,
-    parity: dict,
-    latency: dict,
-    spec: dict,
-    int8: dict | None = None,
-) -> str:
-    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
-    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
-    parity_rows = [
+def parity_table(parity: dict) -> str:
+    """Each format's parity check at each batch size, as a Markdown table."""
+    rows = [
         [
             runtime,
             name,
@@ -141,6 +132,22 @@ def model_card(
         for name, r in parity[runtime].items()
         if "max_abs_diff" in r
     ]
+    return table(
+        ["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], rows
+    )
+
+
+def model_card(
+    meta: dict,
+    manifest: dict,
+    metrics: dict,
+    parity: dict,
+    latency: dict,
+    spec: dict,
+    int8: dict | None = None,
+) -> str:
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
+    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
     runtimes = list(next(iter(latency.values())))
     latency_rows = [[name, *(f"{latency[b][name]:.3f}" for b in latency)] for name in runtimes]
     scores = [
@@ -179,7 +186,7 @@ actual / loss / probability) and [the class pairs most confused](../evaluate/mos
 ## Parity with eager PyTorch (real test images)
 ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
-{table(["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], parity_rows)}
+{parity_table(parity)}
 
 {int8_section(int8, latency) if int8 else ""}
 ## Latency (median ms per call, this machine)
