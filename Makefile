@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 # Stage commands in dvc.yaml (`python -m ...`) must find the venv's python.
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup repro test test-fast lint format docs clean
+.PHONY: setup repro test test-fast test-gpu lint format docs clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest $(WORKERS) -m "not slow"
+
+# On a machine with CUDA: the tests marked gpu and a GPU smoke of the pipeline (dvc repro, resume,
+# a resnet18 fine-tune, export, predict), no venv needed; where DVC is not installed, run
+# bench/gpu_wheels.sh beforehand on a machine with the venv (docs/benchmarks.md, "The GPU check")
+test-gpu:
+	bench/gpu_check.sh
 
 # The manual (docs/, mkdocs.yml) into site/; --strict fails on a broken link or a page left out
 # of the nav. After changing params, rewrite its reference: $(PY) docs/make_reference.py

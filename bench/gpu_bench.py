@@ -15,6 +15,13 @@ GFLOPs per image: forward and backward) against `--peak-tflops` (the device's de
 
     .venv/bin/python bench/gpu_bench.py --finetune [--images 4096] [--batch 256] [--peak-tflops 989]
 
+`--arch` takes another torchvision network (efficientnet_b0, convnext_tiny, ...) and `--compile
+MODE` compiles it with torch.compile (`default`, `reduce-overhead`: CUDA graphs, whose shapes are
+static here but for an epoch's last batch, `max-autotune-no-cudagraphs`); the warm-up epoch's
+seconds, printed apart, hold the compile time.
+
+    .venv/bin/python bench/gpu_bench.py --finetune --arch convnext_tiny --compile default
+
 `--finetune --device cpu --images 8 --batch 4 --epochs 1` runs the same code on the CPU, to try
 it where no GPU is (its numbers mean nothing there).
 """
@@ -82,8 +89,10 @@ def finetune(args) -> None:
     y = torch.randint(0, 100, (args.images,), generator=g)
     x, y = x.to(device), y.to(device)
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
-    model = zoo.finetune("resnet50", 3, 100, 224, (mean, std)).to(device)
+    torch.backends.cudnn.benchmark = True  # as the plain peer (bench/plain_peer.py)
+    model = zoo.finetune(args.arch, 3, 100, 224, (mean, std)).to(device)
     model = model.to(memory_format=torch.channels_last)
+    net = model if args.compile == "none" else torch.compile(model, mode=args.compile)
     optimizer = make_optimizer("sgd", model, 0.01, 1e-4, 0.9, False)
     norm = torch.tensor(mean, device=device), torch.tensor(std, device=device)
 
@@ -92,21 +101,26 @@ def finetune(args) -> None:
 
     def epoch():
         split = Split(x, y, *norm, g, augment=aug)
-        train_one_epoch(model, optimizer, split, Step(args.batch, dtype=torch.bfloat16))
+        train_one_epoch(net, optimizer, split, Step(args.batch, dtype=torch.bfloat16))
 
-    epoch()  # warm-up
+    start = time.perf_counter()
+    epoch()  # warm-up: cuDNN autotuning, allocation, compiling
     sync(device)
+    warmup = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(args.epochs):
         epoch()
     sync(device)
     rate = args.epochs * len(x) / (time.perf_counter() - start)
-    tflops = rate * RESNET50_TRAIN_GFLOPS / 1000
     name = torch.cuda.get_device_name() if device.startswith("cuda") else device
+    flops = ""
+    if args.arch == "resnet50":
+        tflops = rate * RESNET50_TRAIN_GFLOPS / 1000
+        flops = f", {tflops:.1f} TFLOP/s, {tflops / args.peak_tflops:.1%} of {args.peak_tflops:.0f}"
     print(
-        f"{name}, torch {torch.__version__}: ResNet-50 fine-tune, 224 px, "
-        f"bf16 + channels_last, batch {args.batch}: {rate:.0f} images/s, {tflops:.1f} TFLOP/s, "
-        f"{tflops / args.peak_tflops:.1%} of {args.peak_tflops:.0f}"
+        f"{name}, torch {torch.__version__}: {args.arch} fine-tune, 224 px, bf16 + channels_last, "
+        f"compile {args.compile}, batch {args.batch}: {rate:.0f} images/s{flops}; "
+        f"warm-up epoch {warmup:.1f} s"
     )
 
 
@@ -118,6 +132,13 @@ def main() -> None:
     parser.add_argument("--finetune", action="store_true", help="ResNet-50 fine-tuning at 224 px")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak")
     parser.add_argument("--device", default="cuda", help="with --finetune: cpu to try it here")
+    parser.add_argument("--arch", default="resnet50", help="with --finetune: a torchvision network")
+    parser.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+        help="with --finetune: torch.compile's mode",
+    )
     args = parser.parse_args()
     if args.finetune and args.device == "cpu":
         return finetune(args)

@@ -56,7 +56,7 @@ def main() -> None:
         print(f"generated {args.images} files in {time.perf_counter() - start:.1f} s")
         source = sources.load_source("imagefolder", root)
         for path in source.images:  # warm the page cache for both contenders
-            path.read_bytes()
+            Path(path).read_bytes()
 
         start = time.perf_counter()
         plain = plain_loop(list(source.images), args.size)

@@ -44,6 +44,8 @@ def kind(annotation) -> str:
         return "list"
     if typing.get_origin(annotation) is typing.Annotated:
         return kind(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) is typing.Union:  # `auto` or a bool
+        return " \\| ".join(kind(a) for a in typing.get_args(annotation))
     return getattr(annotation, "__name__", str(annotation))
 
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pipeline import GateError, run
 from visionflow.errors import Unavailable
-from visionflow.params import Train, load_params, read_file
-from visionflow.train import OWN_MODELS
+from visionflow.params import Params, Train, load_params, read_file
+from visionflow.train import OWN_MODELS, from_torchvision
 
 
 def network_problem(t: Train, image_size: int) -> str | None:
@@ -51,6 +51,24 @@ def network_problem(t: Train, image_size: int) -> str | None:
     # a file for another architecture, truncated, pickled: said now, not after DVC has
     # deleted the train stage's results
     return zoo.fit_problem(t.model, t.pretrained, zoo.input_size(t.model, image_size, t.pretrained))
+
+
+def tta_problem(params: Params) -> str | None:
+    """The line refusing evaluate.tta for a model with no view but the plain one: its input is the
+    whole cached image (no crop to shift) and it never saw a mirrored image (tta.py)."""
+    t, size = params.train, params.prepare.image_size
+    if not params.evaluate.tta or t.augment.hflip:
+        return None
+    if t.pretrained and from_torchvision(t.model, t.pretrained):
+        from visionflow.train import zoo
+
+        if zoo.input_size(t.model, size, t.pretrained) < size:
+            return None
+    return (
+        f"evaluate.tta: {t.model} takes the whole {size} px cached image (no crop to shift) "
+        "and train.augment.hflip is false (no mirror it learnt): there is no view to average; "
+        "set train.augment.hflip: true, or evaluate.tta: false"
+    )
 
 
 def own_code_problem(model: str) -> str | None:
@@ -95,6 +113,9 @@ def main() -> None:
         problem = network_problem(params.train, params.prepare.image_size)
         if problem:
             raise GateError(problem)
+    problem = tta_problem(params)
+    if problem:
+        raise GateError(problem)
     t = params.train
     if t.freeze_epochs >= t.epochs:
         print(

@@ -2,9 +2,12 @@
 
 Reads:  params.yaml (evaluate.*); the model from train; the cache from prepare
 Writes: <out>/metrics.json (what `dvc metrics` compares: accuracy, macro F1, top-k accuracy,
-        loss), scores.json (all of it, with per-class P/R/F1/support), predictions.json (actual
-        vs predicted class per image: `dvc plots` confusion template), confusion.png (row-normalised, class names), misclassified.png (the most
-        confidently wrong images with true and predicted labels)
+        loss; with evaluate.tta, tta_acc beside them), scores.json (all of it, with per-class
+        P/R/F1/support, and the test-time augmented scores under `tta`), predictions.json (actual
+        vs predicted class per image: `dvc plots` confusion template), confusion.png
+        (row-normalised, class names), misclassified.png (the most confidently wrong images with
+        true and predicted labels), top_losses.png (the highest-loss images: predicted / actual /
+        loss / probability), most_confused.json (class pairs confused, the most often first)
 Run:    python -m pipeline.evaluate --model results/train/model.pt --data data/prepared --out results/evaluate
 """
 
@@ -17,7 +20,7 @@ from pipeline import GateError, run, staged
 from visionflow.data import dataset
 from visionflow.deploy import viz
 from visionflow.params import load_params
-from visionflow.train import loading, scores
+from visionflow.train import loading, scores, tta
 from visionflow.train.engine import evaluate
 from visionflow.train.models import load_model
 
@@ -46,6 +49,8 @@ def main() -> None:
         "loss": loss_accuracy["loss"],
         "images": len(y),
     }
+    if p.tta:
+        metrics["tta"] = tta_scores(model, meta, x, y, mean, std, p.batch_size, classes, p.top_k)
 
     out = staged(args.out)  # moved to args.out when the stage succeeds
     dataset.write_json(out / "scores.json", metrics)
@@ -54,6 +59,7 @@ def main() -> None:
         "macro_f1": metrics["macro_f1"],
         "top_k_acc": metrics["top_k_accuracy"],
         "loss": metrics["loss"],
+        **({"tta_acc": metrics["tta"]["accuracy"]} if p.tta else {}),
     }
     dataset.write_json(out / "metrics.json", summary)
     predicted = logits.argmax(1).tolist()
@@ -64,23 +70,55 @@ def main() -> None:
             for a, b in zip(y.tolist(), predicted, strict=True)
         ],
     )
-    viz.confusion_figure(scores.confusion(y, logits, len(classes)), classes).savefig(
-        out / "confusion.png", dpi=100
-    )
+    counts = scores.confusion(y, logits, len(classes))
+    viz.confusion_figure(counts, classes).savefig(out / "confusion.png", dpi=100)
+    dataset.write_json(out / "most_confused.json", scores.most_confused(counts, classes))
     wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
-    confidence = torch.softmax(logits, 1).max(1).values
-    shown = loading.from_model_input(loading.to_model_input(x[wrong], mean, std), mean, std).numpy()
+    probability = torch.softmax(logits, 1).max(1).values
     viz.mistakes_grid(
-        shown,
+        as_seen(x[wrong], mean, std),
         [classes[i] for i in y[wrong].tolist()],
         [classes[predicted[i]] for i in wrong],
-        confidence[wrong].tolist(),
+        probability[wrong].tolist(),
     ).savefig(out / "misclassified.png", dpi=100)
+    worst, losses = scores.top_losses(y, logits, p.top_losses)
+    viz.top_losses_grid(
+        as_seen(x[worst], mean, std),
+        [classes[predicted[i]] for i in worst],
+        [classes[i] for i in y[worst].tolist()],
+        losses[worst].tolist(),
+        probability[worst].tolist(),
+    ).savefig(out / "top_losses.png", dpi=100)
     print(
         f"evaluate: test accuracy {metrics['accuracy']:.4f}, top-{p.top_k} "
         f"{metrics['top_k_accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f}, "
         f"loss {metrics['loss']:.4f} on {len(y)} images"
+        + (
+            f"; with TTA ({metrics['tta']['views']}) {metrics['tta']['accuracy']:.4f}"
+            if p.tta
+            else ""
+        )
     )
+
+
+def as_seen(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor):
+    """uint8 NHWC images through the model's normalisation and back, for pictures."""
+    return loading.from_model_input(loading.to_model_input(x, mean, std), mean, std).numpy()
+
+
+def tta_scores(model, meta: dict, x, y, mean, std, batch_size: int, classes, k: int) -> dict:
+    """The scores of the prediction averaged over the views the model's input allows (tta.py),
+    and which views they were."""
+    size = meta.get("network", {}).get("input_size", meta["image_size"])
+    flip = meta.get("train", {}).get("hflip", False)
+    chosen = tta.views(meta["image_size"], size, flip)
+    log_probs = tta.tta_log_probs(model, x, mean, std, batch_size, chosen, size)
+    crops = "centre + 4 corner crops" if len(chosen) > 1 + flip else "whole image"
+    return {
+        "views": f"{len(chosen)} views: {crops}{', mirrored' if flip else ''}",
+        **scores.classification_scores(y, log_probs, classes, k),
+        "loss": torch.nn.functional.nll_loss(log_probs, y).item(),
+    }
 
 
 if __name__ == "__main__":

@@ -21,8 +21,11 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime, task
@@ -35,7 +38,7 @@ from prefect.futures import wait
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, State
 
 from pipeline.flows import claimed, stopped_run
-from visionflow.ops import runner
+from visionflow.ops import runner, sweeps
 from visionflow.ops.project import preflight
 from visionflow.ops.repo import StageFailed, dvc, readable
 from visionflow.ops.runner import (
@@ -45,7 +48,6 @@ from visionflow.ops.runner import (
     dvc_command,
     find_root,
     run_group,
-    stop_grace_s,
     workspace_lock,
 )
 from visionflow.ops.sweeps import (
@@ -70,6 +72,10 @@ from visionflow.ops.sweeps import (
 POLL_S = 5.0  # how often a sweep asks DVC how its experiments are doing
 EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one experiment
 UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
+LOST_AFTER_S = 60.0  # a spread experiment whose heartbeat stopped this long is lost
+BEATS = 6  # heartbeats per LOST_AFTER_S: a few late ones are not a loss
+HEARTBEAT = "visionflow.heartbeat"  # labels of a spread experiment's flow run: a count that
+RAN_ON = "visionflow.ran-on"  # goes up while it lives, and the worker's host:checkout
 
 
 @flow(name="experiments")
@@ -81,7 +87,8 @@ def experiments(
     spread: bool = False,
     deployment: str = EXPERIMENT,
     remote: str = "origin",
-) -> list[dict]:
+    lost_after_s: float = LOST_AFTER_S,
+) -> list[dict] | State:
     """`dvc exp run -S ...` for each list of overrides; publishes a table of these experiments
     (the params that differ from the baseline, the main metrics) and returns its rows.
 
@@ -90,12 +97,15 @@ def experiments(
     and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
     a failed or cancelled sweep stops the DVC queue's workers. Each experiment is a task run
     named after it: Completed with its main metrics, or Failed. One failed experiment does not
-    stop the others; the flow fails at the end, naming it.
+    stop the others; the flow fails at the end, naming it (a Failed state: one line, no
+    traceback).
 
     `spread: true` sends each experiment to the work pool instead, as a flow run of `deployment`
     (one `experiment` each, a child of this one), run by whichever worker takes it in its own
     checkout of this commit; each pushes to the git remote `remote` (and the default DVC remote),
-    and this flow pulls them; the table says where each ran. This workspace is not held.
+    and this flow pulls them; the table says where each ran, and why one did not succeed. One
+    whose heartbeat stops for `lost_after_s` lost its worker or machine: it is marked Crashed.
+    This workspace is not held.
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
     logger = get_run_logger()
@@ -104,41 +114,46 @@ def experiments(
     if (runtime.flow_run.run_count or 1) > 1:  # a retry: the first try's names are taken
         prefix += f"-try{runtime.flow_run.run_count}"
     plan = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
-    problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
-    if problems:
-        raise StageFailed("; ".join(problems))
-    poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
-    stopped = None  # an in-turn sweep that ended early: why, and at which experiment
+    stopped = None  # a sweep that ended early: why
     try:
+        problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
+        if problems:
+            raise StageFailed("; ".join(problems))
+        poll = Poll(root, logger.warning)  # one for the sweep: a slow DVC's longer timeout stays
         if spread:  # not held: a child may run in this very checkout, and takes its lock
-            rows = run_spread(root, plan, deployment, timeout_s, remote, poll)
-            if isinstance(rows, State):  # cancelled
-                return rows
+            rows, stopped = run_spread(
+                root, plan, deployment, timeout_s, remote, lost_after_s, poll
+            )
         else:
             with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
                 if workers:
                     with guarded(root, plan):
                         run_queued(root, plan, workers, timeout_s, poll)
                 else:
-                    stopped = run_in_turn(root, plan, timeout_s)
+                    stopped, at = run_in_turn(root, plan, timeout_s)
                 rows = sweep_table(poll, plan)
                 if stopped:
-                    rows = marked_stopped(rows, plan, stopped[1])
-    except KeyboardInterrupt:  # Ctrl-C (SIGTERM, SIGHUP to the command): stopped, not crashed
+                    rows = marked_stopped(rows, plan, at)
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, SIGTERM (Prefect's own handler
+        # while a flow runs), SIGHUP: stopped, not crashed
         return stopped_run("the sweep's experiments that had not ended were stopped")
+    except StageFailed as e:  # its `error:` line, with no traceback to read past
+        return Failed(message=str(e))
     create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
     if stopped:
-        return stopped_run(stopped[0])
+        return stopped_run(stopped)
     failed = [row["experiment"] for row in rows if row["state"] != "success"]
     if failed:
-        raise StageFailed(f"experiments {', '.join(failed)} did not succeed (see their logs)")
+        return Failed(message=f"experiments {', '.join(failed)} did not succeed (see their logs)")
     return rows
 
 
-def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> tuple[str, str] | None:
+def run_in_turn(
+    root: Path, plan: dict[str, list[str]], timeout_s: float
+) -> tuple[str | None, str | None]:
     """Each experiment in turn; a failed one is its task's state, and the next one runs. A stop
     (Ctrl-C, SIGTERM) or a cancellation during one ends the sweep there: returns why, and
-    which one it stopped."""
+    which one it stopped (None, None when all ran)."""
     stops = len(runner.FORWARDED)
     for name, sets in plan.items():
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
@@ -147,7 +162,7 @@ def run_in_turn(root: Path, plan: dict[str, list[str]], timeout_s: float) -> tup
             return f"sweep stopped by {signal_name} during {name}; the rest not run", name
         if state.is_cancelled():
             return f"sweep cancelled during {name}; the rest not run", name
-    return None
+    return None, None
 
 
 def marked_stopped(rows: list[dict], plan: dict[str, list[str]], at: str) -> list[dict]:
@@ -256,14 +271,21 @@ def experiment(
     workdir: str = ".",
     timeout_s: float = 3600,
     remote: str = "origin",
+    heartbeat_s: float = LOST_AFTER_S / BEATS,
 ) -> dict | State:
     """One experiment of a spread sweep, on the worker that took it: `dvc exp run` in this
     worker's checkout, then `dvc exp push` to the git remote `remote` and the default DVC
     remote. A checkout that is not at the sweep's `baseline` commit, has uncommitted changes or
-    lacks a remote refuses first, in one line. Completed with where it ran in its message."""
+    lacks a remote refuses first, in one line. Completed with where it ran in its message.
+    A heartbeat every `heartbeat_s` tells the sweep it lives, whatever it waits on (this
+    checkout's lock, training, the push)."""
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    with workspace_lock(root, wait=True, say=logger.warning), claimed(root):
+    with (
+        heartbeat(f"{socket.gethostname()}:{root}", heartbeat_s),
+        workspace_lock(root, wait=True, say=logger.warning),
+        claimed(root),
+    ):
         if problem := spread_problem(root, remote, baseline):
             raise StageFailed(problem)
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
@@ -276,12 +298,48 @@ def experiment(
     return Completed(message=f"{name} ran on {socket.gethostname()}:{root}", data=state.result())
 
 
+@contextmanager
+def heartbeat(where: str, every_s: float) -> Iterator[None]:
+    """While the block runs, a thread counts up this flow run's HEARTBEAT label every
+    `every_s` (and sets RAN_ON to `where`). The sweep judges the count moving on its own clock:
+    the machines' clocks need not agree. A beat the server missed is made up by the next."""
+    run_id, logger = runtime.flow_run.id, get_run_logger()
+    stop = threading.Event()
+
+    def beat() -> None:
+        with get_client(sync_client=True) as client:
+            beats = 0
+            while not stop.is_set():
+                beats += 1
+                try:
+                    client.update_flow_run_labels(run_id, {RAN_ON: where, HEARTBEAT: beats})
+                except Exception as e:  # the API away a while: the sweep waits lost_after_s
+                    logger.debug(f"heartbeat not sent: {e}")
+                stop.wait(every_s)
+
+    thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=every_s)  # not for a beat the API is slow to take
+
+
 def run_spread(
-    root: Path, plan: dict[str, list[str]], deployment: str, timeout_s: float, remote: str, poll
-) -> list[dict] | State:
+    root: Path,
+    plan: dict[str, list[str]],
+    deployment: str,
+    timeout_s: float,
+    remote: str,
+    lost_after_s: float,
+    poll: Poll,
+) -> tuple[list[dict], str | None]:
     """Each experiment as a flow run of `deployment`; wait for them all (a stop, a cancellation
     of this run or an error here cancels those not ended), pull the ones that succeeded, and the
-    sweep's table with where each ran."""
+    sweep's table with where each ran and why one did not succeed. Stopped (Ctrl-C, SIGTERM,
+    SIGHUP, a cancellation): the table so far, from what the server said (nothing pulled), and
+    why it stopped."""
     logger = get_run_logger()
     if problem := spread_problem(root, remote):
         raise StageFailed(problem)
@@ -300,61 +358,89 @@ def run_spread(
                 f"no deployment {deployment} on the Prefect server: `prefect deploy --all` in "
                 "the project (prefect.yaml), with a worker on its pool"
             ) from None
-    runs, ends = {}, {}
+    runs, ends, stopped = {}, {}, None
     try:
         for name, sets in plan.items():
             parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=timeout_s)
+            parameters |= dict(remote=remote, heartbeat_s=lost_after_s / BEATS)
             runs[name] = run_deployment(
-                deployment,
-                parameters=parameters | {"remote": remote},
-                flow_run_name=name,
-                timeout=0,
+                deployment, parameters=parameters, flow_run_name=name, timeout=0
             )
             logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
-        ends = wait_for_children(runs, timeout_s)
+        if not wait_for_children(runs, ends, lost_after_s):
+            stopped = "cancelled: the experiments not ended were cancelled"
+    except (KeyboardInterrupt, TerminationSignal):
+        stopped = "the sweep's experiments that had not ended were stopped"
     finally:
         cancel_unended(runs, ends)
-    if ends is None:  # this run was cancelled
-        return Cancelled(message="cancelled: the experiments not ended were cancelled")
-    succeeded = [n for n, state in ends.items() if state.is_completed()]
+    if stopped:
+        return spread_rows(plan, ends), stopped
+    succeeded = [n for n, run in ends.items() if run.state.is_completed()]
     pull_experiments(root, succeeded, remote, timeout_s)
     rows = sweep_table(poll, plan)
     for row in rows:
-        state = ends[row["experiment"]]
-        row["ran on"] = state.message.rpartition(" ran on ")[2] if state.is_completed() else None
-        if not state.is_completed():
-            row["state"] = state.name.lower()
+        row |= where_and_why(ends[row["experiment"]])
+    return rows, None
+
+
+def where_and_why(run) -> dict:
+    """A spread experiment's columns from its flow run: where it ran (its worker's host and
+    checkout), and for one that did not succeed its state and why (the line it failed with)."""
+    found = {"ran on": (run.labels or {}).get(RAN_ON)}
+    state = run.state
+    if state.is_completed():
+        return found | {"state": "success", "why": None}
+    why = re.sub(r"^Flow run encountered an exception: \w+: ", "", state.message or "")
+    return found | {"state": state.name.lower(), "why": why or None}
+
+
+def spread_rows(plan: dict[str, list[str]], ends: dict) -> list[dict]:
+    """The table of a stopped spread sweep, from the server alone: those ended as they ended
+    (the ones that succeeded were pushed: `dvc exp pull` fetches them), the rest `stopped`."""
+    keys = sorted({key for sets in plan.values() for key in sweeps.overrides(sets)})
+    rows = []
+    for name, sets in plan.items():
+        row = {"experiment": name, "state": "stopped"}
+        row |= {key: sweeps.overrides(sets).get(key) for key in keys}
+        row |= where_and_why(ends[name]) if name in ends else {"ran on": None, "why": None}
+        rows.append(row)
     return rows
 
 
-def wait_for_children(runs: dict, timeout_s: float) -> dict[str, State] | None:
-    """Each child run's final state, said in the log as it comes; None when this run is
-    cancelled meanwhile (`prefect flow-run cancel` of a sweep started from a terminal: no runner
-    stops it). One that has run past its own timeout and the stop's grace has lost its worker
-    (stopped, or its machine): marked Crashed. Said once: the ones no worker took in UNTAKEN_S."""
+def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
+    """Each child's ended flow run into `ends`, said in the log as it comes; False when this run
+    is cancelled meanwhile (`prefect flow-run cancel` of a sweep started from a terminal: no
+    runner stops it). A running one whose heartbeat did not move for `lost_after_s` has lost its
+    worker or machine: marked Crashed, saying so. Said once: the ones no worker took in
+    UNTAKEN_S."""
     logger = get_run_logger()
-    ends, started, start, said = {}, {}, time.monotonic(), False
-    lost_after = timeout_s + stop_grace_s() + 60
+    start, said, beats = time.monotonic(), False, {}  # beats: name -> (count, seen at)
     with get_client(sync_client=True) as client:
         while len(ends) < len(runs):
             if runtime.flow_run.id:
                 mine = client.read_flow_run(runtime.flow_run.id).state
                 if mine and mine.is_cancelling():
-                    return None
-            states = {n: client.read_flow_run(r.id).state for n, r in runs.items() if n not in ends}
-            for name, state in states.items():
-                if state and state.is_running():
-                    started.setdefault(name, time.monotonic())
-                    if time.monotonic() - started[name] > lost_after:
-                        message = f"no end reported {lost_after:.0f} s after it started: its worker was lost"
-                        client.set_flow_run_state(
-                            runs[name].id, Crashed(message=message), force=True
+                    return False
+            now = {n: client.read_flow_run(r.id) for n, r in runs.items() if n not in ends}
+            for name, run in now.items():
+                if run.state and run.state.is_running():
+                    count = (run.labels or {}).get(HEARTBEAT)
+                    if beats.get(name, (None,))[0] != count or name not in beats:
+                        beats[name] = (count, time.monotonic())
+                    elif time.monotonic() - beats[name][1] > lost_after_s:
+                        where = (run.labels or {}).get(RAN_ON, "a worker")
+                        message = (
+                            f"no heartbeat for {lost_after_s:.0f} s: its worker or machine "
+                            f"was lost ({where})"
                         )
-                        state = Crashed(message=message)
-                if state and state.is_final():
-                    ends[name] = state
-                    logger.info(f"{name}: {state.name}: {state.message or ''}".rstrip(": "))
-            untaken = [n for n, state in states.items() if state and state.is_scheduled()]
+                        crashed = Crashed(message=message)
+                        client.set_flow_run_state(run.id, crashed, force=True)
+                        run.state = crashed
+                if run.state and run.state.is_final():
+                    ends[name] = run
+                    message = run.state.message or ""
+                    logger.info(f"{name}: {run.state.name}: {message}".rstrip(": "))
+            untaken = [n for n, run in now.items() if run.state and run.state.is_scheduled()]
             if untaken and not said and time.monotonic() - start > UNTAKEN_S:
                 logger.warning(
                     f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
@@ -362,14 +448,14 @@ def wait_for_children(runs: dict, timeout_s: float) -> dict[str, State] | None:
                 )
                 said = True
             time.sleep(1.0)
-    return ends
+    return True
 
 
-def cancel_unended(runs: dict, ends: dict | None) -> None:
+def cancel_unended(runs: dict, ends: dict) -> None:
     """Cancel the child runs not ended (the sweep stopped or failed): their workers stop them."""
     with get_client(sync_client=True) as client:
         for name, run in runs.items():
-            if name not in (ends or {}):
+            if name not in ends:
                 client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
 
 
@@ -397,6 +483,13 @@ def main() -> None:
     )
     parser.add_argument("--remote", default="origin", help="with --spread: the git remote")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per experiment")
+    parser.add_argument(
+        "--lost-after",
+        type=float,
+        default=LOST_AFTER_S,
+        help="with --spread: seconds without a heartbeat before an experiment's worker counts "
+        f"as lost and the experiment is marked Crashed ({LOST_AFTER_S:.0f})",
+    )
     args = parser.parse_args()
     try:
         root = find_root(Path(args.workdir))
@@ -415,6 +508,7 @@ def main() -> None:
             spread=bool(args.spread),
             deployment=args.spread or EXPERIMENT,
             remote=args.remote,
+            lost_after_s=args.lost_after,
             return_state=True,
         )
     except KeyboardInterrupt:

@@ -5,7 +5,8 @@ Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image fol
 Writes: <out>/{train,val,test}_{x,y}.npy (with prepare.shard_images, shards of each split:
         <split>-<key>_{x,y}.npy), classes.json, stats.json (train-only mean/std), decode.json (how
         pixels were made), manifest.json (sha256 per array, counts, the shards of each split, and
-        what the cache was made from: source, split fractions and seed),
+        what the cache was made from: source, split fractions and seed, and the mean share of
+        each image that prepare.fit kept),
         rejects.json (each rejected file and why), duplicates.json (images shared across splits)
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from pipeline import run, staged
 from visionflow.data import archive, dataset, sources
+from visionflow.data.decode import fit_kept
 from visionflow.errors import DataError
 from visionflow.params import Params, load_params
 
@@ -69,6 +71,7 @@ def build(params: Params, out: Path) -> dict:
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         for warning in sources.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
+        kept = fit_kept(source.images, p.fit)  # train warns when the crops cut photos
         return dataset.build_cache(
             source,
             out,
@@ -82,7 +85,7 @@ def build(params: Params, out: Path) -> dict:
             dedupe=p.dedupe,
             shard_images=p.shard_images,
             # not prepare.path: moving the same images must not change the cache (and retrain)
-            origin={"source": p.source},
+            origin={"source": p.source, "fit_kept": round(kept, 4)},
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

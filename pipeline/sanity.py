@@ -1,8 +1,11 @@
 """Stage sanity: look at the labels before training, and fail on a cache that cannot be right.
 
-Reads:  params.yaml (sanity.per_class, seed, train.augment.*); the cache from prepare
+Reads:  params.yaml (sanity.per_class, seed, train.augment.*, train.model, train.pretrained); the
+        cache from prepare
 Writes: <out>/labels.png (k train images per class, through the trainer's normalisation and back),
-        <out>/augmented.png (the same images with the training augmentation), <out>/counts.png and
+        <out>/augmented.png (the same images with the training augmentation), <out>/eval_view.png
+        (the same images as the network sees them at evaluation: a pretrained model's centre crop
+        of the cache), <out>/counts.png and
         <out>/counts/<split>.json (images per class and split), <out>/scan.json (counts, label
         range, per-channel mean/std, finiteness, rejected files, duplicates)
 Run:    python -m pipeline.sanity --data data/prepared --out results/sanity
@@ -19,8 +22,9 @@ from pipeline import GateError, run, staged
 from visionflow.data import dataset, splits
 from visionflow.deploy import viz
 from visionflow.params import load_params
-from visionflow.train import loading
+from visionflow.train import from_torchvision, loading
 from visionflow.train.augment import augment
+from visionflow.train.zoo import input_size
 
 
 def scan(cache: Path, classes: list[str]) -> dict:
@@ -102,6 +106,18 @@ def main() -> None:
     fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
     fig.suptitle("train split with the training augmentation (train.augment)")
     fig.savefig(out / "augmented.png", dpi=100)
+    t, side = params.train, chosen.shape[1]
+    size = (
+        input_size(t.model, side, t.pretrained) if from_torchvision(t.model, t.pretrained) else side
+    )
+    top = (side - size) // 2  # zoo.FineTune's centre crop, as evaluate, export and predict feed it
+    seen = loading.to_model_input(chosen, mean, std)[..., top : top + size, top : top + size]
+    fig = viz.label_grid(
+        loading.from_model_input(seen, mean, std).numpy(), y[pick].numpy(), meta.classes, k
+    )
+    cut = f"the {size} px centre crop of the {side} px cache" if size < side else "the whole image"
+    fig.suptitle(f"what the network sees at evaluation: {cut}")
+    fig.savefig(out / "eval_view.png", dpi=100)
     counts = {split: r["per_class"] for split, r in report["splits"].items()}
     viz.counts_figure(counts).savefig(out / "counts.png", dpi=100)
     (out / "counts").mkdir(exist_ok=True)
@@ -112,7 +128,7 @@ def main() -> None:
         )
     dataset.write_json(out / "scan.json", report)
     print(
-        f"sanity: {args.out}/labels.png, augmented.png, counts.png; "
+        f"sanity: {args.out}/labels.png, augmented.png, eval_view.png, counts.png; "
         + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())
         + f"; {report['rejected_files']} rejected, {report['duplicates']['across_splits']} duplicates"
     )

@@ -32,6 +32,7 @@ from pipeline.lr_find import rate_for, record_rate
 from pipeline.train_setup import (
     Data,
     checked_network,
+    cut_photos,
     degenerate_batches,
     device_for,
     load_data,
@@ -46,8 +47,9 @@ from visionflow.data import dataset
 from visionflow.params import Train, load_params
 from visionflow.train import checkpoint, health
 from visionflow.train.engine import NonFiniteLoss, evaluate, step_scheduler, sync_buffers
-from visionflow.train.models import save_atomic
+from visionflow.train.models import input_words, save_atomic
 from visionflow.train.training import (  # noqa: F401  (Trainer, seed_everything: for tests)
+    Laps,
     OutOfMemory,
     Progress,
     StopRequest,
@@ -61,6 +63,7 @@ from visionflow.train.training import (  # noqa: F401  (Trainer, seed_everything
     peak_memory_mb,
     seed_everything,
     start_distributed,
+    time_line,
 )
 from visionflow.train.zoo import FineTune
 
@@ -118,6 +121,9 @@ def main() -> None:
     if rank == 0:
         record_rate(folder, found)  # the rate a resumed run takes
     say(starting(t, trainer, d, device))
+    say(f"train: the network sees {input_words(model_meta)}")
+    if warning := cut_photos(args.data, model_meta):
+        say(f"train: warning: {warning}")
     for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
         say(f"train: warning: {warning}")
 
@@ -131,25 +137,31 @@ def main() -> None:
                 break
             if isinstance(model, FineTune) and t.freeze_epochs:
                 trainer.freeze(epoch <= t.freeze_epochs)  # the new head alone, then all
+            laps = Laps()  # where the epoch's time goes, said under its line
             try:
-                train_metrics, record = train_and_validate(trainer, d, norm, epoch, monitor)
+                train_metrics, record = train_and_validate(trainer, d, norm, epoch, monitor, laps)
             except (OutOfMemory, NonFiniteLoss) as e:
                 raise failed(args, t, monitor, rank, e, epoch) from None
             improved = progress.update(epoch, record)
             frozen = isinstance(model, FineTune) and model.frozen  # the head alone trained
             monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped, frozen)
+            laps("health")
             rngs = trainer.rng_of_every_rank()  # every rank asked: each goes on with its own
             if live:
                 log_epoch(live, epoch, record)
+                laps("logging")
                 if improved:  # kept in memory too: the best file is for a resumed run
                     meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
                     save_atomic(best_state, checkpoint.best_file(folder, epoch))
                 save_epoch(trainer, progress, monitor, folder, epoch, t.epochs, rngs)
+            laps("checkpoint")
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             best = "  (best)" if improved else ""
-            say(f"epoch {epoch:3d}/{t.epochs}  {epoch_line(record)}{best}")
+            phase = " (frozen: head only)" if frozen else ""
+            say(f"epoch {epoch:3d}/{t.epochs}{phase}  {epoch_line(record)}{best}")
+            say(time_line(train_metrics, laps.seconds, warmup=epoch == progress.start))
             if stop.agreed(world, device):  # any rank's, on every rank
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
@@ -182,7 +194,7 @@ def named_if_lost(rank: int, world: int, progress: Progress, folder: Path) -> It
 
 
 def train_and_validate(
-    trainer: Trainer, d: Data, norm: tuple, epoch: int, monitor: health.Monitor
+    trainer: Trainer, d: Data, norm: tuple, epoch: int, monitor: health.Monitor, laps: Laps
 ) -> tuple[dict, dict]:
     """One epoch of training, then validation (every rank evaluates rank 0's model: the same
     answer) and the scheduler's step: (the training numbers, the epoch's record)."""
@@ -190,13 +202,15 @@ def train_and_validate(
     started = time.perf_counter()
     train_metrics = trainer.epoch(d.x_train, d.y_train, mean, std, epoch, monitor)
     seconds = time.perf_counter() - started
+    laps("training")
     sync_buffers(trainer.model, trainer.world)
     val_metrics, _ = evaluate(trainer.model, d.x_val, d.y_val, mean, std, 1024)
     lr, backbone_lr = trainer.lr, trainer.backbone_lr
     step_scheduler(trainer.scheduler, val_metrics["loss"])
     record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))
     if backbone_lr is not None:  # fine-tuning: the backbone's own rate (train.backbone_lr_factor)
-        record["lr_backbone"] = backbone_lr
+        record["lr_backbone"] = 0.0 if getattr(trainer.model, "frozen", False) else backbone_lr
+    laps("validation")
     return train_metrics, record
 
 

@@ -2,6 +2,7 @@
 data (verified once), the model (a torchvision classifier with its weights' preprocessing, or a
 network of your own with its checks), what model.pt says about it, and what steps it."""
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,7 +19,13 @@ from visionflow.data import dataset
 from visionflow.errors import DataError, Unavailable
 from visionflow.params import Train
 from visionflow.train import from_torchvision, health, loading
-from visionflow.train.engine import Step, amp_dtype, make_optimizer, make_scheduler, pick_device
+from visionflow.train.engine import (
+    Step,
+    make_optimizer,
+    make_scheduler,
+    pick_device,
+    speed_settings,
+)
 from visionflow.train.models import build_model
 from visionflow.train.training import Trainer, stepping
 from visionflow.train.zoo import (
@@ -126,7 +133,7 @@ def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, 
     if isinstance(model, FineTune):
         model.train_bn = t.train_bn  # BatchNorm trains in the frozen epochs (fastai's train_bn)
     model = model.to(device)
-    if t.channels_last:
+    if speed_settings(t.amp, t.channels_last, t.model, device)[1]:
         model = model.to(memory_format=torch.channels_last)
     return model, mean, std, network
 
@@ -197,6 +204,7 @@ def model_metadata(
             "weight_decay": t.weight_decay,
             "dropout": t.dropout,
             "seed": seed,
+            "hflip": t.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
         },
     }
 
@@ -234,7 +242,7 @@ def trainer_for(
     scheduler = make_scheduler(
         t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step, steps
     )
-    dtype = amp_dtype(t.amp, device)
+    dtype, _, _ = speed_settings(t.amp, t.channels_last, t.model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step = Step(
         t.batch_size,
@@ -268,11 +276,15 @@ def trainer_for(
 
 
 def starting(t: Train, trainer: Trainer, d: Data, device: torch.device) -> str:
+    """The run's first lines: what trains where, on what, and the speed settings picked."""
     parameters = sum(p.numel() for p in trainer.model.parameters())
+    dtype, channels_last, why = speed_settings(t.amp, t.channels_last, t.model, device)
     return (
-        f"train: {t.model} on {device} x {trainer.world} (amp {trainer.step.dtype or 'off'}), "
+        f"train: {t.model} on {device} x {trainer.world}, "
         f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
-        f"{len(d.y_val)} val images, {parameters} parameters"
+        f"{len(d.y_val)} val images, {parameters} parameters\n"
+        f"train: amp {str(dtype).removeprefix('torch.') if dtype else 'off'}, channels_last "
+        f"{str(channels_last).lower()} ({why})"
     )
 
 
@@ -291,3 +303,26 @@ def degenerate_batches(images: int, batch_size: int, accumulate: int) -> list[st
             f"epoch: one optimizer step per epoch, over {per_epoch} batches"
         )
     return found
+
+
+SEEN_AT_LEAST = 0.7  # warn when the network sees less of each photo than this share, at evaluation
+
+
+def cut_photos(cache: Path, meta: dict) -> str | None:
+    """The warning when evaluation sees under SEEN_AT_LEAST of each photo: the centre square that
+    prepare.fit: crop kept (the manifest's fit_kept), then the weights' centre crop of the cache."""
+    made_from = json.loads((cache / "manifest.json").read_text())["made_from"]
+    fit = made_from.get("fit_kept", 1.0)  # a cache made before it was recorded: unknown, 1
+    side = meta["image_size"]
+    size = meta.get("network", {}).get("input_size", side)
+    seen = fit * size**2 / side**2
+    if seen >= SEEN_AT_LEAST:
+        return None
+    parts = [f"prepare.fit: crop keeps {fit:.0%} of each photo"] if fit < 1 else []
+    if size < side:
+        parts.append(f"the {size} px centre crop {size**2 / side**2:.0%} of the {side} px cache")
+    return (
+        f"at evaluation the network sees {seen:.0%} of each photo on average ({', then '.join(parts)}"
+        "): what lies near the edges is lost (results/sanity/eval_view.png shows what it sees)"
+        + ("; prepare.fit: squash keeps the whole photo in the cache" if fit < 1 else "")
+    )

@@ -20,6 +20,13 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def python_path(*first) -> str:
+    """PYTHONPATH for a subprocess: `first`, then what this process was given (a machine whose
+    packages were installed with `pip install --target` finds them only through it)."""
+    return os.pathsep.join([*map(str, first), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 PROJECT_FILES = [
     "dvc.yaml",
     "params.yaml",
@@ -132,7 +139,7 @@ def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(cwd / "src"),
+        "PYTHONPATH": python_path(cwd / "src"),
         "DVC_NO_ANALYTICS": "1",
     }
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
@@ -194,7 +201,7 @@ def env(project: Path, fault: str = "", **extra: str) -> dict:
     return {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": str(project / "src"),
+        "PYTHONPATH": python_path(project / "src"),
         "DVC_NO_ANALYTICS": "1",
         "VISIONFLOW_FAULT": fault,
         **extra,

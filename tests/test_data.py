@@ -7,13 +7,14 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import solid
+from tests.helpers import ROOT, python_path, solid, write_params
 from visionflow.data import archive, dataset, sources, splits
 from visionflow.train import loading
 
@@ -220,7 +221,7 @@ def test_parallel_decoding_equals_serial_and_cache_is_byte_identical(image_folde
     build(source, tmp_path / "serial", workers=1)
     build(source, tmp_path / "parallel", workers=2)
     names = sorted(p.name for p in (tmp_path / "serial").iterdir())
-    assert "rejects.json" in names and ".decoded.npy" not in names
+    assert "rejects.json" in names and not [n for n in names if n.startswith(".decoded")]
     assert names == sorted(p.name for p in (tmp_path / "parallel").iterdir())
     for name in names:
         assert (tmp_path / "serial" / name).read_bytes() == (
@@ -311,6 +312,44 @@ def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_pat
         rows = {row.tobytes() for row in dataset.read_split(tmp_path / "out", split)[0]}
         assert not rows & seen, split
         seen |= rows
+
+
+# runs ARGV and prints its peak RSS (KiB): a fresh, small process between, since a child
+# started from this one (pytest, torch imported) is charged this one's size by exec
+PEAK_RSS = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
+
+
+def peak_rss_mb(cwd: Path, *args: str) -> float:
+    """Run `python -m ARGS` in `cwd` with the project's code; the peak resident memory (MB) of
+    its largest process, as `/usr/bin/time -v` gives it."""
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, sys.executable, "-m", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    return int(run.stdout.split()[-1]) / 1024
+
+
+def test_prepares_memory_does_not_grow_with_the_images(tmp_path):
+    """The digits cached at 256 px (118 MB of pixels) take prepare's memory less than 30 MB over
+    caching them at 8 px. Before, the decoded scratch file and the splits stayed mapped and
+    were read back whole, and the stats counted 4,096 images at a time in int64 copies: about
+    900 MB more (bench/prepare_memory_bench.py: 32,000 images took 5x the memory of 2,000)."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    peaks = {}
+    for size in (8, 256):
+        write_params(tmp_path, {"prepare": {"source": "digits", "image_size": size}})
+        peaks[size] = peak_rss_mb(tmp_path, "pipeline.prepare", "--out", f"prepared{size}")
+    pixels = 1797 * 256 * 256 / 2**20
+    print(f"peak RSS {peaks} MB; {pixels:.0f} MB of pixels at 256 px")
+    assert peaks[256] - peaks[8] < 30
 
 
 def test_torchvision_sources_read_a_local_copy(mnist_root):
@@ -535,10 +574,8 @@ def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
 
     monkeypatch.setattr(dataset, "ProcessPoolExecutor", Bare)
     source = sources.load_source("imagefolder", image_folder)
-    scratch = tmp_path / "x.npy"
-    np.lib.format.open_memmap(
-        scratch, mode="w+", dtype=np.uint8, shape=(len(source.images), 8, 8, 3)
-    )
+    scratch = tmp_path / "decoded"
+    scratch.write_bytes(bytes(len(source.images) * 8 * 8 * 3))
     results = dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), workers=2)
     next(results)
     results.close()  # a stop while the pool works: `_stop` ends it

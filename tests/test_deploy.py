@@ -20,7 +20,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, TINY, commit, copy_project, sh, write_params
+from tests.helpers import ROOT, TINY, commit, copy_project, python_path, sh, write_params
 from visionflow.deploy.inference import load_predictor, to_input
 from visionflow.deploy.quantize import calibration_sample
 
@@ -41,7 +41,7 @@ def onnx_client(model: Path, folder: Path, shadow: Path) -> list[dict]:
         [sys.executable, str(ROOT / "examples/onnx_client.py"), str(model), str(folder)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(shadow)},
+        env={**os.environ, "PYTHONPATH": python_path(shadow)},
     )
     assert client.returncode == 0, client.stderr
     return [json.loads(line) for line in client.stdout.splitlines()]

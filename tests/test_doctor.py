@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import ROOT, copy_project, write_params
+from tests.helpers import ROOT, copy_project, python_path, write_params
 from visionflow.ops import doctor
 
 
@@ -19,7 +19,7 @@ def run_doctor(*args, pythonpath: str = "", env_change: dict | None = None, cwd=
         **os.environ,
         # as `make test` runs: the venv first on PATH (the stages' `python`)
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-        "PYTHONPATH": os.pathsep.join(filter(None, [pythonpath, str(ROOT / "src")])),
+        "PYTHONPATH": python_path(*filter(None, [pythonpath]), ROOT / "src"),
         **(env_change or {}),
     }
     return subprocess.run(

@@ -19,7 +19,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, commit, copy_project, sh
+from tests.helpers import ROOT, commit, copy_project, python_path, sh
 from visionflow.params import Params, ParamsError, Section, load_params, read_yaml
 
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -232,7 +232,7 @@ def test_the_import_reading_sees_what_python_loads():
         "import sys, pipeline.train; print('\\n'.join(m.__file__ for m in list(sys.modules.values())"
         " if getattr(m, '__file__', None)))"
     )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     loaded = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     ).stdout.split()
@@ -356,7 +356,8 @@ def test_plots_draw_every_curve_and_read_right(viewed):
     vega = {
         name: plots[0]["content"] for name, plots in specs.items() if plots[0]["type"] == "vega"
     }
-    assert {"loss", "accuracy", "learning rate", "confusion"} <= set(vega)
+    assert {"loss", "accuracy", "learning rate", "confusion", "most confused"} <= set(vega)
+    assert {"results/evaluate/top_losses.png", "results/sanity/eval_view.png"} <= set(specs)
     layers = [n for n in vega if "grad_norm_layer" in n]
     assert len(layers) == 8  # simple_cnn's four weights and four biases, each a curve
     for name, spec in vega.items():  # Vega reads "a.b" as a nested field: no curve would show

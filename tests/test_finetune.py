@@ -2,6 +2,7 @@
 weights' preprocessing, a frozen backbone first, and networks of your own; through plain DVC."""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,15 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     train = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/mnv3.pth"}
     train |= {"freeze_epochs": 1, "epochs": 1, "batch_size": 8, "backbone_lr_factor": 0.1}
     write_params(project, {"prepare": prepare, "train": train})
-    sh(project, "dvc", "repro", "train")  # the recipe: one-cycle, train_bn, ...
+    out = sh(project, "dvc", "repro", "train").stdout  # the recipe: one-cycle, train_bn, ...
+    assert "train: the network sees a 56 px centre crop of the 64 px cache" in out
+    assert (  # 80x60 photos: their centre square, then ImageNet's crop
+        "train: warning: at evaluation the network sees 57% of each photo on average "
+        "(prepare.fit: crop keeps 75% of each photo, then the 56 px centre crop 77% of the 64 px "
+        "cache)"
+    ) in out
+    assert re.search(r"epoch   1/1 \(frozen: head only\) .* lr 1\.00e-03 backbone frozen ", out)
+    assert (project / "results/sanity/eval_view.png").is_file()
     saved = torch.load(project / "results/train/model.pt", weights_only=True)
     trained = {k.removeprefix("net."): v for k, v in saved["state_dict"].items()}
     bn = [
@@ -85,10 +94,24 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     curves = project / "results/train/live/metrics.json"
     lrs = json.loads(curves.read_text())
     assert lrs["lr_backbone"] == pytest.approx(lrs["lr"] * 0.1)  # both groups, both logged
+    backbone = (project / "results/train/live/plots/metrics/lr_backbone.tsv").read_text()
+    assert [float(row.split()[-1]) for row in backbone.splitlines()[1:]][0] == 0  # frozen: rests
+    assert re.search(r"epoch   2/2  .* backbone 1\.00e-04 ", out)
     out = sh(project, "dvc", "repro", "--force", "train").stdout  # the same 2 epochs at once
     assert "starting fresh" in out
     again = epoch_state(project, 2)
     assert all(torch.equal(again[k], v) for k, v in second.items())  # resumed == uninterrupted
+
+    write_params(project, {"evaluate": {"tta": True}})  # the crops ImageNet's weights allow
+    out = sh(project, "dvc", "repro", "evaluate").stdout
+    metrics = json.loads((project / "results/evaluate/metrics.json").read_text())
+    scores = json.loads((project / "results/evaluate/scores.json").read_text())
+    assert scores["tta"]["views"] == "5 views: centre + 4 corner crops"
+    assert metrics["tta_acc"] == scores["tta"]["accuracy"] and "accuracy" in metrics
+    assert f"with TTA (5 views: centre + 4 corner crops) {metrics['tta_acc']:.4f}" in out
+    confused = json.loads((project / "results/evaluate/most_confused.json").read_text())
+    assert [c["count"] for c in confused] == sorted((c["count"] for c in confused), reverse=True)
+    assert (project / "results/evaluate/top_losses.png").is_file()
 
 
 def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path, monkeypatch):
@@ -124,6 +147,25 @@ def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_pa
         problem = network_problem(train, size)
         assert (problem or "").startswith(words or ""), problem
         assert (problem is None) == (words is None), problem
+    from pipeline.check import tta_problem
+    from visionflow.params import load_params
+
+    params = load_params(project / "params.yaml")  # 8 px, no flips
+
+    def tta(**train):
+        evaluate = params.evaluate.model_copy(update={"tta": True})
+        train = params.train.model_copy(update=train)
+        return tta_problem(params.model_copy(update={"evaluate": evaluate, "train": train}))
+
+    assert tta(model="simple_cnn") == (  # no crop, no flip: nothing to average
+        "evaluate.tta: simple_cnn takes the whole 8 px cached image (no crop to shift) and "
+        "train.augment.hflip is false (no mirror it learnt): there is no view to average; set "
+        "train.augment.hflip: true, or evaluate.tta: false"
+    )
+    flips = params.train.augment.model_copy(update={"hflip": True})
+    assert tta(model="simple_cnn", augment=flips) is None
+    assert tta(model="mobilenet_v3_small", pretrained="DEFAULT") is None  # 7 px crops of 8
+    assert tta(model="mobilenet_v3_small", pretrained="") is not None  # from scratch: no crop
 
 
 @pytest.mark.slow

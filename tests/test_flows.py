@@ -30,6 +30,7 @@ from tests.helpers import (
     dvc_clean,
     note_in_params,
     params_recorded,
+    python_path,
     sh,
     write_params,
 )
@@ -50,7 +51,7 @@ def flows_env(**extra: str) -> dict[str, str]:
     return {
         **os.environ,
         "PREFECT_API_URL": PREFECT_API_URL.value(),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(ROOT),
         **extra,
     }
 
@@ -146,7 +147,7 @@ def assert_one_task_per_experiment(run_id, rows: list[dict]) -> None:
         state = found[row["experiment"]].state
         if row["state"] == "success":
             assert state.is_completed(), (row, state)
-            said = f"{row['experiment']}: success accuracy={row['accuracy']:.4f}"
+            said = f"{row['experiment']}: success accuracy={row['accuracy']}"
             task_run = found[row["experiment"]].id
             assert any(log.task_run_id == task_run and said in log.message for log in logs)
         else:
@@ -440,6 +441,8 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
         (None, None, 3),
     ]
     assert rows[1]["accuracy"] is None and all(0 <= rows[i]["accuracy"] <= 1 for i in (0, 2))
+    # as `dvc exp show` shows them, 5 significant digits: 0.62222, not 0.6222222222222222
+    assert all(rows[i]["accuracy"] == float(f"{rows[i]['accuracy']:.5g}") for i in (0, 2)), rows
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
     assert_one_task_per_experiment(run, rows)
     assert_readable(flow_logs(run), "Running stage 'evaluate'", "train.epochs: Input should be")
@@ -764,13 +767,53 @@ def online_workers() -> int:
     return len([w for w in workers if w.status and w.status.value == "ONLINE"])
 
 
+def spread_sweep(project: Path, *args: str) -> subprocess.Popen:
+    """`python -m pipeline.experiments PROJECT --spread ARGS...`, its output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.experiments", str(project), "--spread", *args],
+        env=flows_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
+    """The spread experiments running now that sent at least `beats` heartbeats, by name (the
+    sweep still going)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterName,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+
+    from pipeline.experiments import HEARTBEAT
+
+    assert sweep.poll() is None, sweep.communicate()
+    running = FlowRunFilter(
+        name=FlowRunFilterName(like_="sweep-"),
+        state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["RUNNING"])),
+    )
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=running)
+    return {run.name: run for run in runs if run.labels.get(HEARTBEAT, 0) >= beats}
+
+
 def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_clones(
-    project, tmp_path
+    project, tmp_path, hold
 ):
     """Deployed from one checkout, run by workers whose VISIONFLOW_WORKDIR names their own: the
     working directory is the worker's, read when the run starts (two machines, two paths). A
-    spread sweep of 4 runs on both workers, and both clones see all 4 (`dvc exp pull`)."""
-    from pipeline.experiments import experiment, experiments
+    spread sweep of 4 runs on both workers, and both clones see all 4 (`dvc exp pull`). Then
+    experiments that wait for their checkout live on by their heartbeat; one whose machine
+    dies is marked crashed in a minute's stead (--lost-after), its row saying why; a sweep
+    stopped with SIGTERM ends Cancelled with its table so far."""
+    from prefect.client.orchestration import get_client
+
+    from pipeline.experiments import RAN_ON, experiment, experiments
     from visionflow.ops.sweeps import spread_problem
 
     deploying = flows_env(VISIONFLOW_WORKDIR=str(tmp_path / "the-deploying-machines-checkout"))
@@ -826,9 +869,14 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         with pytest.raises(StageFailed, match=r"has uncommitted changes \(params.yaml\)"):
             experiment("edited", [], head, workdir=str(clone))  # dvc exp run would take it
         sh(clone, "git", "checkout", "params.yaml")
-        with pytest.raises(StageFailed, match="no deployment nope/nope on the Prefect server"):
+        with pytest.raises(Exception, match="no deployment nope/nope on the Prefect server"):
             experiments(str(project), [["sanity.per_class=2"]], spread=True, deployment="nope/nope")
         assert "has no git remote 'upstream'" in spread_problem(project, "upstream")
+        sh(tmp_path, "git", "init", "-q", "--bare", str(tmp_path / "upstream.git"))
+        sh(project, "git", "remote", "add", "upstream", str(tmp_path / "upstream.git"))
+        # pushed to origin alone: not on upstream, whose workers would refuse it
+        assert "is not on upstream: `git push upstream`" in spread_problem(project, "upstream")
+        sh(project, "git", "remote", "remove", "upstream")
         sweep = subprocess.run(
             [sys.executable, "-m", "pipeline.experiments", str(project), "--spread"]
             + [arg for n in (2, 3, 4, 5) for arg in ("-e", f"sanity.per_class={n}")],
@@ -850,6 +898,55 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
             shown = json.loads(sh(checkout, "dvc", "exp", "show", "--json").stdout)
             found = {e["name"] for b in shown for e in b.get("experiments") or []}
             assert names <= found, (checkout, found)
+
+        # Both checkouts held by another run: each experiment waits for its lock, alive by its
+        # heartbeat past --lost-after (it was marked Crashed 61 s after it showed Running)
+        release = hold(project / ".dvc/tmp/visionflow-run.lock")
+        hold(clone / ".dvc/tmp/visionflow-run.lock")
+        two = ("-e", "sanity.per_class=6", "-e", "sanity.per_class=7")
+        # 20 s: a loaded machine can keep one heartbeat from the server for seconds
+        sweep = spread_sweep(project, "--lost-after", "20", *two)
+        # 8 beats, 20/6 s apart: each has waited over 20 s
+        wait_for(lambda: len(running_experiments(sweep, 8)) == 2, what="8 beats from each")
+        waiting = running_experiments(sweep, 8)
+        # then the clone's machine dies: its worker, and the run it started in a session of its own
+        [lost] = [run for run in waiting.values() if run.labels[RAN_ON] == f"{host}:{clone}"]
+        os.killpg(workers[-1].pid, signal.SIGKILL)
+        workers.pop().wait()
+        for pid in stage_processes(clone, module=""):
+            os.kill(pid, signal.SIGKILL)
+        release()  # the other one runs, and the sweep ends
+        out, err = sweep.communicate(timeout=600)
+        assert sweep.returncode == 1, err[-3000:]
+        assert err.rstrip().splitlines()[-1].startswith(f"error: experiments {lost.name} did")
+        assert "Traceback" not in err, err[-3000:]  # one line says why, no Prefect traceback
+        rows = {row["experiment"]: row for row in map(json.loads, out.splitlines())}
+        crashed, [done] = rows.pop(lost.name), rows.values()
+        assert (crashed["state"], crashed["ran on"], crashed["accuracy"]) == (
+            "crashed",
+            f"{host}:{clone}",
+            None,
+        )
+        assert crashed["why"].startswith("no heartbeat for 20 s: its worker or machine was lost")
+        assert (done["state"], done["ran on"], done["why"]) == (
+            "success",
+            f"{host}:{project}",
+            None,
+        )
+
+        # SIGTERM to a spread sweep whose experiment waits: Cancelled, as Ctrl-C and SIGHUP
+        release = hold(project / ".dvc/tmp/visionflow-run.lock")
+        sweep = spread_sweep(project, "-e", "sanity.per_class=8")
+        wait_for(lambda: running_experiments(sweep, 1), what="the experiment's first beat")
+        sweep.send_signal(signal.SIGTERM)
+        out, err = sweep.communicate(timeout=300)
+        assert sweep.returncode == 130, err[-3000:]
+        [row] = [json.loads(line) for line in out.splitlines()]  # the table so far
+        assert (row["state"], row["sanity.per_class"]) == ("stopped", 8)
+        with get_client(sync_client=True) as client:
+            [run] = [r for r in client.read_flow_runs() if row["experiment"][6:14] in str(r.id)]
+        assert run.state.is_cancelled(), run.state  # it was Crashed
+        release()
     finally:
         for worker in workers:
             stop_worker(worker)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, digits_cache, write_params
+from tests.helpers import ROOT, digits_cache, python_path, write_params
 from visionflow.data import sources
 from visionflow.params import Health
 from visionflow.train import health
@@ -209,11 +209,7 @@ def train(caches, tmp_path, cache: str, change: dict, fault: str = ""):
     """The train stage on one of the caches; returns (exit code, log, health report)."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     write_params(tmp_path, {"train": {"epochs": 3, "batch_size": 32, "augment": STILL, **change}})
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}",
-        "VISIONFLOW_FAULT": fault,
-    }
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT / "src", ROOT), "VISIONFLOW_FAULT": fault}
     cmd = [
         sys.executable,
         "-m",

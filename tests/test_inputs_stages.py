@@ -14,14 +14,14 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, copy_project, solid, write_params
+from tests.helpers import ROOT, copy_project, python_path, solid, write_params
 from visionflow.data.decode import Decode, pixels_of
 from visionflow.deploy.inference import load_images, preprocess_spec, to_input
 
 
 def stage(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m pipeline.<stage> ARGS` in `cwd` (params.yaml there), the project's code."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
     return subprocess.run(
         [sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True
     )
@@ -58,6 +58,7 @@ def test_a_folder_made_on_macos_gives_nfc_class_names_and_look_alikes_are_warned
     manifest = json.loads((tmp_path / "prepared/manifest.json").read_text())
     assert manifest["made_from"] == {
         "source": "imagefolder",
+        "fit_kept": pytest.approx(0.8333, abs=1e-4),  # 12x10 images, their centre square
         "val_fraction": 0.25,
         "test_fraction": 0.25,
         "seed": 0,
@@ -101,6 +102,9 @@ def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     )
     assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
     assert "1 epoch, batch 128, lr 0.001, weight decay 0.0, dropout 0.25, seed 0." in card
+    seen = "network sees a 7 px centre crop of the 8 px cache (77% of its area; random resized"
+    assert f"train: the {seen}" in trained.stdout and f"The {seen}" in card  # 224 of 256
+    assert "[the highest-loss test images](../evaluate/top_losses.png)" in card
 
 
 def photo(seed: int, size=(320, 240)) -> Image.Image:

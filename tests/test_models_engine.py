@@ -109,3 +109,49 @@ def test_the_scores_are_scikit_learns():
         assert got["per_class"][name] == wanted
     expected = confusion_matrix(y.numpy(), logits.argmax(1).numpy(), labels=range(5))
     assert (confusion(y, logits, 5) == expected).all()
+
+
+def test_tta_averages_the_centre_crop_and_the_corners_the_single_pass_is_the_centre():
+    from torch import nn
+
+    from visionflow.train import tta
+    from visionflow.train.loading import to_model_input
+    from visionflow.train.zoo import FineTune
+
+    torch.manual_seed(0)  # a network that sees where each pixel is: every view differs
+    model = FineTune(nn.Sequential(nn.Flatten(), nn.Linear(3 * 6 * 6, 4)), 6, {"1.weight"})
+    x = torch.randint(0, 256, (10, 8, 8, 3), dtype=torch.uint8)
+    y = torch.arange(10) % 4
+    mean, std = torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.25, 0.3])
+    views = tta.views(8, 6, flip=False)
+    assert views == [(1, 1, False), (0, 0, False), (0, 2, False), (2, 0, False), (2, 2, False)]
+    assert tta.views(8, 8, flip=True) == [(0, 0, False), (0, 0, True)]  # the whole image: flips
+    _, logits = evaluate(model, x, y, mean, std, 4)
+    single = tta.tta_log_probs(model, x, mean, std, 4, views[:1], 6)
+    assert torch.allclose(single, logits.log_softmax(1), atol=1e-6)  # exported: this view alone
+    inputs = to_model_input(x, mean, std)
+    by_hand = (
+        sum(model.net(inputs[..., t : t + 6, left : left + 6]).softmax(1) for t, left, _ in views)
+        / 5
+    )
+    averaged = tta.tta_log_probs(model, x, mean, std, 3, views, 6)
+    assert torch.allclose(averaged.exp(), by_hand, atol=1e-6)
+    assert not torch.allclose(averaged, single, atol=1e-3)
+
+
+def test_top_losses_and_most_confused_are_sorted_as_fastai_shows_them():
+    from visionflow.train.scores import confusion, most_confused, top_losses
+
+    y = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    logits = torch.tensor(
+        [[5.0, 0, 0], [0, 1, 0], [0, 5, 0], [3, 0, 0], [0, 2, 0], [0, 4, 0], [0, 0, 9]]
+    )
+    worst, losses = top_losses(y, logits, 3)
+    assert worst.tolist() == [5, 3, 4]  # the highest loss first, right or wrong
+    assert losses[5] > losses[3] > losses[4] > losses[1]
+    pairs = most_confused(confusion(y, logits, 3), ["cat", "dog", "fox"])
+    assert pairs == [
+        {"pair": "fox -> dog", "actual": "fox", "predicted": "dog", "count": 2},
+        {"pair": "cat -> dog", "actual": "cat", "predicted": "dog", "count": 1},
+        {"pair": "dog -> cat", "actual": "dog", "predicted": "cat", "count": 1},
+    ]

@@ -7,7 +7,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, python_path
 from visionflow.params import (
     Augment,
     Export,
@@ -99,7 +99,7 @@ def test_the_shipped_params_load_without_importing_onnx_or_torch():
         "import sys\nfrom visionflow.params import load_params\nload_params()\n"
         "print(sorted({'onnx', 'torch'} & set(sys.modules)))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT / "src")}
     loaded = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True, check=True
     )

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, TINY, copy_project, sh, write_params
+from tests.helpers import ROOT, TINY, copy_project, python_path, sh, write_params
 
 pytestmark = pytest.mark.slow
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -68,6 +68,9 @@ def test_every_stage_writes_its_outputs(reproduced):
         "results/evaluate/predictions.json",
         "results/evaluate/confusion.png",
         "results/evaluate/misclassified.png",
+        "results/evaluate/top_losses.png",
+        "results/evaluate/most_confused.json",
+        "results/sanity/eval_view.png",
         "results/export/model.onnx",
         "results/export/model.pt2",
         "results/export/model.torchscript.pt",
@@ -137,7 +140,7 @@ def test_onnx_only_client_gets_the_same_predictions(reproduced, predict, test_pn
     for name in ("torch", "visionflow", "torchvision"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} is not allowed')")
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": python_path(tmp_path)}
     folder = tmp_path / "images"  # more than one of the client's batches of 64
     folder.mkdir()
     for i in range(80):

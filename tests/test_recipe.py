@@ -179,14 +179,15 @@ def test_batchnorm_trains_while_the_backbone_is_frozen_unless_train_bn_is_off():
     assert torch.equal(model.state_dict()["net.bn1.running_mean"], before["net.bn1.running_mean"])
 
 
-def test_with_pretrained_weights_the_defaults_become_the_fine_tuning_recipe():
+def test_with_pretrained_weights_recipe_auto_makes_the_defaults_the_fine_tuning_recipe():
     from visionflow.params import FINETUNE, parse_params
 
     shipped = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     assert {k: shipped[k] for k in FINETUNE} == {k: scratch for k, (scratch, _) in FINETUNE.items()}
     digits = parse_params(params_with({})).train  # from scratch: the defaults as they are
     assert {k: getattr(digits, k) for k in FINETUNE} == {k: s for k, (s, _) in FINETUNE.items()}
-    tuned = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/w.pth"}
+    assert shipped["recipe"] == "scratch"  # until bench/recipe_bench.py measures it better
+    tuned = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/w.pth", "recipe": "auto"}
     t = parse_params(params_with(tuned)).train
     assert {k: getattr(t, k) for k in FINETUNE} == {k: f for k, (_, f) in FINETUNE.items()}
     mine = parse_params(params_with(tuned | {"scheduler": "cosine", "freeze_epochs": 2})).train

@@ -39,6 +39,7 @@ from tests.helpers import (
     live_metrics,
     note_in_params,
     params_recorded,
+    python_path,
     ran,
     read_until,
     repro,
@@ -572,7 +573,7 @@ def test_the_reaper_kills_what_the_group_started_in_a_session_of_its_own_once_it
     output, keep = os.pipe()  # the group's output, which the reaper drains
     reaper = subprocess.Popen(
         [sys.executable, str(REAPER), str(leader.pid), "300", str(output)],
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        env={**os.environ, "PYTHONPATH": python_path(ROOT / "src")},
         stdin=subprocess.PIPE,
         pass_fds=(output,),
     )

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT, sh, write_params
+from tests.helpers import ROOT, python_path, sh, write_params
 from visionflow.data import dataset, shards, sources
 from visionflow.data.splits import SPLITS
 from visionflow.errors import DataError
@@ -111,8 +111,44 @@ def test_placement_is_per_image_stratified_and_moves_nothing_when_images_are_add
     cut = shards.cut(moved["train"], keys, "train", 16)
     assert np.array_equal(np.concatenate(list(cut.values())), moved["train"])
     assert max(map(len, cut.values())) <= 16 and sorted(cut) == list(cut)  # names in order
-    with pytest.raises(DataError, match="no test images: the hashes of 2 images' names"):
+    with pytest.raises(DataError, match="no val images: the hashes of 2 images' names"):
         shards.hash_split(np.array([0, 1]), shards.image_keys(["a", "b"], 0), 0.15, 0.2)
+
+
+def test_a_small_class_keeps_training_images_whichever_placement(tmp_path):
+    """A class of 5 whose names' hashes place them all in val and test (before: train 0, val 2,
+    test 3, and prepare succeeded) trains on one of them; a class the split leaves without a
+    training image (all in a source's own test split) is refused in one line, either placement."""
+    keys = shards.image_keys([f"tiny/{i}.png" for i in range(100)], 0)
+    held_out = np.flatnonzero(keys[:, 0] / 2.0**64 < 0.2 + 0.8 * 0.15)  # test, then val
+    names = [f"tiny/{i}.png" for i in held_out[:5]] + [f"big/{i}.png" for i in range(40)]
+    noise_pngs(tmp_path / "images", names, seed=0)
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    prepare = {"source": "imagefolder", "path": "images", "image_size": 8, "color": "rgb"}
+    write_params(tmp_path, {"prepare": {**prepare, "shard_images": 4, "min_per_class": 5}})
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
+    made = subprocess.run(
+        [sys.executable, "-m", "pipeline.prepare", "--out", "prepared"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert made.returncode == 0, made.stdout + made.stderr
+    counts = json.loads((tmp_path / "prepared/manifest.json").read_text())["counts"]
+    assert counts["train"]["tiny"] == 1 and sum(counts[s]["tiny"] for s in SPLITS) == 5
+
+    pixels = np.random.default_rng(0).integers(0, 256, (20, 8, 8), dtype=np.uint8)
+    labels = np.arange(20) % 2
+    only_in_test = sources.Source(
+        list(pixels), labels, ["a", "b"], labels == 1, [f"#{i}" for i in range(20)]
+    )
+    for shard_images in (0, 4):
+        with pytest.raises(DataError, match=r"^no training images for classes \['b'\]: "):
+            dataset.build_cache(
+                only_in_test, tmp_path / f"refused{shard_images}", dataset.Decode(8, "grayscale"),
+                val_fraction=0.15, test_fraction=0.2, seed=0, shard_images=shard_images,
+            )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +249,7 @@ def test_every_stage_reads_a_sharded_cache(caches, tmp_path):
             "train": {"epochs": 1, "batch_size": 32, "max_memory_gb": 0.0},
         },
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT)}
     said = {}
     for stage in (
         "sanity --data prepared --out sanity",

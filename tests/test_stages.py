@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, digits_cache, write_params
+from tests.helpers import ROOT, digits_cache, python_path, write_params
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def stage(cwd, name, *args):
         cwd=cwd,
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path(ROOT)},
     )
 
 

@@ -10,7 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +25,7 @@ import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import ROOT, free_port, write_params
+from tests.helpers import ROOT, free_port, python_path, write_params
 from visionflow.data import dataset, sources
 from visionflow.train import checkpoint, health, loading
 from visionflow.train.augment import augment
@@ -31,8 +34,10 @@ from visionflow.train.engine import (
     Split,
     Step,
     amp_dtype,
+    evaluate,
     make_optimizer,
     make_scheduler,
+    speed_settings,
     step_scheduler,
     train_one_epoch,
 )
@@ -451,7 +456,7 @@ def train_cmd(cwd, out):
 
 
 def run_train(cwd, out):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT / "src", ROOT)}
     return subprocess.run(train_cmd(cwd, out), cwd=cwd, env=env, capture_output=True, text=True)
 
 
@@ -470,8 +475,12 @@ PLAIN_SGD = {
 def torchrun(cwd: Path, launch: list[str], out: str, state: str, fault: str = ""):
     """`torchrun LAUNCH -m pipeline.train` in `cwd`, in its own session (a hung rank goes with
     the rest: nothing outlives the test)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VISIONFLOW_FAULT": fault}
-    env["PYTHONPATH"] = f"{ROOT / 'src'}{os.pathsep}{ROOT}"  # this checkout's library too
+    env = {
+        **os.environ,
+        "PYTHONPATH": python_path(ROOT / "src", ROOT),  # this checkout's library too
+        "OMP_NUM_THREADS": "1",
+        "VISIONFLOW_FAULT": fault,
+    }
     env["PYTHONFAULTHANDLER"] = "1"  # a rank that aborts shows where it was
     stage = ["-m", "pipeline.train", "--data", "prepared", "--out", out, "--checkpoints", state]
     return subprocess.Popen(
@@ -542,6 +551,14 @@ def test_two_process_ddp_matches_one_process_with_the_global_batch(workdir):
     ddp = torchrun_train(workdir, "ddp", fault=once)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     assert ddp.stdout.count("train: best val accuracy") == 1  # rank 0 alone reports and writes
+    for log in (single.stdout, ddp.stdout):  # the speed settings picked, and where time went
+        assert "train: amp off, channels_last true (auto: on the CPU autocast rarely pays" in log
+        first, second = re.findall(r"^ +seconds: training .*$", log, re.MULTILINE)
+        parts = r"besides training: validation [\d.]+, health [\d.]+, logging [\d.]+, checkpoint"
+        assert re.search(
+            rf"\(its first 5 steps [\d.]+, warming up; then \d+ img/s\); {parts}", first
+        )
+        assert re.search(rf"^ +seconds: training [\d.]+; {parts} [\d.]+$", second), second
     assert (workdir / "stage.snapshot.0").exists() and (workdir / "train.verify.0").exists()
     a = torch.load(workdir / "single/model.pt", weights_only=True)
     b = torch.load(workdir / "ddp/model.pt", weights_only=True)
@@ -850,6 +867,9 @@ def test_a_lost_node_is_named_in_one_line_by_the_node_that_goes_on(workdir, tmp_
 
 
 def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
+    """With dropout, over two epochs and a validation pass. Before, the memory-mapped path's
+    DataLoader drew a seed from the global generator, which dropout draws from, at every epoch
+    and validation: the same batches, different weights (val 0.9769 vs 0.9815)."""
     source = sources.load_source("digits", None)
     dataset.build_cache(
         source,
@@ -860,22 +880,26 @@ def test_memory_mapped_split_trains_exactly_like_the_in_memory_one(tmp_path):
         seed=0,
     )
     cpu = torch.device("cpu")
-    mapped = loading.load_for_training(tmp_path, "train", cpu, max_bytes=0)
-    held = loading.load_for_training(tmp_path, "train", cpu, max_bytes=2**30)
-    assert not torch.is_tensor(mapped[0]) and torch.is_tensor(held[0])
-    models = []
-    for x, y in (mapped, held):
+    mapped, held = (
+        [loading.load_for_training(tmp_path, s, cpu, max_bytes) for s in ("train", "val")]
+        for max_bytes in (0, 2**30)
+    )
+    assert not torch.is_tensor(mapped[0][0]) and torch.is_tensor(held[0][0])
+    models, logits = [], []
+    for (x, y), (x_val, y_val) in (mapped, held):
         torch.manual_seed(0)
-        model = build_model("simple_cnn", 1, 10, 8)  # same seed: same initial weights
+        model = build_model("simple_cnn", 1, 10, 8, dropout=0.25)  # same seed: same weights
         optimizer = make_optimizer("adam", model, 1e-3, 0, 0, False)
         g = torch.Generator().manual_seed(0)
-        metrics = train_one_epoch(
-            model, optimizer, Split(x, y, MEAN, STD, g, augment=lambda im: im), Step(64)
-        )
+        for _ in range(2):
+            split = Split(x, y, MEAN, STD, g, augment=lambda im: im)
+            metrics = train_one_epoch(model, optimizer, split, Step(64))
+            assert metrics["images"] == len(y)
+            logits.append(evaluate(model, x_val, y_val, MEAN, STD, 100)[1])
         models.append(model)
-        assert metrics["images"] == len(y)
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
+    assert torch.equal(logits[1], logits[3])
 
 
 def test_a_split_held_in_memory_loads_without_numpys_not_writable_warning(tmp_path):
@@ -910,6 +934,128 @@ def test_fp16_on_the_gpu_scales_and_steps():
     assert (
         metrics["steps"] == 4 and scaler.get_scale() > 0 and amp_dtype("auto", torch.device("cuda"))
     )
+
+
+# the host reads that make it wait for a GPU: a value taken off the device
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextmanager
+def host_reads() -> Iterator[list[str]]:
+    """Every read of a tensor's value on the host while it is open, named by where it was made."""
+    calls, originals = [], {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            calls.append(f"{name} at {Path(caller.filename).name}:{caller.lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+SYNC_CASES = {  # name: (Step, fp16 scaler, health's first losses, host reads a step may make)
+    "defaults": (Step(8), False, 0, 1),  # whether the step's losses were finite: skip it if not
+    "bf16, clipped, accumulated": (Step(4, 2, grad_clip=1.0, dtype=torch.bfloat16), False, 0, 1),
+    "health's first losses": (Step(8), False, 50, 1),
+    "fp16": (Step(8, dtype=torch.float16), True, 0, 2),  # and whether the scaler overflowed
+}
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SYNC_CASES)
+def test_a_training_step_reads_nothing_on_the_host_but_what_a_feature_needs(case, device):
+    """A read on the host (`.item()`, `.tolist()`, `bool(tensor)`, ...) makes the host wait for
+    the GPU to finish everything queued: the loss, accuracy, gradient norms and health's first
+    losses stay on the device and are read once at the epoch's end. Counted per step as the
+    difference between an epoch of 16 steps and one of 8 (each also reads once at its end, and
+    syncs once after its warm-up). On a GPU, CUDA's own sync check counts alike."""
+    step, fp16, record, allowed = SYNC_CASES[case]
+    counts = {}
+    for steps in (8, 16):
+        x, y = (t.to(device) for t in toy(steps * 8))
+        model = fresh_model().to(device)
+        optimizer = make_optimizer("adam", model, 1e-3, 0, 0.9, False)
+        scaler = torch.amp.GradScaler(device, enabled=fp16)
+        split = Split(x, y, MEAN.to(device), STD.to(device), torch.Generator().manual_seed(0))
+        with host_reads() as reads, cuda_syncs(device) as syncs:
+            metrics = train_one_epoch(
+                model, optimizer, split, step, scaler=scaler, record_losses=record
+            )
+        assert metrics["steps"] == steps and len(metrics["first_losses"]) == min(record, steps)
+        counts[steps] = (reads, syncs)
+    (reads_8, syncs_8), (reads_16, syncs_16) = counts[8], counts[16]
+    per_step = (len(reads_16) - len(reads_8)) / 8
+    assert per_step <= allowed, f"{per_step} host reads a step: {reads_16}"
+    assert (len(syncs_16) - len(syncs_8)) / 8 <= allowed, syncs_16
+
+
+@contextmanager
+def cuda_syncs(device: str) -> Iterator[list[str]]:
+    """CUDA's own count of the calls that synchronised with the device (none on the CPU)."""
+    if device != "cuda":
+        yield []
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield (found := [])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    found += [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)]
+
+
+def test_auto_picks_per_model_and_device_the_speed_settings_measured_faster(monkeypatch):
+    """`train.amp: auto` and `train.channels_last: auto`: simple_cnn on a GPU trains in fp32
+    with the default layout (bf16 with channels_last was 0.87x on an H200); the residual
+    networks in bf16 with channels_last (1.46x); the CPU keeps what it had. Decided without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    picked = {
+        (model, device.type): speed_settings("auto", "auto", model, device)[:2]
+        for model in ("simple_cnn", "small_resnet", "resnet50")
+        for device in (cuda, cpu)
+    }
+    assert picked == {
+        ("simple_cnn", "cuda"): (None, False),
+        ("small_resnet", "cuda"): (torch.bfloat16, True),
+        ("resnet50", "cuda"): (torch.bfloat16, True),
+        ("simple_cnn", "cpu"): (None, True),
+        ("small_resnet", "cpu"): (None, True),
+        ("resnet50", "cpu"): (None, True),
+    }
+    assert (
+        "simple_cnn trained fastest in fp32"
+        in speed_settings("auto", "auto", "simple_cnn", cuda)[2]
+    )
+    # a value set in params.yaml is taken as it is, auto or not for the other key
+    assert speed_settings("bf16", True, "simple_cnn", cuda) == (
+        torch.bfloat16,
+        True,
+        "as params.yaml sets them",
+    )
+    assert speed_settings("bf16", "auto", "simple_cnn", cuda)[:2] == (torch.bfloat16, False)
+    assert speed_settings("auto", True, "simple_cnn", cuda)[:2] == (None, True)
 
 
 @pytest.mark.slow
@@ -1054,25 +1200,29 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
         "seed_everything(0, True, compiled=False)\n"
         "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
     )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT / "src", ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert result.stdout.split() == ["True", "False"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_resumed_gpu_run_draws_the_dropout_an_uninterrupted_one_draws():
-    """Dropout on a GPU draws from the CUDA generators: the checkpoint carries them."""
-    from pipeline.train import Trainer
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_resumed_run_draws_the_dropout_an_uninterrupted_one_draws(device):
+    """Dropout draws from the device's generator (on a GPU, CUDA's): the checkpoint carries it.
+    The trainer is the stage's own (`trainer_for`, from params.yaml)."""
+    from pipeline.train_setup import trainer_for
     from visionflow.params import load_params
 
     t = load_params(ROOT / "params.yaml").train
-    trainer = Trainer.create(fresh_model().cuda(), t, seed=0, rank=0, world=1)
+    trainer = trainer_for(fresh_model().to(device), t, seed=0, rank=0, world=1, image_size=8)
     saved = trainer.state()
-    ones = torch.ones(10_000, device="cuda")
+    ones = torch.ones(10_000, device=device)
     uninterrupted = F.dropout(ones, 0.5)
-    torch.cuda.manual_seed_all(123)  # a fresh process: other draws
+    torch.manual_seed(123)  # a fresh process: other draws
+    if device == "cuda":
+        torch.cuda.manual_seed_all(123)
+    assert not torch.equal(F.dropout(ones, 0.5), uninterrupted)  # the draws do differ
     trainer.restore(saved)
     assert torch.equal(F.dropout(ones, 0.5), uninterrupted)
 

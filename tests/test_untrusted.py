@@ -17,7 +17,7 @@ import onnx
 import pytest
 from PIL import Image
 
-from tests.helpers import ROOT, commit, copy_project, sh
+from tests.helpers import ROOT, commit, copy_project, python_path, sh
 
 pytestmark = pytest.mark.slow
 
@@ -293,7 +293,7 @@ def test_predict_from_a_subfolder_or_with_nowhere_to_write(reproduced_base, digi
     """Before: from a subfolder of the project, "no model file at results/export/model.onnx:
     `dvc repro` makes it"; `>&-` and a full disk ended in tracebacks; `-` (stdin) was "no
     such file"."""
-    env = {**os.environ, "PYTHONPATH": str(reproduced_base / "src")}
+    env = {**os.environ, "PYTHONPATH": python_path(reproduced_base / "src")}
     cmd = f"{sys.executable} -m visionflow.cli predict {digit}"
     inside = subprocess.run(
         f"{cmd} --json",
@@ -339,7 +339,7 @@ def test_an_empty_or_missing_prepare_path_is_named_before_dvc_runs(reproduced_ba
         result = subprocess.run(
             [sys.executable, "-m", "visionflow.cli", "repro"],
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            env={**os.environ, "PYTHONPATH": python_path(ROOT / "src")},
             capture_output=True,
             text=True,
         )
@@ -391,7 +391,7 @@ def test_doctor_names_a_linked_params_yaml_and_a_link_to_nothing(tmp_path):
         return subprocess.run(
             [sys.executable, "-m", "visionflow.cli", "doctor"],
             cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            env={**os.environ, "PYTHONPATH": python_path(ROOT / "src")},
             capture_output=True,
             text=True,
         )

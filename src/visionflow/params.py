@@ -147,7 +147,7 @@ def with_recipe(train: dict) -> dict:
     set) puts the fine-tuning values into the keys left at their from-scratch defaults."""
     model, pretrained = train.get("model"), train.get("pretrained")
     fine_tuned = isinstance(model, str) and isinstance(pretrained, str) and pretrained
-    if train.get("recipe", "auto") not in ("auto", "finetune") or not fine_tuned:
+    if train.get("recipe", "scratch") not in ("auto", "finetune") or not fine_tuned:
         return train  # finetune without a network to fine-tune: the model's rule says so
     if not from_torchvision(model, pretrained):
         return train
@@ -162,7 +162,8 @@ class Train(Section):
     # import path package.module:Name
     model: str
     pretrained: str
-    recipe: Literal["auto", "finetune", "scratch"] = "auto"  # auto: finetune when pretrained
+    # auto: finetune when pretrained; scratch the default until the recipe measures better
+    recipe: Literal["auto", "finetune", "scratch"] = "scratch"
     freeze_epochs: int = Field(0, ge=0)  # pretrained: train only the new head for this many epochs
     backbone_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: the backbone's lr is lr x this
     group_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: a group's lr is the next's x this
@@ -188,7 +189,7 @@ class Train(Section):
     max_nonfinite_steps: int = Field(ge=1)
     overfit_batches: int = Field(ge=0)
     deterministic: bool
-    channels_last: bool
+    channels_last: Literal["auto"] | bool  # auto: per model and device (speed_settings)
     max_memory_gb: float = Field(ge=0)
     compile: bool
     dropout: float = Field(ge=0, lt=1)
@@ -265,6 +266,8 @@ class Evaluate(Section):
     batch_size: int = Field(ge=1)
     top_k: int = Field(ge=1)
     misclassified: int = Field(ge=0, le=100)
+    top_losses: int = Field(16, ge=0, le=100)
+    tta: bool = False
 
 
 ONNX_FLOOR_OPSET = 21  # the newest opset of onnx 1.16, the oldest that pyproject.toml allows

@@ -9,15 +9,21 @@ and a duplicates report. Class names are NFC-normalised folder names. Normalisat
 load time (`loading.to_model_input`), on whatever device trains. Torch-free: `visionflow.train.loading`
 is the torch half (the splits on the device, batches, normalisation).
 
+Prepare's memory does not grow with the folder: images are decoded into a scratch file and copied
+into the split files with plain reads and writes, a bounded chunk at a time, never through memory
+maps, whose pages count in the process's memory for as long as they stay mapped (with maps, 32,000
+64 px images took 5x the memory of 2,000: bench/prepare_memory_bench.py).
+
 Files users did not make themselves are decoded defensively: broken, empty, non-image and
 oversized files are rejected with a reason each (never silently used), image modes are normalised
 (alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied), and
-decoding runs on all cores into memory-mapped arrays, so a dataset larger than RAM can be prepared.
+decoding runs on all cores straight into files, so a dataset larger than RAM can be prepared.
 """
 
 import contextlib
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -46,16 +52,18 @@ from visionflow.data.decode import (  # noqa: F401  (data.Decode, data.to_pixels
     to_pixels,
 )
 from visionflow.data.files import file_hash, verify_cache  # noqa: F401  (data.verify_cache)
-from visionflow.data.shards import Shards, cut, hash_split, image_keys, read_sharded
+from visionflow.data.shards import cut, hash_split, image_keys, read_sharded
 from visionflow.data.sources import Source
 from visionflow.data.splits import find_duplicates, split_indices
 from visionflow.errors import DataError, DiskFull
 
-_worker: dict = {}  # per decoding process: the output memmap and the Decode options
+_worker: dict = {}  # per decoding process: the scratch file's descriptor, the Decode options
 # images per task handed to a decoding process: large enough that the hand-over (a pickle each
 # way, a queue, a future) costs under 1% of decoding even 32 px PNGs, small enough that the last
 # tasks still spread over every core; capped below so each process gets about 8 tasks
 CHUNK = 64
+COPY_BYTES = 2**22  # pixels copied from the scratch file per read and write: 4 MB at any size
+HISTOGRAM_PIXELS = 2**18  # counted per np.bincount call, which copies them as int64: 2 MB
 
 
 def cores() -> int:
@@ -72,36 +80,40 @@ def _start_worker(path: Path, decode: Decode) -> None:
     # worker); SIGTERM from the parent ends a worker at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker["out"] = np.load(path, mmap_mode="r+")
+    _worker["out"] = os.open(path, os.O_WRONLY)  # closed when the process ends
     _worker["decode"] = decode
 
 
-def _decode_one(job: tuple[int, object]) -> tuple[int, str | None, str]:
-    """Decode one image straight into the shared output array; only a digest travels back."""
-    index, item = job
+def _decode_one(index: int, item) -> tuple[int, str | None, bytes]:
+    """Decode one image straight into its row of the scratch file (every image has the same
+    size); only a digest travels back."""
     decode = _worker["decode"]
     if faults.ACTIVE:
         faults.fault("prepare.decode", index=index)
     try:
-        image = Image.fromarray(item) if isinstance(item, np.ndarray) else open_image(item, decode)
+        if isinstance(item, np.ndarray):
+            image = Image.fromarray(item)
+        else:
+            image = open_image(Path(item), decode)
     except DataError as e:
-        return index, str(e), ""
-    pixels = pixels_of(image, decode)
-    _worker["out"][index] = pixels
-    return index, None, hashlib.blake2b(pixels.tobytes(), digest_size=16).hexdigest()
+        return index, str(e), b""
+    pixels = pixels_of(image, decode).tobytes()
+    os.pwrite(_worker["out"], pixels, index * len(pixels))
+    return index, None, hashlib.blake2b(pixels, digest_size=16).digest()
 
 
-def _decode_chunk(jobs: list[tuple[int, object]]) -> list[tuple[int, str | None, str]]:
-    return [_decode_one(job) for job in jobs]
+def _decode_chunk(start: int, items: Sequence) -> list[tuple[int, str | None, bytes]]:
+    return [_decode_one(start + i, item) for i, item in enumerate(items)]
 
 
 def _decode_here(path: Path, images: Sequence, decode: Decode):
     """Yield each image's result, decoded in this process."""
-    _worker["out"], _worker["decode"] = np.load(path, mmap_mode="r+"), decode
+    _worker["out"], _worker["decode"] = os.open(path, os.O_WRONLY), decode
     try:
-        for job in enumerate(images):
-            yield [_decode_one(job)]
+        for index, item in enumerate(images):
+            yield [_decode_one(index, item)]
     finally:
+        os.close(_worker["out"])
         _worker.clear()
 
 
@@ -109,22 +121,24 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
     """Yield the results of each chunk of images as a process finishes it. A process that dies
     (the out-of-memory killer, kill -9, a crash in a codec) is a DataError, not a hang; a stop
     (Ctrl-C, SIGTERM, an error, the caller closing this generator) ends the processes at once."""
-    jobs = list(enumerate(images))
-    size = max(1, min(CHUNK, len(jobs) // (8 * workers)))
-    chunks = [jobs[i : i + size] for i in range(0, len(jobs), size)]
+    size = max(1, min(CHUNK, len(images) // (8 * workers)))
+    starts = range(0, len(images), size)
     context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
-    pool = ProcessPoolExecutor(min(workers, len(chunks)), context, _start_worker, (path, decode))
+    pool = ProcessPoolExecutor(min(workers, len(starts)), context, _start_worker, (path, decode))
     done = 0
     try:
-        futures = [pool.submit(_decode_chunk, chunk) for chunk in chunks]
-        for future in as_completed(futures):
+        # no list of the futures kept here: as_completed lets go of each one it yields, so a
+        # chunk's results are freed once read (prepare's memory does not grow with the folder)
+        for future in as_completed(
+            [pool.submit(_decode_chunk, i, images[i : i + size]) for i in starts]
+        ):
             results = future.result()
             done += len(results)
             yield results
     except BrokenProcessPool:
         processes = _workers(pool)
         pool.shutdown(wait=True)  # the rest are stopped and reaped: their exit codes are known
-        raise DataError(_died(processes, done, len(jobs), path), setting="workers") from None
+        raise DataError(_died(processes, done, len(images), path), setting="workers") from None
     except BaseException:  # Ctrl-C, SIGTERM, an error: the workers stop now, unfinished
         _stop(pool)
         raise
@@ -224,16 +238,17 @@ class ProgressBar:
 
 def decode_into(
     path: Path, images: Sequence, decode: Decode, workers: int = 1, progress=None
-) -> tuple[np.ndarray, dict[int, str], list[str]]:
-    """Decode every image into the .npy file at `path` (N x size x size x C, made by the caller).
+) -> tuple[np.ndarray, dict[int, str], np.ndarray]:
+    """Decode every image into the raw file at `path` (N x size x size x C uint8, no header, made
+    by the caller): image i at i times its bytes.
 
-    Files are decoded in `workers` processes, each writing its rows of the memory-mapped file;
-    arrays are decoded in this one. `progress(n)` is called as each n more images are done
+    Files are decoded in `workers` processes, each writing its rows of the file; arrays are
+    decoded in this one. `progress(n)` is called as each n more images are done
     (default: a `ProgressBar` on stderr). Returns the mask of decoded images, the reason for each
     rejected index, and a digest of each image's pixels.
     """
     ok = np.zeros(len(images), dtype=bool)
-    rejected, digests = {}, [""] * len(images)
+    rejected, digests = {}, np.zeros(len(images), dtype="S16")  # not a bytes object each
     progress = progress or ProgressBar(len(images))
     files = len(images) > 0 and not isinstance(images[0], np.ndarray)
     parallel = workers > 1 and files
@@ -253,14 +268,25 @@ def decode_into(
     return ok, rejected, digests
 
 
-def channel_stats(x: np.ndarray, chunk: int = 4096) -> tuple[list[float], list[float]]:
+def add_histogram(counts: np.ndarray, images: np.ndarray) -> None:
+    """Add the pixels of uint8 NHWC `images` to `counts` (channels x 256, int64), a bounded
+    number at a time: np.bincount counts a copy of them as int64, 8 bytes a pixel."""
+    pixels = images.reshape(-1, counts.shape[0])
+    for start in range(0, len(pixels), HISTOGRAM_PIXELS):
+        for c, channel in enumerate(pixels[start : start + HISTOGRAM_PIXELS].T):
+            counts[c] += np.bincount(channel, minlength=256)
+
+
+def channel_stats(x: np.ndarray, chunk: int = 256) -> tuple[list[float], list[float]]:
     """Per-channel mean and std of uint8 NHWC images on the 0..1 scale, exact, from histograms."""
-    channels = x.shape[-1]
-    counts = np.zeros((channels, 256), dtype=np.int64)
+    counts = np.zeros((x.shape[-1], 256), dtype=np.int64)
     for start in range(0, len(x), chunk):
-        part = np.asarray(x[start : start + chunk]).reshape(-1, channels)
-        for c in range(channels):
-            counts[c] += np.bincount(part[:, c], minlength=256)
+        add_histogram(counts, np.asarray(x[start : start + chunk]))
+    return stats_of(counts)
+
+
+def stats_of(counts: np.ndarray) -> tuple[list[float], list[float]]:
+    """Per-channel mean and std on the 0..1 scale from histograms of uint8 pixels."""
     levels = np.arange(256) / 255
     total = counts.sum(axis=1)
     mean = counts @ levels / total
@@ -274,54 +300,67 @@ def write_json(path: Path, obj) -> None:
 
 
 def reserve(path: Path) -> None:
-    """Allocate every block of a memory-mapped file now. The file is sparse: a write through the
-    map into a hole on a disk that has filled since (another writer, a check made before) kills
-    the process with SIGBUS, which nothing can catch; here it is ENOSPC, named as a full disk."""
+    """Allocate every block of a file now. The file is sparse: a write into a hole on a disk that
+    has filled since (another writer, a check made before) fails midway, in a decoding process,
+    or kills the process with SIGBUS through a memory map, which nothing can catch; here it is
+    ENOSPC, named as a full disk."""
     with open(path, "r+b") as handle:
         os.posix_fallocate(handle.fileno(), 0, os.fstat(handle.fileno()).st_size)
 
 
-def write_split(path: Path, source: np.ndarray, index: np.ndarray, chunk: int = 4096) -> None:
-    """`source[index]` into a new .npy file, a chunk at a time (never the whole split in RAM)."""
-    out = np.lib.format.open_memmap(
-        path, mode="w+", dtype=source.dtype, shape=(len(index), *source.shape[1:])
-    )
-    reserve(path)
-    for start in range(0, len(index), chunk):
-        out[start : start + chunk] = source[index[start : start + chunk]]
-    out.flush()
-    del out
+def write_split(
+    path: Path, decoded: Path, shape: tuple[int, ...], index: np.ndarray, counts=None
+) -> None:
+    """Images `index` of the raw file `decoded` (each a uint8 array of `shape`) into a new .npy
+    file, COPY_BYTES at a time, with plain reads and writes (never the split in memory, nor
+    mapped); their pixels are added to the histograms `counts` when given (`add_histogram`)."""
+    header = {"descr": "|u1", "fortran_order": False, "shape": (len(index), *shape)}
+    chunk = np.empty((max(1, COPY_BYTES // math.prod(shape)), *shape), dtype=np.uint8)
+    with open(decoded, "rb") as source, open(path, "wb") as out:
+        np.lib.format.write_array_header_1_0(out, header)
+        out.truncate(out.tell() + len(index) * chunk[0].nbytes)
+        reserve(path)
+        for start in range(0, len(index), len(chunk)):
+            part = chunk[: len(index[start : start + len(chunk)])]
+            for row, i in zip(part, index[start : start + len(chunk)], strict=True):
+                os.preadv(source.fileno(), [row], int(i) * row.nbytes)
+            out.write(part.data)
+            if counts is not None:
+                add_histogram(counts, part)
 
 
 def write_cache(
     out: Path,
-    pixels: np.ndarray,
+    decoded: Path,
+    shape: tuple[int, ...],
     source: Source,
     splits: dict[str, np.ndarray],
     made_from: dict,
     shard_images: int = 0,
     keys: np.ndarray | None = None,
 ) -> dict:
-    """Write arrays, classes, train-only stats and the manifest (with `made_from`: the source and
-    the split, which the model card states); returns the manifest. With `shard_images` each split
-    goes into shards of at most that many images, cut by `keys` (`shards.cut`), listed in order
-    under the manifest's "shards"."""
+    """Write arrays (from the raw file `decoded`, images of `shape`, in source order), classes,
+    train-only stats and the manifest (with `made_from`: the source and the split, which the
+    model card states); returns the manifest. With `shard_images` each split goes into shards of
+    at most that many images, cut by `keys` (`shards.cut`), listed in order under the manifest's
+    "shards". The train split's histograms are counted as it is written (one pass, no re-read)."""
     out.mkdir(parents=True, exist_ok=True)
     files, counts, listed = {}, {}, {}
+    histograms = np.zeros((shape[-1], 256), dtype=np.int64)  # train's pixels, per channel
     for split, index in splits.items():
         y = source.labels[index]
         parts = cut(index, keys, split, shard_images) if shard_images else {split: index}
         listed[split] = list(parts)
         for shard, part in parts.items():
-            write_split(out / f"{shard}_x.npy", pixels, part)
+            train = histograms if split == "train" else None
+            write_split(out / f"{shard}_x.npy", decoded, shape, part, train)
             np.save(out / f"{shard}_y.npy", source.labels[part])
-            shapes = {"x": [len(part), *pixels.shape[1:]], "y": [len(part)]}
-            for kind, shape in shapes.items():
+            for kind, dims in {"x": [len(part), *shape], "y": [len(part)]}.items():
                 name = f"{shard}_{kind}.npy"
-                files[name] = {"sha256": file_hash(out / name), "shape": shape}
+                files[name] = {"sha256": file_hash(out / name), "shape": dims}
         per_class = np.bincount(y, minlength=len(source.classes))
         counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
-    mean, std = channel_stats(Shards([out / f"{shard}_x.npy" for shard in listed["train"]]))
+    mean, std = stats_of(histograms)
     write_json(out / "classes.json", source.classes)
     write_json(out / "stats.json", {"mean": mean, "std": std, "computed_on": "train"})
     for name in ("classes.json", "stats.json", "decode.json"):  # class names, preprocessing
@@ -365,21 +404,19 @@ def build_cache(
         )
     out.mkdir(parents=True, exist_ok=True)
     channels = 1 if decode.color == "grayscale" else 3
-    scratch = out / ".decoded.npy"  # all images, in source order; removed when done
-    shape = (len(source.images), decode.size, decode.size, channels)
-    # the decoded scratch, then the split arrays beside it, then labels: check before mapping, as a
-    # memory-mapped write to a full disk kills the process with SIGBUS, which nothing can catch
-    needed = 2 * int(np.prod(shape)) + 8 * len(source.images) + 2**20
+    scratch = out / ".decoded"  # all images, raw, in source order; removed when done
+    shape = (decode.size, decode.size, channels)  # of one image
+    # the decoded scratch, then the split arrays beside it, then labels: check before writing
+    needed = 2 * len(source.images) * math.prod(shape) + 8 * len(source.images) + 2**20
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
-    np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8, shape=shape).flush()
-    reserve(scratch)  # the decoding processes write through maps of it
-    pixels = None
+    with open(scratch, "wb") as handle:
+        handle.truncate(len(source.images) * math.prod(shape))
+    reserve(scratch)  # the decoding processes write into it
     try:
         ok, rejected, digests = decode_into(
             scratch, source.images, decode, workers or os.cpu_count()
         )
-        pixels = np.load(scratch, mmap_mode="r")
         rejects = check_rejects(out, source, rejected, max_bad_fraction)
         good = np.flatnonzero(ok)
         check_class_sizes(source, good, min_per_class)
@@ -391,6 +428,7 @@ def build_cache(
             if shard_images
             else split_indices(labels, val_fraction, test_fraction, seed, is_test)
         )
+        check_training_images(source.classes, labels[local["train"]])
         splits, duplicates = find_duplicates(
             {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
         )
@@ -407,9 +445,8 @@ def build_cache(
         if shard_images:  # one file per split keeps its bytes: a permutation, as before
             split["placed_by"] = "name hash"
         made_from = {**(origin or {}), **split}
-        manifest = write_cache(out, pixels, source, splits, made_from, shard_images, keys)
+        manifest = write_cache(out, scratch, shape, source, splits, made_from, shard_images, keys)
     finally:
-        pixels = None  # drop the memmap before removing its file
         scratch.unlink(missing_ok=True)
     return {**manifest, "rejected": len(rejects), "duplicates": duplicates["across_splits"]}
 
@@ -445,6 +482,18 @@ def check_class_sizes(source: Source, good: np.ndarray, min_per_class: int) -> N
         raise DataError(
             f"classes below the minimum of {min_per_class} images: {small}",
             setting="min_per_class",
+        )
+
+
+def check_training_images(classes: list[str], train_labels: np.ndarray) -> None:
+    """DataError naming the classes the split left without a training image (all of them in a
+    source's own test split, or a class too small for the fractions): a model cannot learn them."""
+    counts = np.bincount(train_labels, minlength=len(classes))
+    none = [c for c, n in zip(classes, counts, strict=True) if n == 0]
+    if none:
+        raise DataError(
+            f"no training images for classes {none}: the split put all of their images in val "
+            "or test (or the source's own test split holds them all); add images to them"
         )
 
 

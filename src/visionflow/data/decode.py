@@ -140,3 +140,25 @@ def to_pixels(item, decode: Decode) -> np.ndarray:
     except DataError as e:
         raise DataError(f"cannot decode {item}: {e}") from None
     return pixels_of(image, decode)
+
+
+def fit_kept(images: list | np.ndarray, fit: str, sample: int = 256) -> float:
+    """The mean share of each image's area that `fit` keeps in the cache (crop: the centre square
+    keeps 75% of a 4:3 photo; squash: all of it, distorted), from the headers of up to `sample`
+    evenly spaced images (arrays: their shape); unreadable files are left out (prepare rejects
+    them)."""
+    if fit != "crop" or not len(images):
+        return 1.0
+    shares = []
+    for i in np.linspace(0, len(images) - 1, min(sample, len(images))).astype(int):
+        item = images[i]
+        try:
+            if isinstance(item, np.ndarray):
+                height, width = item.shape[:2]
+            else:
+                with Image.open(item) as opened:  # the header only: nothing decoded
+                    width, height = opened.size  # a quarter turn (EXIF) keeps the share
+        except (OSError, ValueError, SyntaxError):
+            continue
+        shares.append(min(width, height) ** 2 / (width * height))
+    return float(np.mean(shares)) if shares else 1.0

@@ -16,12 +16,28 @@ from visionflow.errors import DataError
 
 
 class Source(NamedTuple):
-    images: Sequence  # uint8 arrays (HxW or HxWxC) or image file paths, decoded lazily
+    images: Sequence  # uint8 arrays (HxW or HxWxC) or image file paths (`Files`), decoded lazily
     labels: np.ndarray  # int64, one per image
     classes: list[str]  # class names in label order
     is_test: np.ndarray | None  # bool mask of an official test split, or None
     names: list[str]  # stable name per image for reports: path relative to the root, or "#i"
     skipped: dict[str, str] = {}  # files rejected while listing (name -> reason)
+
+
+class Files(Sequence):
+    """The paths (str) of the image files `names` under `root`, made as they are read: a list of
+    them would hold every path's characters a second time (prepare's memory, per image)."""
+
+    def __init__(self, root: Path, names: list[str]):
+        self.root, self.names = str(root), names
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [os.path.join(self.root, name) for name in self.names[i]]
+        return os.path.join(self.root, self.names[i])
 
 
 def digits_source() -> Source:
@@ -46,7 +62,7 @@ def imagefolder_source(root: Path) -> Source:
     """
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist or is not a folder")
-    paths, labels, skipped, classes = [], [], {}, []
+    names, labels, skipped, classes = [], [], {}, []
     for entry in sorted(root.iterdir()):
         if entry.name.startswith("."):
             continue
@@ -70,7 +86,7 @@ def imagefolder_source(root: Path) -> Source:
             elif path.suffix.lower() not in IMAGE_SUFFIXES:
                 skipped[relative] = f"not an image file type ({path.suffix or 'no suffix'})"
             else:
-                paths.append(path)
+                names.append(relative)
                 labels.append(label)
                 found += 1
         if not found:
@@ -81,8 +97,8 @@ def imagefolder_source(root: Path) -> Source:
             )
             also = f" ({links} links skipped: links are not followed)" if links else ""
             raise DataError(f"class '{classes[label]}' ({root / name}) has no image files{also}")
-    names = [p.relative_to(root).as_posix() for p in paths]
-    return Source(paths, np.array(labels, dtype=np.int64), classes, None, names, skipped)
+    labels = np.array(labels, dtype=np.int64)
+    return Source(Files(root, names), labels, classes, None, names, skipped)
 
 
 def class_names(root: Path, folders: list[str]) -> tuple[list[str], list[str]]:

@@ -77,37 +77,33 @@ def split_indices(
 
 
 def find_duplicates(
-    splits: dict[str, np.ndarray], digests: list[str], names: list[str], remove: bool
+    splits: dict[str, np.ndarray], digests, names: list[str], remove: bool
 ) -> tuple[dict[str, np.ndarray], dict]:
     """Exact duplicates (same cached pixels) across splits; optionally dropped from the later split.
 
     Train keeps its copy; a val image equal to a train image, or a test image equal to either,
-    leaks. Duplicates inside one split are counted, not removed.
+    leaks. Duplicates inside one split are counted, not removed. `digests`: one per image (an
+    array, or a list), compared in arrays: no dict of every image (prepare's memory).
     """
-    seen: dict[str, tuple[str, int]] = {}
-    pairs, kept, within = [], {}, 0
-    for split in SPLITS:
-        keep, here = [], set()
-        for i in splits[split]:
-            digest = digests[i]
-            first = seen.get(digest)
-            if first and first[0] != split:
-                pairs.append(
-                    {
-                        "split": split,
-                        "image": names[i],
-                        "same_as": names[first[1]],
-                        "same_as_split": first[0],
-                    }
-                )
-                if remove:
-                    continue
-            elif digest in here:
-                within += 1
-            here.add(digest)
-            seen.setdefault(digest, (split, int(i)))
-            keep.append(i)
-        kept[split] = np.array(keep, dtype=np.int64)
+    order = np.concatenate([splits[s] for s in SPLITS]).astype(np.int64)  # train, val, test
+    placed = np.repeat(np.arange(len(SPLITS)), [len(splits[s]) for s in SPLITS])  # their splits
+    _, first_at, same = np.unique(
+        np.asarray(digests)[order], return_index=True, return_inverse=True
+    )
+    first = first_at[same.reshape(-1)]  # where in `order` the first image of the same pixels is
+    across = placed[first] != placed  # an earlier split's: train keeps its copy
+    within = int(np.count_nonzero(~across & (first != np.arange(len(order)))))
+    pairs = [
+        {
+            "split": SPLITS[placed[p]],
+            "image": names[order[p]],
+            "same_as": names[order[first[p]]],
+            "same_as_split": SPLITS[placed[first[p]]],
+        }
+        for p in np.flatnonzero(across)
+    ]
+    drop = across & remove
+    kept = {s: order[(placed == k) & ~drop] for k, s in enumerate(SPLITS)}
     report = {
         "across_splits": len(pairs),
         "removed": len(pairs) if remove else 0,

@@ -11,6 +11,8 @@ import onnx
 import onnxruntime
 import torch
 
+from visionflow.train.models import input_words
+
 
 def table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -65,6 +67,17 @@ def training_line(meta: dict) -> str:
     )
 
 
+def tta_line(metrics: dict) -> str:
+    """What `tta_acc` is, when evaluate.tta wrote it: no exported file averages."""
+    if "tta_acc" not in metrics:
+        return ""
+    return (
+        "`tta_acc` is the test accuracy of the evaluate stage's test-time augmentation (the mean "
+        "prediction over shifted crops and/or mirrored images, `evaluate.tta`); every exported "
+        "file is single-pass, scored by `accuracy`.\n"
+    )
+
+
 def int8_section(int8: dict, latency: dict) -> str:
     """fp32 against INT8 ONNX: test accuracy, agreement, size and latency, side by side."""
     sizes = int8["size_bytes"]
@@ -105,18 +118,9 @@ def int8_section(int8: dict, latency: dict) -> str:
 """
 
 
-def model_card(
-    meta: dict,
-    manifest: dict,
-    metrics: dict,
-    parity: dict,
-    latency: dict,
-    spec: dict,
-    int8: dict | None = None,
-) -> str:
-    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
-    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
-    parity_rows = [
+def parity_table(parity: dict) -> str:
+    """Each format's parity check at each batch size, as a Markdown table."""
+    rows = [
         [
             runtime,
             name,
@@ -129,6 +133,22 @@ def model_card(
         for name, r in parity[runtime].items()
         if "max_abs_diff" in r
     ]
+    return table(
+        ["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], rows
+    )
+
+
+def model_card(
+    meta: dict,
+    manifest: dict,
+    metrics: dict,
+    parity: dict,
+    latency: dict,
+    spec: dict,
+    int8: dict | None = None,
+) -> str:
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
+    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
     runtimes = list(next(iter(latency.values())))
     latency_rows = [[name, *(f"{latency[b][name]:.3f}" for b in latency)] for name in runtimes]
     scores = [
@@ -151,7 +171,7 @@ Preprocessing: decode ({draft_words(spec)}), EXIF transpose, convert to {spec["c
 and std {[round(s, 4) for s in spec["std"]]}, float32 NCHW. Normalisation statistics: {
         meta.get("norm", "unknown (a model.pt saved before this was recorded)")
     }. Every exported file carries this as `visionflow.preprocess` and the class names as
-`visionflow.classes`.
+`visionflow.classes`. The network sees {input_words(meta)}.
 
 ## Training
 {training_line(meta)} Best epoch {meta["epoch"]} (val accuracy {meta["val_accuracy"]:.4f}).
@@ -159,10 +179,15 @@ and std {[round(s, 4) for s in spec["std"]]}, float32 NCHW. Normalisation statis
 ## Test metrics
 {table(["metric", "value"], scores)}
 
+{
+        tta_line(metrics)
+    }Where it fails: [the highest-loss test images](../evaluate/top_losses.png) (predicted /
+actual / loss / probability) and [the class pairs most confused](../evaluate/most_confused.json).
+
 ## Parity with eager PyTorch (real test images)
 ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
-{table(["format", "batch", "max abs diff", "max rel diff", "top-1 agreement", "gate"], parity_rows)}
+{parity_table(parity)}
 
 {int8_section(int8, latency) if int8 else ""}
 ## Latency (median ms per call, this machine)

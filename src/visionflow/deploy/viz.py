@@ -1,4 +1,5 @@
-"""Pictures people would rather look at than read: the label grid."""
+"""Pictures people would rather look at than read: the label grid, the confusion matrix, the
+misclassified and highest-loss test images, the class counts."""
 
 import matplotlib
 
@@ -78,18 +79,44 @@ def mistakes_grid(
     images: np.ndarray, truth: list[str], predicted: list[str], confidence: list[float]
 ):
     """Misclassified images (float NCHW in 0..1), each titled true / predicted (confidence)."""
+    titles = [
+        f"true {t}\npred {p} ({c:.2f})"
+        for t, p, c in zip(truth, predicted, confidence, strict=True)
+    ]
+    return titled_grid(images, titles, "most confidently misclassified test images", "no mistakes")
+
+
+def top_losses_grid(
+    images: np.ndarray,
+    predicted: list[str],
+    truth: list[str],
+    losses: list[float],
+    probs: list[float],
+):
+    """The highest-loss images (float NCHW in 0..1), each titled as fastai's `plot_top_losses`:
+    predicted / actual / loss / the predicted class's probability."""
+    titles = [
+        f"{p} / {t}\n{loss:.2f} / {prob:.2f}"
+        for p, t, loss, prob in zip(predicted, truth, losses, probs, strict=True)
+    ]
+    title = "highest-loss test images: predicted / actual, loss / probability"
+    return titled_grid(images, titles, title, "no test images")
+
+
+def titled_grid(images: np.ndarray, titles: list[str], title: str, empty: str):
+    """Images (float NCHW in 0..1) in rows of 8, each with its title; `empty` when none."""
     n = max(len(images), 1)
     cols = min(n, 8)
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.5, rows * 2.0), squeeze=False)
     for ax in axes.flat:
         ax.axis("off")
-    for ax, image, t, p, c in zip(axes.flat, images, truth, predicted, confidence, strict=False):
+    for ax, image, words in zip(axes.flat, images, titles, strict=False):
         show(ax, image)
-        ax.set_title(f"true {t}\npred {p} ({c:.2f})", fontsize=7)
+        ax.set_title(words, fontsize=7)
     if not len(images):
-        axes[0, 0].text(0.5, 0.5, "no mistakes", ha="center", va="center")
-    fig.suptitle("most confidently misclassified test images")
+        axes[0, 0].text(0.5, 0.5, empty, ha="center", va="center")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

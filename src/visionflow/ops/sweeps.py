@@ -219,18 +219,26 @@ class Poll:
 
 
 def metric_values(summary: dict) -> dict:
-    """The main metrics of one experiment (None where it has none)."""
+    """The main metrics of one experiment (None where it has none), to 5 significant digits as
+    `dvc exp show` prints them (0.77222, not 0.7722222222222223)."""
     metrics = summary.get("metrics", {})
     return {
-        name: (metrics.get(path) or {}).get("data", {}).get(name)
+        name: shown((metrics.get(path) or {}).get("data", {}).get(name))
         for path, names in MAIN_METRICS.items()
         for name in names
     }
 
 
+def shown(value):
+    """A number to 5 significant digits; anything else as it is."""
+    if isinstance(value, float):
+        return float(f"{value:.5g}")
+    return value
+
+
 def main_metrics(summary: dict) -> str:
     values = metric_values(summary)
-    return " ".join(f"{name}={value:.4f}" for name, value in values.items() if value is not None)
+    return " ".join(f"{name}={value}" for name, value in values.items() if value is not None)
 
 
 def sweep_table(poll: Poll, plan: dict[str, list[str]]) -> list[dict]:
@@ -325,8 +333,8 @@ def spread_problem(root: Path, remote: str, commit: str | None = None) -> str | 
         return f"{root} has no default DVC remote: `dvc remote add -d NAME URL` (the experiments' metrics and models travel through it)"
     head = git(root, "rev-parse", "HEAD").strip()
     if commit is None:
-        git(root, "fetch", "-q", remote)
-        if not git(root, "branch", "-r", "--contains", head).strip():
+        git(root, "fetch", "-q", remote)  # only its branches: another remote's do not count
+        if not git(root, "branch", "-r", "--contains", head, "--list", f"{remote}/*").strip():
             return f"commit {head[:8]} is not on {remote}: `git push {remote}` first (every worker needs it)"
         return None
     if head != commit:

@@ -40,18 +40,14 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
             paths = [Path(p) for p in (event.src_path, getattr(event, "dest_path", "")) if p]
             with lock:
                 now = list(deps)
-            hits = {path for path in paths for dep in now if path.is_relative_to(dep)}
+            hits, above = touched(paths, now, event.event_type)
             if hits & says_deps:
                 reread.set()
                 rewatch.set()
-            if event.event_type in ("created", "deleted", "moved"):
-                # a dep folder, or one above a dep, came or went: its watch is gone or due
-                above = {path for path in paths for dep in now if dep.is_relative_to(path)}
-                if above:
-                    with lock:
-                        gone.update(above)
-                    rewatch.set()
-                hits |= above
+            if above:
+                with lock:
+                    gone.update(above)
+                rewatch.set()
             if hits:
                 with lock:
                     changed.update(hits)
@@ -74,16 +70,7 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
             came_or_went = list(gone)
             gone.clear()
             points = watch_points(root, deps)
-        for point, watch in list(watched.items()):
-            if point not in points or any(point[0].is_relative_to(p) for p in came_or_went):
-                with contextlib.suppress(KeyError):  # watchdog dropped it with its folder
-                    observer.unschedule(watch)
-                del watched[point]
-        for folder, recursive in sorted(points - watched.keys()):
-            with contextlib.suppress(FileNotFoundError):  # gone again: `rewatch` is set again
-                watched[folder, recursive] = observer.schedule(
-                    handler, str(folder), recursive=recursive
-                )
+        rewatched(observer, handler, watched, points, came_or_went)
 
     schedule()
     observer.start()
@@ -103,6 +90,31 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
                 yield burst
     finally:
         observer.stop()
+
+
+def touched(paths: list[Path], deps: list[Path], event_type: str) -> tuple[set, set]:
+    """The paths an event touched that matter: at or below a dep, or, for a folder that came
+    or went, above one (its watch is gone or due); and those above ones apart."""
+    hits = {path for path in paths for dep in deps if path.is_relative_to(dep)}
+    above = set()
+    if event_type in ("created", "deleted", "moved"):
+        above = {path for path in paths for dep in deps if dep.is_relative_to(path)}
+    return hits | above, above
+
+
+def rewatched(observer, handler, watched: dict, points: set, came_or_went: list[Path]) -> None:
+    """Take down the watches of `watched` not among `points` or at or below a folder that came
+    or went, and watch each point not watched (it updates `watched`)."""
+    for point, watch in list(watched.items()):
+        if point not in points or any(point[0].is_relative_to(p) for p in came_or_went):
+            with contextlib.suppress(KeyError):  # watchdog dropped it with its folder
+                observer.unschedule(watch)
+            del watched[point]
+    for folder, recursive in sorted(points - watched.keys()):
+        with contextlib.suppress(FileNotFoundError):  # gone again: `rewatch` is set again
+            watched[folder, recursive] = observer.schedule(
+                handler, str(folder), recursive=recursive
+            )
 
 
 def watch_points(root: Path, deps: list[Path]) -> set[tuple[Path, bool]]:

@@ -3,6 +3,8 @@ device, or memory-mapped).
 
 Batches are sliced from the cache held on the device, then augmented and normalised there. One AMP
 path: `torch.autocast(..., enabled=...)` and a `GradScaler(enabled=...)` that is a no-op unless fp16.
+A step reads one value on the host (whether its losses were finite, to skip it if not); fp16 reads
+one more (the scaler's overflow). Every other number stays on the device until the epoch's end.
 """
 
 import math
@@ -49,6 +51,37 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
             return None
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[amp]
+
+
+# What `auto` picks per model on a GPU, from measurements on an H200 (bench/gpu_bench.py, 32 px,
+# batch 512; docs/benchmarks.md): simple_cnn trained fastest in fp32 with the default memory format
+# (bf16 0.90x, bf16 + channels_last 0.87x): its two small convolutions gain nothing from tensor
+# cores and pay for the casts and the layout. small_resnet gained 1.46x with bf16 + channels_last
+# (cuDNN's tensor-core convolutions want NHWC); torchvision's networks are fine-tuned that way.
+FP32_ON_A_GPU = {"simple_cnn"}
+
+
+def speed_settings(
+    amp: str, channels_last: bool | str, model: str, device: torch.device
+) -> tuple[torch.dtype | None, bool, str]:
+    """(autocast dtype or None, channels_last, why) for `train.amp` and `train.channels_last`.
+
+    `auto` picks what was measured faster for this model on this device: on the CPU no autocast
+    and channels_last (NHWC was the faster layout for convolutions on 2 cores); on a GPU fp32
+    and the default layout for FP32_ON_A_GPU, else bf16 (fp16 on GPUs without it) and
+    channels_last. A value set in params.yaml is taken as it is."""
+    fp32 = device.type == "cuda" and model in FP32_ON_A_GPU
+    dtype = None if amp == "auto" and fp32 else amp_dtype(amp, device)
+    nhwc = not fp32 if channels_last == "auto" else channels_last
+    if "auto" not in (amp, channels_last):
+        why = "as params.yaml sets them"
+    elif fp32:
+        why = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
+    elif device.type == "cuda":
+        why = "auto: bf16 with channels_last trained residual networks faster on a GPU"
+    else:
+        why = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
+    return dtype, nhwc, why
 
 
 def make_optimizer(
@@ -125,8 +158,9 @@ def step_within(scheduler) -> None:
         scheduler.step()
 
 
-def grad_norms(model: nn.Module) -> dict[str, float]:
-    """L2 norm of each parameter's gradient, by name (an exploding or vanishing layer shows).
+def grad_norms(model: nn.Module) -> dict[str, torch.Tensor]:
+    """L2 norm of each parameter's gradient, by name (an exploding or vanishing layer shows), as
+    0-d tensors on the device: read at the epoch's end, not in the step.
     BatchNorm biases are left out: one whose output reaches the loss through a convolution and
     another BatchNorm (MobileNet's and EfficientNet's blocks) has no gradient by construction."""
     shifts = {
@@ -135,7 +169,7 @@ def grad_norms(model: nn.Module) -> dict[str, float]:
         if isinstance(module, nn.modules.batchnorm._NormBase)
     }
     return {
-        name: p.grad.norm().item()
+        name: p.grad.detach().norm()
         for name, p in model.named_parameters()
         if p.grad is not None and name not in shifts
     }
@@ -206,18 +240,19 @@ def train_one_epoch(
     over its images as one big batch would take it (an epoch's last, short micro-batch weighs
     what its images weigh; every rank's shard is the same size, so DDP's mean over ranks is the
     mean over all the step's images). Under DDP the gradients are all-reduced once per step, on
-    its last micro-batch (with `step.agree_on_memory`, by hand once every rank had the memory:
-    see Step). A step is not taken three ways, each its own branch: a non-finite loss on any rank
-    (skipped on every rank), an fp16 overflow (skipped before the optimizer), out of memory
-    (raised on every rank). The first `record_losses` losses and labels go to the health checks.
-    `scheduler`: a per-step schedule (one-cycle), stepped after each step taken.
-    """
+    its last micro-batch (by hand with `step.agree_on_memory`: see Step). A step is not taken
+    three ways, each its own branch: a non-finite loss on any rank (skipped on every rank), an
+    fp16 overflow (skipped before the optimizer), out of memory (raised on every rank). The
+    first `record_losses` losses and labels go to the health checks. `scheduler`: a per-step
+    schedule (one-cycle), stepped after each step taken."""
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     stats, memory = EpochStats(step, split, epoch, record_losses), MemoryFlag(step.agree_on_memory)
+    kept = [b.clone() for b in floating_buffers(model)]  # BatchNorm's, as each step found them
     optimizer.zero_grad(set_to_none=True)
     for group in stats.groups(split.batches(step.batch_size), step.accumulate):  # a step each
-        kept = [b.clone() for b in floating_buffers(model)]  # BatchNorm's, as the step found them
+        if kept:  # one multi-tensor copy, not a kernel per buffer (ResNet-50 has 106)
+            torch._foreach_copy_(kept, floating_buffers(model))
         images = sum(len(y) for _, y in group)  # this rank's; every rank has as many
         with memory.said():
             for i, (x, y) in enumerate(group):
@@ -228,7 +263,8 @@ def train_one_epoch(
                     # as a division, so that equal micro-batches divide by their count, as before
                     scaler.scale(loss / (images / len(y))).backward()
             flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
-        if not all_ranks_finite(stats.take_finite(), memory, split, stats.where):  # one sync
+        # the step's one sync, which skipping a non-finite step needs (train.max_nonfinite_steps)
+        if not all_ranks_finite(stats.take_finite(), memory, split, stats.where):
             skip_nonfinite(model, kept, stats, step.max_nonfinite)
         else:
             with memory.said():  # said at the next step's sync, or the epoch's end
@@ -303,10 +339,15 @@ def skip_nonfinite(model: nn.Module, kept: list, stats: "EpochStats", most: int)
 LAYER_NORM_EVERY = 50  # optimizer steps between samples of the per-layer gradient norms
 
 
+WARMUP_STEPS = 5  # optimizer steps timed apart at an epoch's start: on a GPU the first ones load
+# kernels, autotune cuDNN and grow the allocator's pool (epoch 1's rate was a tenth of the next)
+
+
 class EpochStats:
-    """What the loop measures, and nothing it decides: loss, accuracy and image sums (on the
-    device, no syncs), the step's finiteness so far, the first losses and labels, gradient norms,
-    steps taken and skipped, the seconds waiting for batches (with their progress bar)."""
+    """What the loop measures, and nothing it decides: loss, accuracy and image sums, the first
+    losses and labels, gradient norms (all on the device, read once at the epoch's end), the
+    step's finiteness so far, steps taken and skipped, the seconds waiting for batches (with their
+    progress bar) and those of the first WARMUP_STEPS steps."""
 
     def __init__(self, step: Step, split: Split, epoch: int, record: int):
         self.step, self.epoch, self.record = step, epoch, record
@@ -314,12 +355,13 @@ class EpochStats:
         self.images = len(split.y) // split.world  # this rank's shard (`batches`)
         self.sums = torch.zeros(3, device=split.mean.device)  # loss sum, correct, images
         self.steps = self.skipped = self.in_a_row = self.micro_batches = 0
-        self.norms: list[float] = []
-        self.layers: dict[str, float] = {}
-        self.first_losses: list[float] = []
-        self.first_labels: Counter[int] = Counter()
+        self.norms: list[torch.Tensor] = []
+        self.layers: dict[str, torch.Tensor] = {}
+        self.first_losses: list[torch.Tensor] = []
+        self.first_labels: list[torch.Tensor] = []
         self.finite: torch.Tensor | None = None  # the step's losses so far, all finite
         self.data_seconds, self.started = 0.0, time.perf_counter()
+        self.warmup = (0.0, 0)  # seconds and this rank's images of the first WARMUP_STEPS steps
 
     @property
     def where(self) -> str:
@@ -329,14 +371,24 @@ class EpochStats:
         """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
         is left. The wait for each counts as data time, shown as progress in a terminal. (An
         out-of-memory while a batch is sliced, a small share of a step's memory, is raised.)"""
-        group = []
+        group, done = [], 0
         for batch in self.timed(batches):
             group.append(batch)
             if len(group) == accumulate:
                 yield group
-                group = []
+                group, done = [], done + 1
+                if done == WARMUP_STEPS:
+                    self.warmed_up(batch[1].device)
         if group:
             yield group
+
+    def warmed_up(self, device: torch.device) -> None:
+        """The time of the first steps: the epoch's one sync besides its end's, so that the
+        clock reads the GPU's work, not how far ahead the host has queued it."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        images = WARMUP_STEPS * self.step.accumulate * self.step.batch_size
+        self.warmup = (time.perf_counter() - self.started, images)
 
     def timed(self, batches: Iterable) -> Iterator:
         total = math.ceil(self.images / self.step.batch_size)  # micro-batches in the epoch
@@ -366,9 +418,9 @@ class EpochStats:
         if faults.ACTIVE:
             where = {"epoch": self.epoch, "step": self.micro_batches, "batch": len(y)}
             loss = faults.fault("train.loss", loss, **where, rank=self.rank)
-        if len(self.first_losses) < self.record:  # a sync per micro-batch, the first ones only
-            self.first_losses.append(loss.item())
-            self.first_labels.update(y.tolist())
+        if len(self.first_losses) < self.record:  # kept on the device, read at the epoch's end
+            self.first_losses.append(loss.detach().float())
+            self.first_labels.append(y)
         ok = torch.isfinite(loss.detach())
         self.finite = ok if self.finite is None else self.finite & ok
         counts = (
@@ -390,7 +442,7 @@ class EpochStats:
         the first step that went through (an fp16 overflow at step 0 measures nothing) always."""
         return not self.layers or self.steps % LAYER_NORM_EVERY == 0
 
-    def stepped(self, norm: float | None, layers: dict[str, float]) -> None:
+    def stepped(self, norm: torch.Tensor | None, layers: dict[str, torch.Tensor]) -> None:
         self.layers = layers or self.layers
         self.norms += [norm] if norm is not None else []
         self.steps, self.in_a_row = self.steps + 1, 0
@@ -407,25 +459,37 @@ class EpochStats:
 
     def totals(self, out_of_memory: bool) -> dict:
         """Mean train loss and accuracy over every rank's images, gradient norms, counts, the
-        first losses and labels, and the seconds waiting for data (`data_seconds`) beside the
-        epoch's; `out_of_memory`, whether any rank's was, goes with the sums' one all-reduce."""
-        memory = torch.full((1,), float(out_of_memory), device=self.sums.device)
+        first losses and labels, the seconds waiting for data (`data_seconds`) beside the
+        epoch's, and those of the first steps (`warmup_seconds`, over `warmup_images` of this
+        rank's); `out_of_memory`, whether any rank's was, goes with the sums' one all-reduce.
+        The epoch's one read of what stayed on the device."""
+        device = self.sums.device
+        memory = torch.full((1,), float(out_of_memory), device=device)
         totals = torch.cat([self.sums, memory])
         if self.world > 1:  # sums over all ranks' shards
             dist.all_reduce(totals)
-        loss_sum, correct, seen, out_of_memory = totals.tolist()
+        measured = [*self.norms, *self.layers.values(), *self.first_losses]
+        values = (
+            torch.cat([totals, torch.stack(measured).float().to(device)]) if measured else totals
+        )
+        loss_sum, correct, seen, out_of_memory, *rest = values.tolist()
+        norms, rest = rest[: len(self.norms)], rest[len(self.norms) :]
+        layers = dict(zip(self.layers, rest[: len(self.layers)], strict=True))
+        labels = torch.cat(self.first_labels).tolist() if self.first_labels else []
         return {
             "loss": loss_sum / max(seen, 1),
             "accuracy": correct / max(seen, 1),
-            "grad_norm": sum(self.norms) / max(len(self.norms), 1),
+            "grad_norm": sum(norms) / max(len(norms), 1),
             "steps": self.steps,
             "skipped_steps": self.skipped,
             "images": int(seen),
-            "layer_grad_norms": self.layers,
-            "first_losses": self.first_losses,
-            "first_labels": dict(sorted(self.first_labels.items())),
+            "layer_grad_norms": layers,
+            "first_losses": rest[len(self.layers) :],
+            "first_labels": dict(sorted(Counter(labels).items())),
             "data_seconds": self.data_seconds,
             "seconds": time.perf_counter() - self.started,
+            "warmup_seconds": self.warmup[0],
+            "warmup_images": self.warmup[1] * self.world,  # every rank's, as `images`
             "out_of_memory": bool(out_of_memory),
         }
 
@@ -476,19 +540,19 @@ def overflowed(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -
     if not scaler.is_enabled():
         return False
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    # fp16's one more sync per step: the decision is the host's (and GradScaler.step's own)
     return not torch.isfinite(nn.utils.get_total_norm(grads)).item()
 
 
 def optimizer_step(
     model: nn.Module, optimizer, scaler, step: Step, sample: bool
-) -> tuple[float | None, dict[str, float]]:
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """Clip and step the unscaled, finite gradients. Returns the global gradient norm (when
-    clipping or sampling) and the per-layer norms (when sampling)."""
+    clipping or sampling) and the per-layer norms (when sampling), on the device."""
     layers = grad_norms(model) if sample else {}
     norm = None
     if step.grad_clip or sample:
-        clipped = nn.utils.clip_grad_norm_(model.parameters(), step.grad_clip or math.inf)
-        norm = clipped.item()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), step.grad_clip or math.inf)
     scaler.step(optimizer)
     return norm, layers
 

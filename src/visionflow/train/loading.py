@@ -75,6 +75,11 @@ def batches(
             batch_size=None,
             num_workers=loader_workers() if workers is None else workers,
             pin_memory=device.type == "cuda",
+            # its own generator: without one, every pass draws its workers' base seed from the
+            # global generator, which dropout draws from too, so a memory-mapped split would
+            # train differently from one held in memory. The workers draw nothing random, so a
+            # fixed seed, fresh each pass, is enough (and a resume has no state to restore).
+            generator=torch.Generator().manual_seed(0),
         )
         for index, xb in zip(index_batches, loader, strict=True):
             yield (

@@ -291,3 +291,20 @@ def model_from(saved: dict) -> tuple[nn.Module, dict]:
     )
     model.load_state_dict(saved["state_dict"])
     return model.eval(), meta
+
+
+def input_words(meta: dict) -> str:
+    """What the network sees, from a model's meta: its input (the cache's side, or the centre
+    crop of it that pretrained weights take) and the normalisation. The train log, the model card
+    and docs/fine-tuning.md say it in these words."""
+    side, size = meta["image_size"], meta.get("network", {}).get("input_size", meta["image_size"])
+    if size < side:
+        seen = (
+            f"a {size} px centre crop of the {side} px cache ({size * size / side**2:.0%} of its "
+            f"area; random resized crops of {size} px while training)"
+        )
+    else:
+        seen = f"the whole {side} px cached image"
+    mean, std = ([round(v, 4) for v in meta[k]] for k in ("mean", "std"))
+    norm = meta.get("norm", "unknown")
+    return f"{seen}, normalised as (pixel / 255 - mean) / std with mean {mean}, std {std} ({norm})"

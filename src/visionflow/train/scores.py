@@ -60,3 +60,23 @@ def most_confident_mistakes(y: torch.Tensor, logits: torch.Tensor, n: int) -> np
     wrong = torch.nonzero(predicted != y).flatten()
     order = torch.argsort(confidence[wrong], descending=True, stable=True)
     return wrong[order][:n].numpy()
+
+
+def top_losses(y: torch.Tensor, logits: torch.Tensor, n: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Indices of the n test images with the highest loss (right or wrong), the highest first,
+    and every image's cross-entropy loss."""
+    losses = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    order = torch.argsort(losses, descending=True, stable=True)
+    return order[:n].numpy(), losses
+
+
+def most_confused(counts: np.ndarray, classes: list[str]) -> list[dict]:
+    """The (actual, predicted) class pairs the model confused, the most often first (ties in
+    class order), as fastai's `most_confused`: one record per pair seen at least once."""
+    pairs = [(int(counts[a, p]), a, p) for a, p in np.ndindex(counts.shape) if a != p]
+    found = sorted((pair for pair in pairs if pair[0]), key=lambda pair: -pair[0])
+    return [
+        {"pair": f"{classes[a]} -> {classes[p]}", "actual": classes[a], "predicted": classes[p]}
+        | {"count": n}
+        for n, a, p in found
+    ]

@@ -12,6 +12,7 @@ import re
 import resource
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from visionflow import faults
 from visionflow.errors import OutOfMemory
 from visionflow.train import health
 from visionflow.train.augment import augment
-from visionflow.train.engine import Split, Step, per_step, train_one_epoch
+from visionflow.train.engine import WARMUP_STEPS, Split, Step, per_step, train_one_epoch
 
 
 def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
@@ -311,12 +312,44 @@ def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: flo
 
 def epoch_line(r: dict) -> str:
     """The log line's numbers for one epoch's record `r`."""
+    rates = f"lr {r['lr']:.2e}"
+    if "lr_backbone" in r:  # fine-tuning's second group: 0 while it is frozen
+        rates += f" backbone {r['lr_backbone']:.2e}" if r["lr_backbone"] else " backbone frozen"
     return (
         f"train loss {r['train/loss']:.4f} acc {r['train/accuracy']:.4f}  "
-        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  lr {r['lr']:.2e}  "
+        f"val loss {r['val/loss']:.4f} acc {r['val/accuracy']:.4f}  {rates}  "
         f"{r['train/images_per_s']:7.0f} img/s"
         + (f"  {r['skipped_steps']} skipped" if r["skipped_steps"] else "")
     )
+
+
+class Laps:
+    """Where an epoch's time goes: each call ends a part (training, validation, health,
+    checkpoint, logging) and adds the seconds since the previous call to it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now
+
+
+def time_line(train: dict, laps: dict[str, float], warmup: bool) -> str:
+    """The log line under an epoch's: its seconds by part, and with `warmup` (a process's first
+    epoch: loading kernels, autotuning, growing the memory pool) its first steps apart and the
+    rate of the steps after them."""
+    trained = f"training {laps.get('training', train['seconds']):.2f}"
+    warm_s, warm_images = train["warmup_seconds"], train["warmup_images"]
+    if warmup and warm_images:
+        steady = (train["images"] - warm_images) / max(train["seconds"] - warm_s, 1e-9)
+        trained += (
+            f" (its first {WARMUP_STEPS} steps {warm_s:.2f}, warming up; then {steady:.0f} img/s)"
+        )
+    besides = ", ".join(f"{part} {s:.2f}" for part, s in laps.items() if part != "training")
+    return f"           seconds: {trained}; besides training: {besides}"
 
 
 @contextmanager
