@@ -236,15 +236,13 @@ def train_one_epoch(
     """One shuffled pass: for each optimizer step, for each of its micro-batches, forward, loss,
     backward; then unscale, clip, step, zero. Returns the epoch's numbers (`EpochStats.totals`).
 
-    Each micro-batch's loss is weighted by its share of the step's images, so a step is the mean
-    over its images as one big batch would take it (an epoch's last, short micro-batch weighs
-    what its images weigh; every rank's shard is the same size, so DDP's mean over ranks is the
-    mean over all the step's images). Under DDP the gradients are all-reduced once per step, on
-    its last micro-batch (by hand with `step.agree_on_memory`: see Step). A step is not taken
-    three ways, each its own branch: a non-finite loss on any rank (skipped on every rank), an
-    fp16 overflow (skipped before the optimizer), out of memory (raised on every rank). The
-    first `record_losses` losses and labels go to the health checks. `scheduler`: a per-step
-    schedule (one-cycle), stepped after each step taken."""
+    Each micro-batch's loss is weighted by its share of the step's images: a step is the mean
+    over its images, as one big batch (equal shards per rank: DDP's mean is too). Under DDP the
+    gradients are all-reduced once per step, on its last micro-batch (by hand with
+    `step.agree_on_memory`: see Step). A step is not taken three ways, each its own branch: a
+    non-finite loss on any rank, an fp16 overflow, out of memory (raised on every rank). The
+    first `record_losses` losses and labels go to the health checks; `scheduler` (one-cycle)
+    steps after each step taken."""
     model.train()
     scaler = scaler or torch.amp.GradScaler(enabled=False)
     stats, memory = EpochStats(step, split, epoch, record_losses), MemoryFlag(step.agree_on_memory)
@@ -259,8 +257,7 @@ def train_one_epoch(
                 last = i == len(group) - 1 and not step.agree_on_memory
                 with sync_only_on_last(model, last):
                     loss, logits = forward(model, split.inputs(x), y, step)
-                    loss = stats.micro_batch(loss, logits, y)
-                    # as a division, so that equal micro-batches divide by their count, as before
+                    loss = stats.micro_batch(loss, logits, y)  # divided: equal ones by count
                     scaler.scale(loss / (images / len(y))).backward()
             flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
         # the step's one sync, which skipping a non-finite step needs (train.max_nonfinite_steps)
