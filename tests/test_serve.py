@@ -887,3 +887,20 @@ def test_predicts_peak_memory_does_not_grow_with_the_folder_for_a_larger_input(t
             os.link(photo, folder / f"{i:04d}.png")
         peaks.append(predict_peak_mb(model, folder))
     assert peaks[1] < 1.2 * peaks[0], peaks
+
+
+def test_a_body_no_route_reads_does_not_hold_its_connection(tmp_path):
+    """GET /health and a POST to no route, each announcing a body of 1 MB and sending a byte of
+    it: answered, then the connection closed. Before, uvicorn went on reading the body, each
+    byte resetting its keep-alive timer: a client dripping it held the connection for good."""
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    with serving(model, "--body-timeout", "600", "--reload-interval", "0") as (url, process):
+        host, port = url.removeprefix("http://").split(":")
+        for head in ("GET /health", "POST /nope"):
+            with socket.create_connection((host, int(port)), timeout=60) as client:
+                client.sendall(
+                    f"{head} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nx".encode()
+                )
+                status, headers, _ = read_answer(client)
+                assert status in (200, 404) and headers["connection"] == "close", (head, headers)
+                assert client.recv(1) == b""  # closed by the server, the body unread

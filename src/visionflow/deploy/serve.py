@@ -393,10 +393,15 @@ class Service:
 
         async def closing(scope, receive, send):
             """The app; once stopping, each answer says Connection: close (uvicorn then closes
-            the connection after it, and the client knows to send no more on it)."""
+            the connection after it, and the client knows to send no more on it). So does the
+            answer to a request with a body that no route reads (GET /health with one, a 404):
+            uvicorn would go on reading that body, each byte resetting its keep-alive timer, so
+            a client dripping it held the connection for good, and enough of them every file
+            descriptor."""
+            unread = scope["type"] == "http" and has_body(scope) and scope["path"] != "/predict"
 
             async def send_closing(message):
-                if self.stopping and message["type"] == "http.response.start":
+                if (self.stopping or unread) and message["type"] == "http.response.start":
                     headers = list(message.get("headers", []))
                     if (b"connection", b"close") not in headers:
                         headers.append((b"connection", b"close"))
@@ -406,6 +411,13 @@ class Service:
             await app(scope, receive, send_closing)
 
         return closing
+
+
+def has_body(scope) -> bool:
+    """Whether the request's head announces a body (a length over 0, or chunks)."""
+    headers = dict(scope.get("headers", []))
+    length = headers.get(b"content-length", b"0")
+    return b"transfer-encoding" in headers or not (length.isdigit() and int(length) == 0)
 
 
 def error(status: int, reason: str, headers: dict | None = None):
