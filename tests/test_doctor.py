@@ -54,6 +54,12 @@ def test_doctor_reports_this_machine_and_the_workspace(reproduced_base, tmp_path
     assert (checks["pipeline"]["status"], checks["pipeline"]["found"]) == ("ok", "up to date")
     assert checks["torch/torchvision"]["found"].endswith("(a matching pair)")
     assert "GiB free" in checks["disk"]["found"]
+    # the copy's stages would run this checkout's library (PYTHONPATH), not the copy's own src/
+    library = checks["stage python"]
+    assert (
+        library["status"] == "warn"
+        and f"not this checkout's {project}/src/visionflow" in library["found"]
+    )
     write_params(project, {"evaluate": {"top_k": 2}})  # a change `make repro` would run
     stale = by_name({"checks": doctor.workspace(project)})["pipeline"]  # no second doctor run
     assert (stale["status"], stale["found"]) == ("warn", "not up to date: check, evaluate")
@@ -134,3 +140,19 @@ def test_a_stage_python_outside_the_venv_fails_with_the_fix(tmp_path):
     assert "cannot import torch, dvclive" in checks["stage python"]["found"]
     assert "ModuleNotFoundError" in checks["stage python"]["found"]
     assert checks["stage python"]["fix"].startswith("`source .venv/bin/activate`")
+
+
+def test_a_stage_python_that_hangs_is_said_and_ended_with_what_it_started(tmp_path, monkeypatch):
+    import psutil
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    started = tmp_path / "started"
+    (bare / "python").write_text(f"#!/bin/sh\nsleep 1000 &\necho $! > {started}\nexec sleep 1000\n")
+    (bare / "python").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bare}{os.pathsep}{os.environ['PATH']}")
+    found = doctor.stage_python(ROOT, timeout_s=2)
+    assert (found["status"], found["found"]) == ("FAIL", f"{bare}/python did not answer in 2 s")
+    with pytest.raises(psutil.NoSuchProcess):  # what it started went with it
+        psutil.Process(int(started.read_text())).wait(timeout=30)
+        psutil.Process(int(started.read_text())).status()

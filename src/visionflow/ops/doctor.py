@@ -6,7 +6,9 @@ something the pipeline needs is missing or broken: the exit code is then 1.
 
 import importlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 from importlib import metadata
@@ -210,29 +212,47 @@ ACTIVATE = "`source .venv/bin/activate` (or `export PATH=$PWD/.venv/bin:$PATH`) 
 STAGE_NEEDS = ("visionflow", "torch", "dvclive")  # what `python -m pipeline.<stage>` imports
 
 
-def stage_python() -> dict:
+def stage_python(workdir: Path, timeout_s: float = 60) -> dict:
     """The `python` that DVC runs each stage with: the first on PATH, which `.venv/bin/dvc`
     alone does not change. Outside the venv it lacks the packages, and every stage fails with
-    ModuleNotFoundError."""
+    ModuleNotFoundError; a venv made for another checkout runs that checkout's library."""
     found = shutil.which("python")
     if found is None:
         return check("stage python", "FAIL", "no `python` on PATH: no stage can start", ACTIVATE)
-    if Path(found).parent == Path(sys.executable).parent:
-        return check("stage python", "ok", found)
-    probe = "import importlib.util as u; print(*[m for m in %r if u.find_spec(m) is None])"
+    probe = (
+        f"import importlib.util as u; print(*[m for m in {STAGE_NEEDS!r} if u.find_spec(m) is None]); "
+        "s = u.find_spec('visionflow'); print(s.origin if s else '')"
+    )
+    try:  # in a session of its own: a python that hangs goes with what it started
+        process = subprocess.Popen(
+            [found, "-c", probe], stdout=subprocess.PIPE, text=True, cwd=workdir,
+            start_new_session=True,
+        )  # fmt: skip
+    except OSError as e:  # not runnable
+        return check("stage python", "FAIL", f"{found} cannot run ({e.strerror or e})", ACTIVATE)
     try:
-        missing = subprocess.run(
-            [found, "-c", probe % (STAGE_NEEDS,)], capture_output=True, text=True, timeout=60
-        ).stdout.split()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        missing = [f"({type(e).__name__})"]
-    if missing:
+        out = process.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return check("stage python", "FAIL", f"{found} did not answer in {timeout_s:g} s", ACTIVATE)
+    missing, library = [*out.split("\n"), ""][:2]
+    if missing.split():
         return check(
             "stage python",
             "FAIL",
-            f"{found} (the stages' `python`, first on PATH) cannot import {', '.join(missing)}: "
-            "`dvc repro` would stop with ModuleNotFoundError",
+            f"{found} (the stages' `python`, first on PATH) cannot import "
+            f"{', '.join(missing.split())}: `dvc repro` would stop with ModuleNotFoundError",
             ACTIVATE,
+        )
+    own = workdir / "src/visionflow"
+    if own.is_dir() and not Path(library).resolve().is_relative_to(own.resolve()):
+        return check(
+            "stage python",
+            "warn",
+            f"{found} runs the library in {Path(library).parent}, not this checkout's {own}: "
+            "the stages would run other code than DVC records",
+            "`pip install -e .` in this checkout (or activate its own venv)",
         )
     return check("stage python", "ok", found)
 
@@ -248,7 +268,7 @@ def diagnose(workdir: Path) -> list[dict]:
     ]
     found, modules = packages()
     results += found
-    results.append(stage_python())
+    results.append(stage_python(workdir))
     if "torch" in modules:
         results += gpu(modules["torch"], nvidia_driver())
         if "torchvision" in modules:
