@@ -15,7 +15,7 @@ RUN mkdir -p src/visionflow && touch src/visionflow/__init__.py \
     && pip install --no-cache-dir -e ".[${EXTRAS}]"
 COPY . .
 # what git tracks under data/, which .dockerignore left out with the data DVC tracks
-RUN git checkout -- data
+RUN git ls-files -z data | xargs -0 -r git checkout --
 # prefect.yaml's pull step (visionflow.ops.worker.worker_checkout) goes to this checkout
 ENV VISIONFLOW_WORKDIR=/opt/visionflow DVC_NO_ANALYTICS=1
 # A Docker or Kubernetes worker replaces this command with the flow run's; on its own the image
