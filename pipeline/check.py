@@ -36,6 +36,10 @@ def network_problem(t: Train, image_size: int) -> str | None:
     if t.pretrained and not zoo.is_weights_name(t.pretrained):
         if not Path(t.pretrained).is_file():
             return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
+        if problem := untracked(
+            "train.pretrained", Path(t.pretrained), where=" (or move it into data/pretrained/)"
+        ):
+            return problem
     try:
         problem = zoo.size_problem(t.model, image_size, t.pretrained)
     except Unavailable as e:  # an unknown weights name
@@ -71,6 +75,22 @@ def tta_problem(params: Params) -> str | None:
     )
 
 
+def untracked(key: str, path: Path, what: str = "", where: str = "") -> str | None:
+    """The line refusing a file that train reads but DVC does not track as one of its deps (out
+    of the project, or not under a train dep in dvc.yaml): a change to it would rerun nothing."""
+    file = path.resolve()
+    if not file.is_relative_to(Path.cwd()):
+        return f"{key}: {what}{file}, outside the project: DVC cannot track it"
+    relative = file.relative_to(Path.cwd())
+    deps = ((read_file(Path("dvc.yaml")).get("stages") or {}).get("train") or {}).get("deps") or []
+    if not any(relative.is_relative_to(Path(dep)) for dep in deps if isinstance(dep, str)):
+        return (
+            f"{key}: {relative} is not among the train stage's deps in dvc.yaml: add "
+            f"`- {relative}` there{where}, so that DVC reruns train when it changes"
+        )
+    return None
+
+
 def own_code_problem(model: str) -> str | None:
     """A network of your own must be a file in the project that the train stage lists as a dep
     (else DVC would not rerun train when it changes), and import."""
@@ -87,16 +107,8 @@ def own_code_problem(model: str) -> str | None:
         why = ""
     if spec is None or not spec.origin or not Path(spec.origin).is_file():
         return f"train.model: cannot find module {module} in the project{why}"
-    file = Path(spec.origin).resolve()
-    if not file.is_relative_to(Path.cwd()):
-        return f"train.model: {module} is {file}, outside the project: DVC cannot track it"
-    relative = file.relative_to(Path.cwd())
-    deps = ((read_file(Path("dvc.yaml")).get("stages") or {}).get("train") or {}).get("deps") or []
-    if not any(relative.is_relative_to(Path(dep)) for dep in deps if isinstance(dep, str)):
-        return (
-            f"train.model: {relative} is not among the train stage's deps in dvc.yaml: add "
-            f"`- {relative}` there, so that DVC reruns train when it changes"
-        )
+    if problem := untracked("train.model", Path(spec.origin), f"{module} is "):
+        return problem
     try:  # a module that raises on import: said now, not as a traceback from train
         zoo.builder_of(model)
     except ValueError as e:

@@ -3,6 +3,7 @@ weights' preprocessing, a frozen backbone first, and networks of your own; throu
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +315,9 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
     net = get_model("squeezenet1_1")
     weights = net.state_dict()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    args = argparse.Namespace(model="squeezenet1_1", lr=0.1, epochs=90, weights=None, amp=True)
+    args = argparse.Namespace(  # its output_dir is a Path when given one in code
+        model="squeezenet1_1", lr=0.1, epochs=90, weights=None, amp=True, output_dir=Path("out")
+    )
     torch.save(  # as torchvision's references/classification/train.py writes checkpoint.pth
         {
             "model": weights,
@@ -331,7 +334,8 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
     ddp.module = net
     torch.save(torch.compile(ddp).state_dict(), "compiled_ddp.pth")  # _orig_mod.module.*
     save_file({f"module.{k}": v for k, v in weights.items()}, "ddp.safetensors")
-    for name in ("reference.pth", "compiled_ddp.pth", "ddp.safetensors"):
+    save_file(weights, "safetensors_named.pth")  # no pickle in it, whatever its name
+    for name in ("reference.pth", "compiled_ddp.pth", "ddp.safetensors", "safetensors_named.pth"):
         loaded = zoo.read_weights(name)
         assert loaded.keys() == weights.keys(), name
         assert all(torch.equal(loaded[k], weights[k]) for k in loaded), name
@@ -345,8 +349,19 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
     torch.save({"model": weights, "hook": RunsCode()}, "runs_code.pth")
     torch.save(get_model("resnet18").state_dict(), "r18.pth")
     Path("truncated.pth").write_bytes(Path("r18.pth").read_bytes()[:5000])
+    Path("empty.pth").touch()
     base = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+    # a file train reads must be one of its deps: else a change to it reruns nothing
+    Path("other").mkdir()
+    shutil.copy("r18.pth", "other/r18.pth")
+    shutil.copy("r18.pth", tmp_path.parent / "outside.pth")
+    listed = [p.name for p in tmp_path.glob("*.*")]
+    Path("dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {"cmd": "", "deps": listed}}}))
     cases = {  # before any stage runs (DVC deletes a stage's results as it starts it)
+        ("resnet18", "other/r18.pth"): "train.pretrained: other/r18.pth is not among the train "
+        "stage's deps in dvc.yaml: add `- other/r18.pth` there (or move it into data/pretrained/)",
+        ("resnet18", str(tmp_path.parent / "outside.pth")): "train.pretrained: "
+        f"{tmp_path.parent.resolve() / 'outside.pth'}, outside the project: DVC cannot track it",
         ("squeezenet1_1", "reference.pth"): None,
         ("squeezenet1_1", "compiled_ddp.pth"): None,
         ("squeezenet1_1", "ddp.safetensors"): None,
@@ -361,6 +376,7 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
             "truncated.pth",
         ): "train.pretrained: truncated.pth is not a loadable state_dict",
         ("resnet18", "whole.pth"): "train.pretrained: whole.pth holds pickled Python objects",
+        ("resnet18", "empty.pth"): "train.pretrained: empty.pth is empty (0 bytes)",
         ("resnet18", "runs_code.pth"): "train.pretrained: runs_code.pth holds pickled Python "
         "objects (print)",
     }

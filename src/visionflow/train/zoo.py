@@ -16,6 +16,7 @@ image_size=)`; `check_network` gives it the checks a new model needs (output sha
 import argparse
 import difflib
 import importlib
+import pathlib
 import pickle
 import re
 import sys
@@ -38,6 +39,9 @@ AUX_KEYS = ("AuxLogits.", "aux1.", "aux2.")
 FIXED_SIZE = ("vit_", "maxvit_")
 WRAPPERS = ("module.", "_orig_mod.", "net.")  # DDP, torch.compile, FineTune: before every key
 # the class weights_only refused, in torch's message
+# what torchvision's reference scripts save beside the model as `args`: an argparse Namespace,
+# its paths among its values; rebuilt from plain values that weights_only checks in turn
+ARGS_CLASSES = [argparse.Namespace, pathlib.PosixPath, pathlib.PurePosixPath]
 UNSUPPORTED = re.compile(r"Unsupported global: GLOBAL (\S+) ")
 
 
@@ -160,13 +164,15 @@ def read_weights(source: str) -> dict:
     path = Path(source)
     if not path.is_file():
         raise Unavailable(f"{source} is not a file (a state_dict in torchvision's layout)")
+    if path.stat().st_size == 0:
+        raise Unavailable(f"{source} is empty (0 bytes): not a state_dict")
     try:
-        if path.suffix == ".safetensors":
+        if path.suffix == ".safetensors" or is_safetensors(path):  # named .pth, say
             from safetensors.torch import load_file
 
             weights = load_file(path)
         else:
-            with torch.serialization.safe_globals([argparse.Namespace]):
+            with torch.serialization.safe_globals(ARGS_CLASSES):
                 weights = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # Python objects: loading them could run code
         if "Weights only load failed" not in str(e):
@@ -184,6 +190,14 @@ def read_weights(source: str) -> dict:
             f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
         ) from None
     return unwrapped(weights, source)
+
+
+def is_safetensors(path: Path) -> bool:
+    """A safetensors file, whatever its name: an 8-byte little-endian header length, then the
+    header's JSON (torch's format is a zip or a pickle: neither starts so)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 2**27
 
 
 def unwrapped(weights, source: str) -> dict:
