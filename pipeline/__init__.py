@@ -174,12 +174,18 @@ class Snapshot:
 
 
 def disk_full_message(e: OSError) -> str | None:
-    """One line for a full disk, else None (any other OSError is a bug to show in full)."""
+    """One line for a full disk or a file too large, else None (any other OSError is a bug to
+    show in full)."""
     if isinstance(e, DiskFull):
         return str(e)
+    where = Path(e.filename).parent if e.filename else (STAGED[0][0] if STAGED else Path.cwd())
     if e.errno == errno.ENOSPC:  # without a file name: where this stage was writing
-        where = Path(e.filename).parent if e.filename else (STAGED[0][0] if STAGED else Path.cwd())
         return str(DiskFull.at(where))
+    if e.errno == errno.EFBIG:  # a file past the file system's or the process's largest
+        return (
+            f"a file in {where} grew past the largest this allows: the file system's (FAT32: "
+            "4 GB) or the shell's `ulimit -f`; write to another file system, or raise the limit"
+        )
     return None
 
 

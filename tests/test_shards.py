@@ -5,6 +5,7 @@ and a split of several shards reads and trains as one file."""
 import hashlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,25 @@ def test_a_small_class_keeps_training_images_whichever_placement(tmp_path):
     assert made.returncode == 0, made.stdout + made.stderr
     counts = json.loads((tmp_path / "prepared/manifest.json").read_text())["counts"]
     assert counts["train"]["tiny"] == 1 and sum(counts[s]["tiny"] for s in SPLITS) == 5
+
+    def prepare_once(**popen) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pipeline.prepare", "--out", "again"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, **popen,
+        )  # fmt: skip
+
+    # a file past the process's largest (`ulimit -f`; FAT32's 4 GB): one line, not a traceback
+    small_files = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))  # noqa: E731
+    too_large = prepare_once(preexec_fn=small_files)
+    assert too_large.returncode == 1 and "Traceback" not in too_large.stderr, too_large.stderr
+    assert "grew past the largest this allows" in too_large.stderr
+    # one image in a class, one file per split: the class named (it was an index, [2])
+    (tmp_path / "images/one").mkdir()
+    shutil.copy(tmp_path / "images" / names[-1], tmp_path / "images/one/0.png")
+    write_params(tmp_path, {"prepare": {**prepare, "shard_images": 0, "min_per_class": 1}})
+    refused = prepare_once()
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert "(a class needs 2 images for a stratified split): {'one': 1}" in refused.stderr
 
     pixels = np.random.default_rng(0).integers(0, 256, (20, 8, 8), dtype=np.uint8)
     labels = np.arange(20) % 2

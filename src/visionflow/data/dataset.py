@@ -420,6 +420,8 @@ def build_cache(
         rejects = check_rejects(out, source, rejected, max_bad_fraction)
         good = np.flatnonzero(ok)
         check_class_sizes(source, good, min_per_class)
+        if not shard_images:  # a stratified split needs each class in two splits at least
+            check_class_sizes(source, good, 2, "a class needs 2 images for a stratified split")
         is_test = source.is_test[good] if source.is_test is not None else None
         labels = source.labels[good]
         keys = image_keys(source.names, seed) if shard_images else None
@@ -473,15 +475,14 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
     return rejects
 
 
-def check_class_sizes(source: Source, good: np.ndarray, min_per_class: int) -> None:
+def check_class_sizes(source: Source, good: np.ndarray, least: int, why: str = "") -> None:
+    """DataError naming the classes with fewer than `least` good images (and their counts)."""
     good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
-    small = {
-        c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < min_per_class
-    }
+    small = {c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < least}
     if small:
+        why = f" ({why})" if why else ""
         raise DataError(
-            f"classes below the minimum of {min_per_class} images: {small}",
-            setting="min_per_class",
+            f"classes below the minimum of {least} images{why}: {small}", setting="min_per_class"
         )
 
 
