@@ -102,8 +102,8 @@ def test_an_int8_miss_fails_plain_dvc_repro_and_promotes_nothing(
     """The tightest gate (no drop at all) and an INT8 model that lost accuracy: the stage fails
     naming both accuracies, dvc.lock keeps the last good export, `dvc checkout` brings it back.
     With the accuracy gate off, the same model still misses on top-1 agreement with fp32 (it
-    passed before: equal accuracies said nothing of the answers). A later export that passes
-    removes the miss's report, which stayed beside it before."""
+    passed before: equal accuracies said nothing of the answers). Going back to params that ran
+    restores the export from DVC's run-cache, and the miss's report no longer stays beside it."""
     project = copy_project(reproduced_base, tmp_path / "project")
     before = {p.name: p.read_bytes() for p in (project / "results/export").iterdir() if p.is_file()}
     lock = yaml.safe_load((project / "dvc.lock").read_text())["stages"]["export"]
@@ -137,6 +137,11 @@ def test_an_int8_miss_fails_plain_dvc_repro_and_promotes_nothing(
     said = f"INT8 gives fp32's top-1 class on {r['top1_agreement']:.4f} of the test images, "
     assert said + "under export.int8_min_top1_agreement 0.9" in failed.stderr
 
+    # back to params that ran: export comes from DVC's run-cache, and the miss's report goes
+    write_params(project, {"export": {"int8_max_accuracy_drop": 0.01}})
+    restored = sh(project, "dvc", "repro")
+    assert ran(restored) == ["check"] and "Stage 'export' is cached" in restored.stdout
+    assert not (project / "results/export.miss.json").exists()  # it stayed beside the export
     write_params(project, {"export": {"int8_max_accuracy_drop": 0.5}})  # not run before: runs
     passed = sh(project, "dvc", "repro")
     assert ran(passed) == ["check", "export"]
