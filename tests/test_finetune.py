@@ -88,7 +88,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
 
     write_params(project, {"train": {"epochs": 2}})
     out = sh(project, "dvc", "repro", "train").stdout
-    assert "train.epochs 1 -> 2 changed since the checkpoint" in out  # one cycle over the run
+    assert "extending the recorded 1-epoch run to 2 epochs" in out
     second = epoch_state(project, 2)
     first_conv = "net.features.0.0.weight"
     assert not torch.equal(second[first_conv], weights[first_conv.removeprefix("net.")])

@@ -79,6 +79,7 @@ def test_a_frozen_backbone_is_judged_by_the_head_that_trains_not_as_dead_relus()
     torch.manual_seed(1)  # "pretrained" weights that do not suit the images, as a user's may not
     net = get_model("mobilenet_v3_small", num_classes=3)
     model = FineTune(net, 56, head_keys("mobilenet_v3_small", 3, net, 56))
+    model.train_bn = False  # train.train_bn: false, as before it: BatchNorm frozen too
     model.freeze(True)
     x, y = torch.randn(8, 3, 64, 64), torch.arange(8) % 3
     torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -93,8 +94,9 @@ def test_a_frozen_backbone_is_judged_by_the_head_that_trains_not_as_dead_relus()
     monitor.epoch(1, {**metrics, "layer_grad_norms": norms}, history, 1e-3, False, frozen=True)
     (message,) = said
     assert "vanishing in net.classifier.3.weight" in message
-    assert "only the new head trains (the backbone is frozen, train.freeze_epochs)" in message
+    assert "while the backbone is frozen (train.freeze_epochs), only the new head" in message
     assert "dead ReLUs" not in message and "lower train.lr" not in message
+    assert "try a ResNet" not in message
     whole = health.gradients(2, norms, 1e3, 1e-7)  # the whole network trained: the old verdict
     assert "every weight: the network has stopped learning" in whole.message
 

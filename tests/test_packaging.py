@@ -88,4 +88,6 @@ def test_the_image_leaves_out_data_that_dvc_tracks_but_keeps_its_pointers():
     assert ".git" not in rules and ".git/" not in rules  # DVC needs the history
     docker = (ROOT / "Dockerfile").read_text()
     # git's own files under data/ (pointers, .gitignore files, committed weights) come back
-    assert docker.index("RUN git ls-files -z data | xargs -0 -r git checkout --") > docker.index("COPY . .")
+    assert docker.index("RUN git ls-files -z data | xargs -0 -r git checkout --") > docker.index(
+        "COPY . ."
+    )

@@ -1215,7 +1215,8 @@ def test_a_resumed_run_draws_the_dropout_an_uninterrupted_one_draws(device):
     from visionflow.params import load_params
 
     t = load_params(ROOT / "params.yaml").train
-    trainer = trainer_for(fresh_model().to(device), t, seed=0, rank=0, world=1, image_size=8)
+    model = fresh_model().to(device)
+    trainer = trainer_for(model, t, seed=0, rank=0, world=1, image_size=8, images=64)
     saved = trainer.state()
     ones = torch.ones(10_000, device=device)
     uninterrupted = F.dropout(ones, 0.5)

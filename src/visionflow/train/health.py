@@ -116,7 +116,8 @@ def gradients(
     epoch: int, layer_norms: dict[str, float], high: float, low: float, frozen: bool = False
 ) -> Finding | None:
     """`layer_norms` are the parameters that trained (a frozen one has no gradient); `frozen`:
-    the backbone was frozen (fine-tuning's first epochs), so they are the new head's alone."""
+    the backbone was frozen (fine-tuning's first epochs), so they are the new head's (and
+    BatchNorm's, with train.train_bn): no advice about the backbone's layers or ReLUs then."""
     exploding = {k: v for k, v in layer_norms.items() if not math.isfinite(v) or v > high}
     vanishing = {k: v for k, v in layer_norms.items() if v < low}
     if not (exploding or vanishing):
@@ -136,11 +137,12 @@ def gradients(
             + ", ".join(f"{k} ({v:.3g})" for k, v in vanishing.items())
             + f" (under train.health.min_grad_norm {low:g}): "
             + (
-                "every weight that trains, and only the new head trains (the backbone is frozen, "
-                "train.freeze_epochs): the frozen backbone gives it next to nothing to learn "
-                "from, so its weights or their preprocessing do not suit these images; check "
-                "train.pretrained, or set train.freeze_epochs to 0 to train the backbone too"
-                if dead and frozen
+                "while the backbone is frozen (train.freeze_epochs), only the new head (and "
+                "BatchNorm's scales, train.train_bn) trains: the frozen backbone gives it next "
+                "to nothing to learn from, so its weights or their preprocessing do not suit "
+                "these images; check train.pretrained, or set train.freeze_epochs to 0 to train "
+                "the backbone too"
+                if frozen
                 else "every weight: the network has stopped learning, typically dead ReLUs "
                 "after a learning rate far too high; lower train.lr"
                 if dead
