@@ -27,11 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from photos import generate  # bench/'s own (a script's folder is on sys.path)
 from PIL import Image
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/'s own modules, run as a script
-from photos import generate  # noqa: E402
-from project_files import FILES  # noqa: E402
+from project_files import FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -127,9 +127,7 @@ def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, sa
             "will not end as an uninterrupted run would (the batch per step and the random "
             "draws follow the number of ranks)"
         )
-    trainer.restore(state)
-    if trainer.scheduler is not None:
-        trainer.scheduler.load_state_dict(state["scheduler"])
+    trainer.restore(state)  # the scheduler's state with it
     monitor.load_state_dict(state["health"])
     return Progress(state["history"], state["best"], state["epoch"] + 1, state["stale"])
 
@@ -216,7 +214,6 @@ def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int
             "epoch": epoch,
             "fingerprint": folder.name,  # the folder is named by it (`main`)
             "epochs": epochs,  # the budget: a larger one extends this run
-            "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
             "best": progress.best,
             "stale": progress.stale,
             "history": progress.history,

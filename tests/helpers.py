@@ -300,13 +300,17 @@ def assert_invariants(project: Path) -> None:
     assert dvc_clean(project)  # DVC's status works
 
 
-def assert_resumes_to_the_baseline(project: Path, epoch: int, baseline: dict) -> None:
-    """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted run."""
+def assert_resumes_to_the_baseline(
+    project: Path, epoch: int, baseline: dict
+) -> subprocess.CompletedProcess:
+    """The next run resumes from epoch `epoch`'s checkpoint and ends equal to the uninterrupted
+    run; returns that run."""
     resumed = repro(project, "-f", "-s", "train")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert re.search(rf"resuming from checkpoints/train/\w+/epoch-{epoch:04d}\.pt", resumed.stdout)
     assert same_weights(weights(project), baseline)
     assert_invariants(project)
+    return resumed
 
 
 def live_metrics(project: Path) -> dict:

@@ -14,10 +14,10 @@ from torch import nn
 
 from tests.helpers import (
     ROOT,
+    assert_resumes_to_the_baseline,
     copy_project,
     env,
     repro,
-    same_weights,
     weights,
     write_params,
 )
@@ -51,11 +51,8 @@ def test_lr_auto_with_onecycle_records_the_rate_and_resumes_after_a_stop_as_unin
 
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=2:kill")
     assert killed.returncode != 0
-    resumed = repro(project, "-f", "-s", "train")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert re.search(r"resuming from checkpoints/train/\w+/epoch-0002\.pt", resumed.stdout)
+    resumed = assert_resumes_to_the_baseline(project, 2, baseline)  # the rate and schedule too
     assert f"train.lr auto: {rate:.2e}, the range test's (recorded in " in resumed.stdout
-    assert same_weights(weights(project), baseline)  # the rate and the schedule resumed
     assert json.loads((project / "results/train/metrics.json").read_text())["lr"] == rate
 
     # `visionflow lr-find`: the same test on the same model and data, a plot and one line

@@ -69,8 +69,8 @@ BATCH_VALUES = 2**19  # and at most this many input values (2 MB of float32) in 
 
 def batch_size(spec: dict) -> int:
     """Images per batch for the model's input size: the runtime's activations grow with the
-    batch's pixels (a 64 px RGB model peaked at 329 MB at 256 a batch, 108 MB at 60), so a larger
-    input runs fewer at a time; the per-image work is the same."""
+    batch's pixels (a 64 px RGB model's peak tripled from 60 images a batch to 256:
+    docs/benchmarks.md), so a larger input runs fewer at a time; the per-image work is the same."""
     channels = 1 if spec["color"] == "grayscale" else 3
     return max(1, min(BATCH, BATCH_VALUES // (spec["image_size"] ** 2 * channels)))
 
