@@ -9,6 +9,7 @@ FILES = [
     ".dvc/.gitignore",
     ".dvc/plots",
     "pipeline",
+    "orchestration",
     "src",
     "data/raw",
     "data/pretrained",

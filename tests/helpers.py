@@ -37,6 +37,7 @@ PROJECT_FILES = [
     ".dvc/.gitignore",
     ".dvc/plots",
     "pipeline",
+    "orchestration",
     "src",
     "data/raw",
     "data/pretrained",

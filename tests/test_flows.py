@@ -57,8 +57,9 @@ def flows_env(**extra: str) -> dict[str, str]:
 
 
 def start_flows(project, *args, env=None, **popen) -> subprocess.Popen:
-    """`python -m pipeline.flows PROJECT ARGS...` in its own session (killable as a group)."""
-    command = [sys.executable, "-m", "pipeline.flows", str(project), *args]
+    """`python -m orchestration.reproduce PROJECT ARGS...` in its own session (killable as a
+    group)."""
+    command = [sys.executable, "-m", "orchestration.reproduce", str(project), *args]
     return subprocess.Popen(command, env=env or flows_env(), start_new_session=True, **popen)
 
 
@@ -201,7 +202,7 @@ def hold(tmp_path):
 def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project):
     """Up to date: no stage runs. A change runs what depends on it, in DVC's order whatever the
     order of the stages in dvc.yaml (DVC reads a graph)."""
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     spec = yaml.safe_load((project / "dvc.yaml").read_text())
     stages = spec["stages"]
@@ -230,7 +231,9 @@ def test_the_cli_exits_75_when_skipped_and_never_imports_torch(project, hold):
     )
     assert visionflow.returncode == 75 and "skipped" in visionflow.stderr
     release()
-    for mode in ("--serve", "--watch"):  # every mode finds the project root, or says there is none
+    # every mode finds the project root, or says there is none; `pipeline.flows`, the older name
+    # of orchestration.reproduce, runs the same command
+    for mode in ("--serve", "--watch"):
         outside = subprocess.run(
             [sys.executable, "-m", "pipeline.flows", str(project.parent), mode],
             env=flows_env(),
@@ -278,7 +281,7 @@ def test_a_second_run_waits_for_the_first_then_finds_nothing_to_do(project, tmp_
 
 
 def test_the_metrics_diff_says_when_no_metric_changed(project):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     note_in_params(project, "reruns check alone: no metric changes")
     state = reproduce(str(project), return_state=True)
@@ -288,7 +291,7 @@ def test_the_metrics_diff_says_when_no_metric_changed(project):
 
 
 def test_a_failing_stage_fails_the_flow_once_with_its_error(project):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     write_params(project, {"train": {"epochs": "ten"}})
     state = reproduce(str(project), return_state=True)
@@ -303,7 +306,7 @@ def test_a_failing_stage_fails_the_flow_once_with_its_error(project):
 
 
 def test_a_failed_stage_gets_its_previous_results_back(project, monkeypatch):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     metrics = (project / "results/evaluate/metrics.json").read_bytes()
     write_params(project, {"evaluate": {"top_k": 2}})
@@ -313,7 +316,7 @@ def test_a_failed_stage_gets_its_previous_results_back(project, monkeypatch):
 
 
 def test_a_silent_stage_past_its_timeout_is_killed_with_its_group(project, monkeypatch, tmp_path):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     model = (project / "results/train/model.pt").read_bytes()
     write_params(project, {"train": {"lr": 5e-3}})
@@ -329,7 +332,7 @@ def test_a_silent_stage_past_its_timeout_is_killed_with_its_group(project, monke
 
 
 def test_a_stage_that_prints_bytes_that_are_not_utf8_runs_to_the_end(project):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     add_stage(project, "latin", LATIN, "latin.txt")
     state = reproduce(str(project), return_state=True)
@@ -339,7 +342,7 @@ def test_a_stage_that_prints_bytes_that_are_not_utf8_runs_to_the_end(project):
 
 
 def test_another_dvc_holding_the_repository_is_waited_out_with_prefect_retries(project, hold):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     note_in_params(project, "a comment: check alone reruns")
     release = hold(project / ".dvc/tmp/lock")  # DVC's own lock, as a user's `dvc` holds it
@@ -354,7 +357,7 @@ def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
     """DVC lets go of its lock while the stage's command runs; a user's `dvc` that takes it then
     keeps DVC from recording the results. The flow puts the outputs back as dvc.lock records
     them once the lock is free, and Prefect's retry runs the stage again."""
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     go = tmp_path / "go"
     monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=sanity:pause={go}")
@@ -373,7 +376,7 @@ def test_a_dvc_lock_taken_while_a_stage_runs_leaves_results_that_match_dvc_lock(
 
 
 def test_a_fifo_in_the_data_folder_is_named_instead_of_hanging_dvc(project):
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     fifo = project / "data/raw/pipe.png"
     os.mkfifo(fifo)
@@ -390,7 +393,7 @@ def test_only_dvcs_own_lock_error_makes_a_failed_stage_a_busy_one():
     retried as if another dvc held the repository (a review found it run four times)."""
     from dvc.lock import FAILED_TO_LOCK_MESSAGE
 
-    from pipeline.flows import lock_refused
+    from visionflow.ops.repo import lock_refused
 
     dvc_line = f"ERROR: failed to reproduce 'train': {FAILED_TO_LOCK_MESSAGE}"
     assert lock_refused(f"Running stage 'train':\nepoch 1\n{dvc_line}\n", "train")
@@ -403,7 +406,7 @@ def test_only_dvcs_own_lock_error_makes_a_failed_stage_a_busy_one():
 def test_a_fifo_made_during_a_run_meets_the_stage_timeout(project, tmp_path, monkeypatch):
     """A FIFO that appears after the first check (made by a stage, say) is left to the stage's
     own `dvc repro`, which the stage timeout ends: never a hang in the flow's process."""
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
     go = tmp_path / "go"
     monkeypatch.setenv("VISIONFLOW_FAULT", f"stage.start@stage=check:pause={go}")
@@ -424,7 +427,7 @@ def test_a_fifo_made_during_a_run_meets_the_stage_timeout(project, tmp_path, mon
 
 
 def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspace(project):
-    from pipeline.experiments import experiments
+    from orchestration.experiments import experiments
 
     params = (project / "params.yaml").read_text()
     overrides = [["evaluate.top_k=2"], ["train.epochs=0"], ["sanity.per_class=3"]]  # no training:
@@ -451,7 +454,8 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
 def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancelled(
     project, tmp_path
 ):
-    """`python -m pipeline.experiments` stopped with Ctrl-C in its first experiment's training:
+    """`python -m pipeline.experiments` (the older name of orchestration.experiments, which
+    users have) stopped with Ctrl-C in its first experiment's training:
     that one reaches its safe point, the second never runs, the command prints the table and
     exits 130, and the sweep's run on the server is Cancelled (it was Failed, exit 1)."""
     from prefect.client.orchestration import get_client
@@ -486,8 +490,9 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
 
 
 def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project, monkeypatch):
-    from pipeline.experiments import experiments
-    from visionflow.ops.sweeps import Poll, queue_workers
+    from orchestration.experiments import experiments
+    from orchestration.queued import queue_workers
+    from orchestration.sweep import Poll
 
     # Every `dvc exp show` the sweep asks answers 3 s late, and a poll's first timeout is 1 s:
     # the first asks are ended unanswered, whatever the machine's speed (what stopped sweeps).
@@ -542,7 +547,7 @@ def test_a_stage_past_its_timeout_checkpoints_its_epoch_and_the_next_run_resumes
 ):
     """The stage timeout stops training as every stop does: the epoch in progress finishes and
     is checkpointed, DVC lives on, the previous results come back; `dvc repro` resumes it."""
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
     from visionflow import faults
 
     at, go = tmp_path / "at", tmp_path / "go"
@@ -568,9 +573,9 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
 ):
     from prefect.client.orchestration import get_client
 
-    from pipeline.flows import reproduce
+    from orchestration.reproduce import reproduce
 
-    sweep = "import sys\nfrom pipeline.experiments import experiments\n"
+    sweep = "import sys\nfrom orchestration.experiments import experiments\n"
     sweep += "experiments(sys.argv[1], [['train.lr=0.007']], workers=1)\n"
     at, go = tmp_path / "at", tmp_path / "go"  # the stop comes at epoch 2, which goes on a while
     env = flows_env(
@@ -768,9 +773,9 @@ def online_workers() -> int:
 
 
 def spread_sweep(project: Path, *args: str) -> subprocess.Popen:
-    """`python -m pipeline.experiments PROJECT --spread ARGS...`, its output captured."""
+    """`python -m orchestration.experiments PROJECT --spread ARGS...`, its output captured."""
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.experiments", str(project), "--spread", *args],
+        [sys.executable, "-m", "orchestration.experiments", str(project), "--spread", *args],
         env=flows_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -790,7 +795,7 @@ def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
         FlowRunFilterStateType,
     )
 
-    from pipeline.experiments import HEARTBEAT
+    from orchestration.spread import HEARTBEAT
 
     assert sweep.poll() is None, sweep.communicate()
     running = FlowRunFilter(
@@ -813,8 +818,8 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
     stopped with SIGTERM ends Cancelled with its table so far."""
     from prefect.client.orchestration import get_client
 
-    from pipeline.experiments import RAN_ON, experiment, experiments
-    from visionflow.ops.sweeps import spread_problem
+    from orchestration.experiments import experiments
+    from orchestration.spread import RAN_ON, experiment, spread_problem
 
     deploying = flows_env(VISIONFLOW_WORKDIR=str(tmp_path / "the-deploying-machines-checkout"))
     # the session's server may have it from another test: made again, as prefect.yaml names it
@@ -878,7 +883,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         assert "is not on upstream: `git push upstream`" in spread_problem(project, "upstream")
         sh(project, "git", "remote", "remove", "upstream")
         sweep = subprocess.run(
-            [sys.executable, "-m", "pipeline.experiments", str(project), "--spread"]
+            [sys.executable, "-m", "orchestration.experiments", str(project), "--spread"]
             + [arg for n in (2, 3, 4, 5) for arg in ("-e", f"sanity.per_class={n}")],
             env=flows_env(),
             capture_output=True,

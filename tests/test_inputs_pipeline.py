@@ -109,7 +109,7 @@ def test_dvcs_wordless_refusals_are_named_before_it_runs(reproduced_base, tmp_pa
     an output"), a link to nothing in a class folder (`dvc status`: "unexpected error") and an
     empty dvc.lock ("validation failed / required key not provided"): all three named at once, by
     `visionflow repro` and by the flows' first task; the overlap by the params check too."""
-    from pipeline.flows import changed
+    from orchestration.reproduce import changed
 
     project = copy_project(reproduced_base, tmp_path / "project")
     params = (project / "params.yaml").read_text()

@@ -7,7 +7,9 @@ new module is covered by where it lives:
     visionflow/ops      DVC and processes: torch-free, never the model side
     visionflow/         errors and faults (below all), params (the file), cli (on top)
 
-No module of the library imports the stages (`pipeline`) or Prefect (the flows add it)."""
+No module of the library imports the stages (`pipeline`), the flows (`orchestration`) or Prefect
+(the flows add it). `orchestration/`, the Prefect side, imports the library and Prefect, never the
+stages; no import circle runs through `orchestration/` and `pipeline/`."""
 
 import ast
 from pathlib import Path
@@ -73,6 +75,64 @@ def test_each_layer_imports_only_itself_and_the_layers_below():
         assert not found, f"{module} ({layer}) imports {sorted(found)}"
 
 
+def test_the_library_never_imports_the_stages_or_the_flows():
+    for module, path in modules().items():
+        found = {n for n in imported(path) if n.split(".")[0] in ("pipeline", "orchestration")}
+        assert not found, f"{module} imports {sorted(found)}"
+
+
+def project_modules() -> dict[str, Path]:
+    """The modules of `orchestration/` and `pipeline/` by dotted name (a package's __init__ by
+    the package's)."""
+    found = {}
+    for folder in ("orchestration", "pipeline"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            name = folder if path.stem == "__init__" else f"{folder}.{path.stem}"
+            found[name] = path
+    return found
+
+
+def test_orchestration_imports_the_library_and_prefect_never_the_stages():
+    """The flows run the stages through DVC, never by import (one DAG); and like ops/ they never
+    import the model side (train/, deploy/: torch), so a flow run that does nothing costs about
+    what an empty Prefect flow costs."""
+    for module, path in project_modules().items():
+        if module.split(".")[0] != "orchestration":
+            continue
+        names = imported(path)
+        found = {n for n in names if n.split(".")[0] == "pipeline"}
+        found |= {
+            n
+            for n in names
+            if n.split(".")[:2] in (["visionflow", "train"], ["visionflow", "deploy"])
+        }
+        found |= {n for n in names if n.split(".")[0] in ("torch", "torchvision")}
+        assert not found, f"{module} imports {sorted(found)}"
+    assert "prefect" in {n.split(".")[0] for n in imported(ROOT / "orchestration/reproduce.py")}
+
+
+def test_no_import_circle_among_the_stages_and_the_flows():
+    """Following imports (those inside functions too) from any module of `orchestration/` or
+    `pipeline/` never leads back to it: each can be read, and loaded, on its own."""
+    ours = project_modules()
+    graph = {}
+    for module, path in ours.items():
+        # `from a import b`: an edge to a, and to a.b when b is a module
+        graph[module] = {n for n in imported(path) if n in ours} - {module}
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        for after in sorted(graph[module]):
+            if after in path:
+                circles.append(path[path.index(after) :] + [after])
+            else:
+                visit(after, [*path, after])
+
+    for module in ours:
+        visit(module, [module])
+    assert not circles, " -> ".join(circles[0])
+
+
 def test_data_and_ops_are_torch_free():
     for module, path in modules().items():
         if package(module) in TORCH_FREE:
@@ -82,7 +142,7 @@ def test_data_and_ops_are_torch_free():
 
 
 def test_the_library_never_imports_prefect():
-    """The flows (pipeline/flows.py) add Prefect to the library's ops, never the reverse.
+    """The flows (orchestration/) add Prefect to the library's ops, never the reverse.
     `visionflow doctor` alone reads Prefect's configured API URL (a profile may set it), on use."""
     for module, path in modules().items():
         names = imported(path, at_import=module == "visionflow.ops.doctor")
@@ -98,10 +158,11 @@ def functions(path):
 
 
 def test_functions_fit_on_a_screen_and_the_step_reads_in_one():
-    """No function in src/ or pipeline/ over 80 lines (docstring included); the training step,
+    """No function in src/, pipeline/ or orchestration/ over 80 lines (docstring included); the training step,
     `train_one_epoch`, at most 60 lines and 8 parameters (docs/development.md: the two loops a
     reader sees at once)."""
     paths = [*(ROOT / "src/visionflow").rglob("*.py"), *(ROOT / "pipeline").glob("*.py")]
+    paths += [*(ROOT / "orchestration").glob("*.py")]
     long = [
         f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)"
         for path in sorted(paths)

@@ -79,7 +79,7 @@ def find_root(start: Path) -> Path:
 
 
 @contextmanager
-def workspace_lock(workdir: Path, wait: bool, say: Callable[[str], None] = print) -> Iterator[bool]:
+def workspace_lock(workdir: Path, wait: bool, log: Callable[[str], None] = print) -> Iterator[bool]:
     """Hold the workspace's run lock; yields False at once when busy and `wait` is off."""
     lock_file = workdir / ".dvc" / "tmp" / "visionflow-run.lock"
     lock_file.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +90,7 @@ def workspace_lock(workdir: Path, wait: bool, say: Callable[[str], None] = print
             if not wait:
                 yield False
                 return
-            say("another run holds this workspace: waiting for it to finish")
+            log("another run holds this workspace: waiting for it to finish")
             fcntl.flock(handle, fcntl.LOCK_EX)
         HELD.append(handle.fileno())
         try:
@@ -246,19 +246,19 @@ def supervise(process: subprocess.Popen, group: Group, timeout_s: float):
         else:
             kill_family(group.pid)
 
-    ended, timed_out = threading.Event(), threading.Event()
+    call_done, timed_out = threading.Event(), threading.Event()
 
     def expire() -> None:
         if faults.ACTIVE:
             faults.fault("runner.timer")  # tests: start counting once a stage is at work
-        if not ended.wait(timeout_s):
+        if not call_done.wait(timeout_s):
             timed_out.set()
             group.end()
 
     watcher = threading.Thread(target=reap, daemon=True)
     watcher.start()
     threading.Thread(target=expire, daemon=True).start()
-    return watcher, ended, timed_out
+    return watcher, call_done, timed_out
 
 
 def finish(process: subprocess.Popen, group: Group, watcher: threading.Thread) -> None:
@@ -295,7 +295,7 @@ def run_group(
     Returns the exit code and the output's last 4,000 characters.
     """
     process, group = start_group(cmd, workdir)
-    watcher, ended, timed_out = supervise(process, group, timeout_s)
+    watcher, call_done, timed_out = supervise(process, group, timeout_s)
     handlers = (
         (signal.SIGINT, signal.SIGTERM)[: 2 if sigterm else 1]
         if threading.current_thread() is threading.main_thread()
@@ -309,7 +309,7 @@ def run_group(
         elif signum == signal.SIGINT:  # Ctrl-C again: the stage stops at once
             group.signal(signal.SIGINT)
 
-    previous = {s: signal.signal(s, forward) for s in handlers}
+    previous = {signum: signal.signal(signum, forward) for signum in handlers}
     tail = ""
     try:
         for line in process.stdout:
@@ -322,9 +322,9 @@ def run_group(
             raise Timeout(f"`{' '.join(cmd[2:])}` ran past {timeout_s:.0f} s and was stopped")
         return process.returncode, tail
     finally:
-        ended.set()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        call_done.set()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         finish(process, group, watcher)
 
 
@@ -350,9 +350,10 @@ def wait_until_free(workdir: Path, timeout_s: float = 60) -> None:
         time.sleep(0.5)
 
 
-def owed(workdir: Path) -> Path:
+def restore_note(workdir: Path) -> Path:
     """The note a run that may need a restore keeps while it runs: the stages to restore, one a
-    line (none: every stage)."""
+    line (none: every stage). The file's name is the one earlier versions wrote, so a note
+    they left is still found."""
     return workdir / ".dvc" / "tmp" / "visionflow-restore-owed"
 
 
@@ -372,11 +373,11 @@ def mend_rwlock(workdir: Path, log: Callable[[str], None]) -> None:
             log("removed DVC's stage lock file (.dvc/tmp/rwlock), left half written by a kill")
 
 
-def owe_restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
-    """Before a run that may leave outputs deleted: first the restore a killed run still owes
+def begin_restorable_run(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
+    """Before a run that may leave outputs deleted: first the restore a killed run left undone
     (its process died before it could restore), then this run's note. Under the workspace lock."""
     mend_rwlock(workdir, log)
-    note = owed(workdir)
+    note = restore_note(workdir)
     if note.exists():
         left = note.read_text().split()
         log(
@@ -388,12 +389,12 @@ def owe_restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None
     note.write_text("".join(f"{stage}\n" for stage in stages))
 
 
-def paid(workdir: Path) -> None:
+def drop_restore_note(workdir: Path) -> None:
     """The run ended without needing a restore (or the restore was done): drop its note."""
-    owed(workdir).unlink(missing_ok=True)
+    restore_note(workdir).unlink(missing_ok=True)
 
 
-def stopped(what: str, killed_before: int) -> str:
+def stop_message(what: str, killed_before: int) -> str:
     """The one line for a stopped run: what stopped, by which signal, and whether the stage had
     to be killed after its grace period."""
     line = f"{what} stopped by {signal.Signals(FORWARDED[-1]).name}"
@@ -427,7 +428,7 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
     free = shutil.disk_usage(workdir).free
     if code == 0:
         log("restored the previous results from DVC's cache (dvc checkout)")
-        paid(workdir)
+        drop_restore_note(workdir)
     elif free < 2**20:  # DVC says "Is your cache up to date?": the cache is fine, the disk full
         log(
             f"disk full: {workdir} has {free / 2**20:.1f} MB free, too little to restore the "
@@ -436,15 +437,15 @@ def restore(workdir: Path, log: Callable[[str], None], *stages: str) -> None:
         )  # the note stays: the next run owes the restore
     else:
         log(f"dvc checkout could not restore the previous results:\n{tail}")
-        paid(workdir)  # not doable as things are: the next run does not try again
+        drop_restore_note(workdir)  # not doable as things are: the next run does not try again
 
 
 def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 * 24 * 3600) -> int:
     """`dvc repro ARGS` under the workspace lock and in its own process group; its exit code."""
     try:
         workdir = find_root(start)
-    except NotAProject as e:
-        print(f"error: {e}", file=sys.stderr)
+    except NotAProject as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     problems = preflight(workdir)  # DVC would hang, or answer in words that name nothing
     for line in problems:
@@ -453,25 +454,25 @@ def repro(start: Path, args: list[str], wait: bool = True, timeout_s: float = 7 
         return 1
     try:
         stop_grace_s()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     with workspace_lock(workdir, wait) as held:
         if not held:
             print("another run holds this workspace: skipped (--if-busy skip)", file=sys.stderr)
             return BUSY_EXIT
         # from here to the end, a stop is recorded, never fatal: the restore must happen
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, lambda signum, frame: FORWARDED.append(signum))
-        say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-        owe_restore(workdir, say)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda number, frame: FORWARDED.append(number))
+        report = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        begin_restorable_run(workdir, report)
         cmd, killed = [*dvc_command(), "repro", *args], len(KILLED)
         code, tail = run_group(cmd, workdir, timeout_s, lambda line: print(line, flush=True))
         if code != 0:  # failed, stopped or killed: DVC's exit code, whatever it printed
-            restore(workdir, say)  # drops the note once restored
+            restore(workdir, report)  # drops the note once restored
         else:
-            paid(workdir)
+            drop_restore_note(workdir)
         if FORWARDED and code != 0:  # stopped: one line and one code, whatever it was doing
-            say(f"{stopped('the run', killed)} (exit {STOPPED_EXIT})")
+            report(f"{stop_message('the run', killed)} (exit {STOPPED_EXIT})")
             return STOPPED_EXIT
         return code

@@ -1,0 +1,190 @@
+"""The `experiments` flow: `dvc exp run -S ...` for each list of overrides, one table of them.
+
+It makes the plan (a name per experiment) and hands it to one mode, each a module of its own:
+- in turn (`workers: 0`, orchestration/in_turn.py), in this checkout;
+- queued (`workers: N`, orchestration/queued.py): DVC's queue runs N at a time in this checkout;
+- spread (`spread: true`, orchestration/spread.py): each experiment is a flow run of the
+  `experiment` deployment, so every worker of the work pool takes some, each in its own checkout
+  at the sweep's commit, and the sweep pulls them all.
+Then it publishes the table (an `experiments` artifact) and ends Completed, Failed (naming the
+experiments that did not succeed) or Cancelled (stopped).
+
+Run:  .venv/bin/python -m orchestration.experiments [WORKDIR] -e "train.lr=1e-3" -e "train.lr=3e-3 train.epochs=30"
+          [--workers N | --spread [DEPLOYMENT]]
+(`python -m pipeline.experiments ...`, the older name, runs the same.)
+"""
+
+import argparse
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, runtime
+from prefect.artifacts import create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Failed, State
+
+from orchestration import in_turn, queued
+from orchestration import spread as spread_mode
+from orchestration.record import stopped_run
+from orchestration.spread import EXPERIMENT, LOST_AFTER_S
+from orchestration.sweep import Plan, Poll
+from visionflow.ops.project import preflight
+from visionflow.ops.repo import StageFailed
+from visionflow.ops.runner import STOPPED_EXIT, NotAProject, find_root
+
+
+@flow(name="experiments")
+def experiments(
+    workdir: str = ".",
+    overrides: list[list[str]] | None = None,
+    workers: int = 0,
+    timeout_s: float = 3600,
+    spread: bool = False,
+    deployment: str = EXPERIMENT,
+    remote: str = "origin",
+    lost_after_s: float = LOST_AFTER_S,
+) -> list[dict] | State:
+    """`dvc exp run -S ...` for each list of overrides; publishes a table of these experiments
+    (the params that differ from the baseline, the main metrics) and returns its rows.
+
+    `workers: 0` runs them one after another, `workers: N` queues them and lets DVC's queue run
+    N at a time; either way each runs in its own temporary copy, so the workspace stays as it is,
+    and each gets `timeout_s`. The workspace is held until every experiment of this sweep ended;
+    a failed or cancelled sweep stops the DVC queue's workers. Each experiment is a task run
+    named after it: Completed with its main metrics, or Failed. One failed experiment does not
+    stop the others; the flow fails at the end, naming it (a Failed state: one line, no
+    traceback).
+
+    `spread: true` sends each experiment to the work pool instead, as a flow run of `deployment`
+    (one `experiment` each, a child of this one), run by whichever worker takes it in its own
+    checkout of this commit; each pushes to the git remote `remote` (and the default DVC remote),
+    and this flow pulls them; the table says where each ran, and why one did not succeed. One
+    whose heartbeat stops for `lost_after_s` lost its worker or machine: it is marked Crashed.
+    This workspace is not held.
+    Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
+    """
+    logger = get_run_logger()
+    root = find_root(Path(workdir))
+    prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
+    if (runtime.flow_run.run_count or 1) > 1:  # a retry: the first try's names are taken
+        prefix += f"-try{runtime.flow_run.run_count}"
+    names = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
+    try:
+        problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
+        if problems:
+            raise StageFailed("; ".join(problems))
+        plan = Plan(root, names, timeout_s, Poll(root, logger.warning))
+        if spread:
+            outcomes = spread_mode.run(plan, deployment, remote, lost_after_s)
+        elif workers:
+            outcomes = queued.run(plan, workers)
+        else:
+            outcomes = in_turn.run(plan)
+    except (KeyboardInterrupt, TerminationSignal):  # Ctrl-C, SIGTERM (Prefect's own handler
+        # while a flow runs), SIGHUP: stopped, not crashed
+        return stopped_run("the sweep's experiments that had not ended were stopped")
+    except StageFailed as error:  # its `error:` line, with no traceback to read past
+        return Failed(message=str(error))
+    rows = outcomes.rows
+    create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
+    if outcomes.stopped:
+        return stopped_run(outcomes.stopped)
+    failed = [row["experiment"] for row in rows if row["state"] != "success"]
+    if failed:
+        return Failed(message=f"experiments {', '.join(failed)} did not succeed (see their logs)")
+    return rows
+
+
+def raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run a sweep of experiments, one table of them.")
+    parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
+    parser.add_argument(
+        "-e",
+        "--experiment",
+        action="append",
+        required=True,
+        help='one experiment\'s overrides: -e "train.lr=1e-3 train.epochs=3"',
+    )
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--workers", type=int, default=0, help="queued, N at a time (DVC's queue)")
+    how.add_argument(
+        "--spread",
+        nargs="?",
+        const=EXPERIMENT,
+        help=f"send each to the work pool, as runs of this deployment ({EXPERIMENT})",
+    )
+    parser.add_argument("--remote", default="origin", help="with --spread: the git remote")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per experiment")
+    parser.add_argument(
+        "--lost-after",
+        type=float,
+        default=LOST_AFTER_S,
+        help="with --spread: seconds without a heartbeat before an experiment's worker counts "
+        f"as lost and the experiment is marked Crashed ({LOST_AFTER_S:.0f})",
+    )
+    args = parser.parse_args()
+    try:
+        root = find_root(Path(args.workdir))
+    except NotAProject as error:
+        sys.exit(f"error: {error}")
+    # one override per `key=`: a value may hold spaces ("prepare.formats=[PNG, JPEG]")
+    overrides = [re.split(r"\s+(?=[\w.-]+=)", text.strip()) for text in args.experiment]
+    for stop in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: what has not ended is stopped
+        signal.signal(stop, raise_keyboard_interrupt)
+    try:
+        state = experiments(
+            str(root),
+            overrides,
+            workers=args.workers,
+            timeout_s=args.timeout,
+            spread=bool(args.spread),
+            deployment=args.spread or EXPERIMENT,
+            remote=args.remote,
+            lost_after_s=args.lost_after,
+            return_state=True,
+        )
+    except KeyboardInterrupt:
+        state = Cancelled()
+    for row in table_of(state):  # the rows that succeeded too, when some did not
+        print(json.dumps(row))
+    if state.is_cancelled():
+        reason = state.message or "the sweep's experiments that had not ended were stopped"
+        print(f"stopped: {reason}", file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
+    try:
+        state.result()
+    except Exception as error:
+        sys.exit(f"error: {error}")
+
+
+def table_of(state: State) -> list[dict]:
+    """The `experiments` table the sweep's run published (none when it failed before, or was
+    stopped before its run began)."""
+    if state.state_details.flow_run_id is None:
+        return []
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["experiments"]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+            )
+        )
+    return json.loads(found[-1].data) if found else []
+
+
+if __name__ == "__main__":
+    main()

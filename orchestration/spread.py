@@ -1,0 +1,317 @@
+"""A sweep spread over a work pool (`spread: true`): each experiment a flow run of the
+`experiment` deployment (prefect.yaml), taken by whichever worker is free, in that worker's own
+checkout (VISIONFLOW_WORKDIR, read when its run starts) at the sweep's commit.
+
+Each experiment runs `dvc exp run`, then pushes it (`dvc exp push`: the git remote and the
+default DVC remote); the sweep waits for them all and pulls the ones that succeeded, so `dvc exp
+show` here, and on any clone after `dvc exp pull`, has the whole sweep. This workspace is not
+held: a worker may run an experiment in this very checkout, and takes its lock.
+
+An experiment's liveness comes from the experiment: while it runs (waiting for its checkout's
+lock, training, pushing) it counts up a label of its flow run (HEARTBEAT); the sweep marks one
+whose count has not moved for `lost_after_s` Crashed: its worker or machine was lost.
+"""
+
+import re
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prefect import flow, get_run_logger, runtime
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound, TerminationSignal
+from prefect.states import Cancelling, Completed, Crashed, State
+
+from orchestration.record import record_holder, stopped_run
+from orchestration.sweep import Outcomes, Plan, overrides, run_experiment, sweep_table
+from visionflow.ops import runner
+from visionflow.ops.repo import DvcBusy, StageFailed, dvc
+from visionflow.ops.runner import find_root, workspace_lock
+
+EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one experiment
+UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
+LOST_AFTER_S = 60.0  # a spread experiment whose heartbeat stopped this long is lost
+BEATS = 6  # heartbeats per LOST_AFTER_S: a few late ones are not a loss
+HEARTBEAT = "visionflow.heartbeat"  # labels of a spread experiment's flow run: a count that
+RAN_ON = "visionflow.ran-on"  # goes up while it lives, and the worker's host:checkout
+
+
+def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcomes:
+    """Each experiment as a flow run of `deployment`; wait for them all (a stop, a cancellation
+    of this run or an error here cancels those not ended), pull the ones that succeeded, and the
+    sweep's table with where each ran and why one did not succeed. Stopped (Ctrl-C, SIGTERM,
+    SIGHUP, a cancellation): the table so far, from what the server said (nothing pulled), and
+    why it stopped."""
+    logger = get_run_logger()
+    root = plan.root
+    if problem := spread_problem(root, remote):
+        raise StageFailed(problem)
+    commit = git(root, "rev-parse", "HEAD").strip()
+    if changed := uncommitted(root):
+        logger.warning(
+            f"uncommitted changes here ({', '.join(changed[:3])}) are not part of the sweep: it "
+            f"runs commit {commit[:8]}, and a worker in this checkout refuses until they are "
+            "committed or stashed"
+        )
+    require_deployment(deployment)
+    runs, ends, stopped = {}, {}, None
+    try:
+        for name, sets in plan.experiments.items():
+            parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=plan.timeout_s)
+            parameters |= dict(remote=remote, heartbeat_s=lost_after_s / BEATS)
+            runs[name] = run_deployment(
+                deployment, parameters=parameters, flow_run_name=name, timeout=0
+            )
+            logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
+        if not wait_for_children(runs, ends, lost_after_s):
+            stopped = "cancelled: the experiments not ended were cancelled"
+    except (KeyboardInterrupt, TerminationSignal):
+        stopped = "the sweep's experiments that had not ended were stopped"
+    finally:
+        cancel_unended(runs, ends)
+    if stopped:
+        return Outcomes(stopped_rows(plan, ends), stopped)
+    succeeded = [name for name, run in ends.items() if run.state.is_completed()]
+    pull_experiments(root, succeeded, remote, plan.timeout_s)
+    rows = sweep_table(plan)
+    for row in rows:
+        row |= where_and_why(ends[row["experiment"]])
+    return Outcomes(rows)
+
+
+def require_deployment(deployment: str) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise StageFailed(
+                f"no deployment {deployment} on the Prefect server: `prefect deploy --all` in "
+                "the project (prefect.yaml), with a worker on its pool"
+            ) from None
+
+
+@flow(name="experiment", flow_run_name="{name}")
+def experiment(
+    name: str,
+    sets: list[str],
+    baseline: str,
+    workdir: str = ".",
+    timeout_s: float = 3600,
+    remote: str = "origin",
+    heartbeat_s: float = LOST_AFTER_S / BEATS,
+) -> dict | State:
+    """One experiment of a spread sweep, on the worker that took it: `dvc exp run` in this
+    worker's checkout, then `dvc exp push` to the git remote `remote` and the default DVC
+    remote. A checkout that is not at the sweep's `baseline` commit, has uncommitted changes or
+    lacks a remote refuses first, in one line. Completed with where it ran in its message.
+    A heartbeat every `heartbeat_s` tells the sweep it lives, whatever it waits on (this
+    checkout's lock, training, the push)."""
+    logger = get_run_logger()
+    root = find_root(Path(workdir))
+    with (
+        heartbeat(f"{socket.gethostname()}:{root}", heartbeat_s),
+        workspace_lock(root, wait=True, log=logger.warning),
+        record_holder(root),
+    ):
+        if problem := spread_problem(root, remote, baseline):
+            raise StageFailed(problem)
+        state = run_experiment(root, name, sets, timeout_s, return_state=True)
+        if state.is_cancelled():  # as a deployment's run ends when cancelled: quietly
+            return stopped_run(state.message)
+        if not state.is_completed():
+            raise StageFailed(state.message)
+        push_experiment(root, name, remote, timeout_s)
+    logger.info(f"{name}: pushed to {remote}")
+    return Completed(message=f"{name} ran on {socket.gethostname()}:{root}", data=state.result())
+
+
+@contextmanager
+def heartbeat(where: str, every_s: float) -> Iterator[None]:
+    """While the block runs, a thread counts up this flow run's HEARTBEAT label every
+    `every_s` (and sets RAN_ON to `where`). The sweep judges the count moving on its own clock:
+    the machines' clocks need not agree. A beat the server missed is made up by the next."""
+    run_id, logger = runtime.flow_run.id, get_run_logger()
+    stop = threading.Event()
+
+    def send_beats() -> None:
+        with get_client(sync_client=True) as client:
+            count = 0
+            while not stop.is_set():
+                count += 1
+                try:
+                    client.update_flow_run_labels(run_id, {RAN_ON: where, HEARTBEAT: count})
+                except Exception as error:  # the API away a while: the sweep waits lost_after_s
+                    logger.debug(f"heartbeat not sent: {error}")
+                stop.wait(every_s)
+
+    thread = threading.Thread(target=send_beats, name="heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=every_s)  # not for a beat the API is slow to take
+
+
+def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
+    """Each child's ended flow run into `ends`, said in the log as it comes; False when this run
+    is cancelled meanwhile (`prefect flow-run cancel` of a sweep started from a terminal: no
+    runner stops it). A running one whose heartbeat did not move for `lost_after_s` has lost its
+    worker or machine: marked Crashed, saying so (`crash_if_silent`). Said once: the ones no
+    worker took in UNTAKEN_S."""
+    logger = get_run_logger()
+    start, warned_untaken, beats = time.monotonic(), False, {}  # name -> (count, seen at)
+    with get_client(sync_client=True) as client:
+        while len(ends) < len(runs):
+            if runtime.flow_run.id:
+                own_state = client.read_flow_run(runtime.flow_run.id).state
+                if own_state and own_state.is_cancelling():
+                    return False
+            now = {n: client.read_flow_run(r.id) for n, r in runs.items() if n not in ends}
+            for name, run in now.items():
+                if run.state and run.state.is_running():
+                    crash_if_silent(client, name, run, beats, lost_after_s)
+                if run.state and run.state.is_final():
+                    ends[name] = run
+                    message = run.state.message or ""
+                    logger.info(f"{name}: {run.state.name}: {message}".rstrip(": "))
+            untaken = [n for n, run in now.items() if run.state and run.state.is_scheduled()]
+            if untaken and not warned_untaken and time.monotonic() - start > UNTAKEN_S:
+                logger.warning(
+                    f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
+                    "the deployment's pool busy, or none running (`prefect worker start --pool ...`)"
+                )
+                warned_untaken = True
+            time.sleep(1.0)
+    return True
+
+
+def crash_if_silent(client, name: str, run, beats: dict, lost_after_s: float) -> None:
+    """Note the running child's heartbeat count in `beats` (name -> (count, when this process
+    saw it change)); one whose count has not moved for `lost_after_s` is marked Crashed, on the
+    server and in `run`."""
+    count = (run.labels or {}).get(HEARTBEAT)
+    if name not in beats or beats[name][0] != count:
+        beats[name] = (count, time.monotonic())
+    elif time.monotonic() - beats[name][1] > lost_after_s:
+        where = (run.labels or {}).get(RAN_ON, "a worker")
+        message = f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
+        crashed = Crashed(message=message)
+        client.set_flow_run_state(run.id, crashed, force=True)
+        run.state = crashed
+
+
+def cancel_unended(runs: dict, ends: dict) -> None:
+    """Cancel the child runs not ended (the sweep stopped or failed): their workers stop them."""
+    with get_client(sync_client=True) as client:
+        for name, run in runs.items():
+            if name not in ends:
+                client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
+
+
+def where_and_why(run) -> dict:
+    """A spread experiment's own columns, from its flow run: `ran on` (its worker's host and
+    checkout), and for one that did not succeed its state and `why` (the line it failed with)."""
+    found = {"ran on": (run.labels or {}).get(RAN_ON)}
+    state = run.state
+    if state.is_completed():
+        return found | {"state": "success", "why": None}
+    reason = re.sub(r"^Flow run encountered an exception: \w+: ", "", state.message or "")
+    return found | {"state": state.name.lower(), "why": reason or None}
+
+
+def stopped_rows(plan: Plan, ends: dict) -> list[dict]:
+    """The table of a stopped spread sweep, from the server alone: those ended as they ended
+    (the ones that succeeded were pushed: `dvc exp pull` fetches them), the rest `stopped`."""
+    keys = sorted({key for sets in plan.experiments.values() for key in overrides(sets)})
+    rows = []
+    for name, sets in plan.experiments.items():
+        row = {"experiment": name, "state": "stopped"}
+        row |= {key: overrides(sets).get(key) for key in keys}
+        row |= where_and_why(ends[name]) if name in ends else {"ran on": None, "why": None}
+        rows.append(row)
+    return rows
+
+
+# --- the checkouts and the remotes: each experiment runs in the checkout of the worker that
+# took it, then travels through the git and DVC remotes (`dvc exp push`/`pull`).
+
+
+def git(root: Path, *args: str) -> str:
+    result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise StageFailed(f"`git {' '.join(args)}` in {root} failed: {result.stderr.strip()}")
+    return result.stdout
+
+
+def uncommitted(root: Path) -> list[str]:
+    """Tracked files changed and not committed: a spread sweep's experiments run the commit."""
+    lines = git(root, "status", "--porcelain", "--untracked-files=no").splitlines()
+    return [line[3:] for line in lines]
+
+
+def spread_problem(root: Path, remote: str, commit: str | None = None) -> str | None:
+    """Why this checkout cannot take part in a spread sweep from `commit` (this one's HEAD when
+    None): no git `remote`, no default DVC remote (the experiments' metrics and models travel
+    through it), the commit not on `remote`, or, for a worker, another commit or uncommitted
+    changes (`dvc exp run` would take them into the experiment)."""
+    if subprocess.run(
+        ["git", "remote", "get-url", remote], cwd=root, capture_output=True
+    ).returncode:
+        return f"{root} has no git remote {remote!r}: `git remote add {remote} URL` (the experiments travel through it)"
+    default = dvc_waiting(root, "remote", "default", doing="finding the DVC remote", timeout_s=300)
+    if not default.strip():
+        return f"{root} has no default DVC remote: `dvc remote add -d NAME URL` (the experiments' metrics and models travel through it)"
+    head = git(root, "rev-parse", "HEAD").strip()
+    if commit is None:
+        git(root, "fetch", "-q", remote)  # only its branches: another remote's do not count
+        if not git(root, "branch", "-r", "--contains", head, "--list", f"{remote}/*").strip():
+            return f"commit {head[:8]} is not on {remote}: `git push {remote}` first (every worker needs it)"
+        return None
+    if head != commit:
+        return (
+            f"{root} is at commit {head[:8]}, the sweep's is {commit[:8]}: every worker's "
+            "checkout needs the sweep's commit (`git pull` there)"
+        )
+    if changed := uncommitted(root):
+        return (
+            f"{root} has uncommitted changes ({', '.join(changed[:3])}): a sweep's experiment runs "
+            "the commit alone (commit or `git stash` them there)"
+        )
+    return None
+
+
+def dvc_waiting(root: Path, *args: str, doing: str, timeout_s: float) -> str:
+    """`dvc ARGS`, waiting out (up to `timeout_s`) another dvc that holds the repository (a
+    `dvc status` takes its lock too) instead of failing on it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dvc(root, *args, doing=doing, timeout_s=timeout_s)
+        except DvcBusy:
+            if time.monotonic() > deadline:
+                raise
+            runner.wait_until_free(root, timeout_s=max(deadline - time.monotonic(), 1))
+
+
+def push_experiment(root: Path, name: str, remote: str, timeout_s: float) -> None:
+    """`dvc exp push`: the experiment's commit to the git remote, its outputs to the DVC remote;
+    an experiment already there under the name, other than this one, fails it."""
+    out = dvc_waiting(
+        root, "exp", "push", remote, name, doing=f"pushing {name} to {remote}", timeout_s=timeout_s
+    )
+    if "diverged" in out:  # DVC says so and exits 0
+        raise StageFailed(
+            f"{remote} has another experiment named {name}: not pushed ({out.strip()})"
+        )
+
+
+def pull_experiments(root: Path, names: list[str], remote: str, timeout_s: float) -> None:
+    if names:
+        doing = f"pulling the sweep from {remote}"
+        dvc_waiting(root, "exp", "pull", remote, *names, doing=doing, timeout_s=timeout_s)
