@@ -5,7 +5,7 @@ Copies the project (code, params, the built-in digits) into a temporary git + DV
 reproduces it once, starts a Prefect server on 127.0.0.1, then times, alternating, `--repeats`
 times each:
   - `dvc status`                      a fresh process, as cron would run it
-  - `python -m pipeline.flows`        a fresh process: Python, Prefect, one flow run, `dvc status`
+  - `python -m orchestration.reproduce`  a fresh process: Python, Prefect, one flow run, `dvc status`
   - `reproduce()` in a warm process   the flow run itself (a served or watched deployment's cost
                                       once its process is up)
 and prints the medians, their ratios and the peak memory of each process. Then it puts 20,000
@@ -115,23 +115,27 @@ def main() -> None:
     server = start_server(tmp / "home", args.port)
     try:
         status_cmd = [sys.executable, "-m", "dvc", "status"]
-        flow_cmd = [sys.executable, "-m", "pipeline.flows", str(project)]
+        flow_cmd = [sys.executable, "-m", "orchestration.reproduce", str(project)]
         warm_cmd = [
             sys.executable,
             "-c",
             (
-                "import sys, time; from pipeline.flows import reproduce; reproduce(sys.argv[1]); "
-                "t = time.perf_counter(); [reproduce(sys.argv[1]) for _ in range(int(sys.argv[2]))]; "
-                "print((time.perf_counter() - t) / int(sys.argv[2]))"
+                "import sys, time; from orchestration.reproduce import reproduce; "
+                "reproduce(sys.argv[1]); start = time.perf_counter(); "
+                "[reproduce(sys.argv[1]) for _ in range(int(sys.argv[2]))]; "
+                "print((time.perf_counter() - start) / int(sys.argv[2]))"
             ),
             str(project),
             str(args.repeats),
         ]
         run(flow_cmd, project, env)  # the server's first flow run creates the flow
-        times = {"dvc status": [], "python -m pipeline.flows": []}
+        times = {"dvc status": [], "python -m orchestration.reproduce": []}
         memory = {name: 0.0 for name in times}
         for _ in range(args.repeats):
-            for name, cmd in (("dvc status", status_cmd), ("python -m pipeline.flows", flow_cmd)):
+            for name, cmd in (
+                ("dvc status", status_cmd),
+                ("python -m orchestration.reproduce", flow_cmd),
+            ):
                 seconds, mb = run(cmd, project, env)
                 times[name].append(seconds)
                 memory[name] = max(memory[name], mb)

@@ -35,7 +35,7 @@ def _log(folder={folder!r}):
 atexit.register(_log)
 """
 
-STAGES = ("check", "prepare", "sanity", "train", "evaluate", "export", "flows")
+STAGES = ("check", "prepare", "sanity", "train", "evaluate", "export")
 
 
 def kind(argv: str) -> str:
@@ -44,7 +44,9 @@ def kind(argv: str) -> str:
         return "pytest and its workers (tests run in-process)"
     for stage in STAGES:
         if f"pipeline/{stage}.py" in words[0]:
-            return f"stage {stage}" if stage != "flows" else "pipeline.flows"
+            return f"stage {stage}"
+    if "orchestration/" in words[0] or words[0].endswith(("pipeline/flows.py", "experiments.py")):
+        return "orchestration (the flows)"
     if words[0].endswith(("/dvc", "dvc/__main__.py")):
         return f"dvc {words[1] if len(words) > 1 else ''}"
     if words[0].endswith(("/visionflow", "visionflow/cli.py")):

@@ -72,7 +72,7 @@ def experiments(
     prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
     if (runtime.flow_run.run_count or 1) > 1:  # a retry: the first try's names are taken
         prefix += f"-try{runtime.flow_run.run_count}"
-    names = {f"{prefix}-{i}": sets for i, sets in enumerate(overrides or [], start=1)}
+    names = {f"{prefix}-{number}": sets for number, sets in enumerate(overrides or [], start=1)}
     try:
         problems = preflight(root)  # DVC stashes params.yaml before any stage could refuse it
         if problems:

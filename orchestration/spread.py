@@ -172,7 +172,9 @@ def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
                 own_state = client.read_flow_run(runtime.flow_run.id).state
                 if own_state and own_state.is_cancelling():
                     return False
-            now = {n: client.read_flow_run(r.id) for n, r in runs.items() if n not in ends}
+            now = {
+                name: client.read_flow_run(run.id) for name, run in runs.items() if name not in ends
+            }
             for name, run in now.items():
                 if run.state and run.state.is_running():
                     crash_if_silent(client, name, run, beats, lost_after_s)
@@ -180,7 +182,7 @@ def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
                     ends[name] = run
                     message = run.state.message or ""
                     logger.info(f"{name}: {run.state.name}: {message}".rstrip(": "))
-            untaken = [n for n, run in now.items() if run.state and run.state.is_scheduled()]
+            untaken = [name for name, run in now.items() if run.state and run.state.is_scheduled()]
             if untaken and not warned_untaken and time.monotonic() - start > UNTAKEN_S:
                 logger.warning(
                     f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
