@@ -455,9 +455,9 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
     project, tmp_path
 ):
     """`python -m pipeline.experiments` (the older name of orchestration.experiments, which
-    users have) stopped with Ctrl-C in its first experiment's training:
-    that one reaches its safe point, the second never runs, the command prints the table and
-    exits 130, and the sweep's run on the server is Cancelled (it was Failed, exit 1)."""
+    users have) stopped with Ctrl-C in its first experiment's training: that one reaches its
+    safe point, the second never runs, the command prints the table and exits 130, and the
+    sweep's run on the server is Cancelled (it was Failed, exit 1)."""
     from prefect.client.orchestration import get_client
 
     params = (project / "params.yaml").read_text()

@@ -12,9 +12,15 @@ No module of the library imports the stages (`pipeline`), the flows (`orchestrat
 stages; no import circle runs through `orchestration/` and `pipeline/`."""
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.helpers import ROOT
+import yaml
+
+from tests.helpers import ROOT, python_path
 
 SRC = ROOT / "src"
 # what each package may import of visionflow: its own modules and the layers below it
@@ -177,3 +183,42 @@ def test_functions_fit_on_a_screen_and_the_step_reads_in_one():
     )
     parameters = len(step.args.args) + len(step.args.kwonlyargs)
     assert lines <= 60 and parameters <= 8, (lines, parameters)
+
+
+def test_prefect_yaml_entrypoints_load_by_path_as_the_flows_the_modules_define():
+    """A worker loads a deployment's flow by file path (`orchestration/spread.py:experiment`), as
+    a module of its own (`spread`) beside the `orchestration.*` modules it imports: each
+    entrypoint is the flow its module defines (the same name and parameters), and no module the
+    flows use is loaded twice (once as `orchestration.x`, once as `x` from the folder Prefect
+    puts on sys.path), so no state is split between two copies."""
+    deployments = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    entrypoints = [deployment["entrypoint"] for deployment in deployments]
+    assert all(e.startswith("orchestration/") for e in entrypoints), entrypoints
+    code = """
+import importlib, json, sys
+from prefect.flows import load_flow_from_entrypoint
+found = []
+for entrypoint in sys.argv[1:]:
+    loaded = load_flow_from_entrypoint(entrypoint)
+    path, name = entrypoint.split(":")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    imported = getattr(module, name)
+    found.append([loaded.name == imported.name, loaded.parameters == imported.parameters])
+files = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
+loaded = tuple(entrypoint.split(":")[0] for entrypoint in sys.argv[1:])  # and imported here
+ours = [f for f in files if "/orchestration/" in f and not f.endswith(loaded)]
+copies = sorted({f for f in ours if ours.count(f) > 1})
+print(json.dumps({"same": found, "copies": copies}))
+"""
+    env = {**os.environ, "PYTHONPATH": python_path(ROOT, ROOT / "src")}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *entrypoints],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report == {"same": [[True, True]] * len(entrypoints), "copies": []}, report
