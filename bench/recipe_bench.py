@@ -6,10 +6,10 @@ PyTorch on task A (22 classes of shapes), saved in torchvision's layout to data/
 task B (10 letters, 50 PNGs per class: 15 train, 10 val, 25 test per class) is the user's photo
 folder. Per seed, in a temporary copy of the project (`dvc repro evaluate`, as tests do):
   - recipe:   only train.model and train.pretrained set (and the common epochs, batch, device):
-              train.recipe auto gives one-cycle, a frozen first epoch, rates per layer group,
-              BatchNorm training while frozen, AdamW
+              train.recipe auto (the default) gives the fine-tuning recipe (params.FINETUNE:
+              label smoothing 0.1 on the from-scratch defaults)
   - before:   the same with train.recipe scratch: the defaults before #46 (plateau, no freeze,
-              one rate, Adam)
+              one rate, Adam 1e-3, no label smoothing)
   - zero:     train.pretrained "": the same network from random weights
   - plain:    a script without visionflow on the same split (the prepared cache's .npy files):
               torchvision's model, the weights file, a new head, Adam at 1e-3 on the whole network,
@@ -19,7 +19,14 @@ seconds of `dvc repro evaluate` once prepare and sanity have run (train and eval
 own time) or of the script. Then, seed 0: `visionflow lr-find`'s suggestion under the recipe,
 and the recipe at rates around it, to see where runs converge.
 
-    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/recipe_bench.py [--seeds 3] [--weights-cache /tmp/w.pt]
+    OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/recipe_bench.py [--seeds 3] [--tta]
+        [--weights-cache /tmp/w.pt] [--contenders recipe,before] [--rates 1e-3,3e-3]
+        [--variant onecycle:scheduler=onecycle,lr=5e-3 ...]
+
+--variant NAME:key=value,... adds a contender: the first recipe measured (one-cycle, a frozen
+first epoch, group factor 0.3, AdamW with weight decay 0.01, lr 1e-3; `HAND`) with these train.*
+keys changed, set by hand under train.recipe scratch. Screen variants with --seeds 1 (seed 0)
+or --seeds 0,1 and --contenders '' --rates ''.
 """
 
 import argparse
@@ -136,9 +143,16 @@ def variant(spec: str) -> tuple[str, dict]:
     return name, HAND | {k: yaml.safe_load(v) for k, v in changes.items()}
 
 
+def seeds(text: str) -> list[int]:
+    """`3`: seeds 0, 1, 2; `1,2` (a comma): these."""
+    return [int(s) for s in text.split(",") if s] if "," in text else list(range(int(text)))
+
+
 def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
+    parser.add_argument(
+        "--seeds", type=seeds, default=range(3), help="N: seeds 0 .. N-1; or a list: 1,2"
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--pretrain-epochs", type=int, default=30)
@@ -199,7 +213,7 @@ def main() -> None:
         contenders = {k: v for k, v in contenders.items() if k in chosen}
         contenders |= {name: {"pretrained": WEIGHTS} | hand for name, hand in args.variant}
         runs = {name: [] for name in [*contenders, *(["plain"] if "plain" in chosen else [])]}
-        for seed in range(args.seeds):
+        for seed in args.seeds:
             set_params(project, seed, common | contenders.get("recipe", {}), evaluate)
             sh(project, "dvc", "repro", "sanity")  # prepare and sanity: outside the timings
             for name, train in contenders.items():
