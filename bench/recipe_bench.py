@@ -79,7 +79,7 @@ def set_params(project: Path, seed: int, train: dict, evaluate: dict) -> None:
     params["prepare"] |= {"source": "imagefolder", "path": "data/photos", "image_size": SIZE}
     params["prepare"] |= {"color": "rgb", "test_fraction": 0.5, "val_fraction": 0.4}
     params["train"] |= train
-    params["evaluate"] |= evaluate
+    params["evaluate"] |= evaluate if train.get("pretrained") else {}  # from zero: no crop to shift
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -175,7 +175,9 @@ def arguments() -> argparse.Namespace:
         default=",".join(map(str, RATES)),
         help="the recipe's rate sweep on seed 0, after lr-find ('' skips both)",
     )
-    parser.add_argument("--tta", action="store_true", help="evaluate.tta on: tta_acc beside it")
+    parser.add_argument(
+        "--tta", action="store_true", help="evaluate.tta on (pretrained runs): tta_acc beside it"
+    )
     return parser.parse_args()
 
 
