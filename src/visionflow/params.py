@@ -133,8 +133,9 @@ MODEL_NAME = re.compile(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$")  # a name, or pack
 # The fine-tuning recipe (train.recipe; docs/fine-tuning.md, measured by bench/recipe_bench.py):
 # under it, each of these keys still at its from-scratch default (params.yaml's) takes the
 # recipe's value; a key the user set to anything else keeps the user's. Label smoothing alone:
-# on the benchmark it beat the from-scratch defaults (0.629 against 0.604 test accuracy, 3 seeds),
-# and one-cycle, a frozen first epoch and rates per group did not (0.485-0.610): they stay opt-in.
+# on the benchmark it beat the from-scratch defaults (0.629 against 0.604 test accuracy, 3 seeds);
+# one-cycle with a frozen first epoch and rates per group did not (0.485 as first set, 0.577 at
+# its best screened), nor did each of them added to the defaults: they stay opt-in.
 FINETUNE = {  # key: (from scratch, fine-tuning)
     "label_smoothing": (0.0, 0.1),
 }
