@@ -55,7 +55,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     train = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/mnv3.pth"}
     train |= {"freeze_epochs": 1, "epochs": 1, "batch_size": 8, "backbone_lr_factor": 0.1}
     write_params(project, {"prepare": prepare, "train": train})
-    out = sh(project, "dvc", "repro", "train").stdout  # the recipe: one-cycle, train_bn, ...
+    out = sh(project, "dvc", "repro", "train").stdout  # the recipe (label smoothing), train_bn
     assert "train: the network sees a 56 px centre crop of the 64 px cache" in out
     assert (  # 80x60 photos: their centre square, then ImageNet's crop
         "train: warning: at evaluation the network sees 57% of each photo on average "

@@ -101,6 +101,33 @@ def test_a_frozen_backbone_is_judged_by_the_head_that_trains_not_as_dead_relus()
     assert "every weight: the network has stopped learning" in whole.message
 
 
+def test_convnext_blocks_behind_their_tiny_layer_scale_are_not_vanishing():
+    """ConvNeXt from scratch: each block's branch is multiplied by its layer scale, 1e-6 per
+    channel at the start by design, so the gradients of the parameters inside are about 1e-6 of
+    what they would be. Before, the first step of torchvision's convnext_tiny read as "vanishing
+    in features.1.0.block.0.bias ... try a ResNet"; the scale's own gradient, not small, is the
+    one that says whether the block learns. A block whose scale's gradient vanishes is told."""
+    import torch
+    from torchvision.models import get_model
+
+    from visionflow.train.engine import grad_norms
+
+    torch.manual_seed(0)
+    net = get_model("convnext_tiny", num_classes=10)
+    x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
+    torch.nn.functional.cross_entropy(net(x), y).backward()
+    norms = {k: v.item() for k, v in grad_norms(net).items()}
+    tiny = {k for k, v in norms.items() if v < 1e-7}
+    assert tiny and all(".block." in k for k in tiny)  # inside the blocks, as measured
+    assert min(v for k, v in norms.items() if k.endswith("layer_scale")) > 1e-4
+    assert health.gradients(1, norms, 1e3, 1e-7) is None
+
+    stalled = {**norms, "features.1.0.layer_scale": 0.0}  # that block's scale learns nothing
+    finding = health.gradients(1, stalled, 1e3, 1e-7)
+    block = {k for k in tiny if k.startswith("features.1.0.")}
+    assert block and finding.evidence["vanishing"].keys() == {"features.1.0.layer_scale", *block}
+
+
 def test_gradient_norms_leave_out_batchnorm_biases_that_a_following_batchnorm_cancels():
     import torch
     from torch import nn

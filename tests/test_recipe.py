@@ -177,17 +177,24 @@ def test_batchnorm_trains_while_the_backbone_is_frozen_unless_train_bn_is_off():
 
 
 def test_with_pretrained_weights_recipe_auto_makes_the_defaults_the_fine_tuning_recipe():
+    """The default (train.recipe auto): with train.pretrained, the keys left at their
+    from-scratch defaults take the recipe's values (label smoothing 0.1, what
+    bench/recipe_bench.py measured best); without it, the digits pipeline's defaults as they are."""
     from visionflow.params import FINETUNE, parse_params
 
     shipped = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
     assert {k: shipped[k] for k in FINETUNE} == {k: scratch for k, (scratch, _) in FINETUNE.items()}
+    assert shipped["recipe"] == "auto"
     digits = parse_params(params_with({})).train  # from scratch: the defaults as they are
     assert {k: getattr(digits, k) for k in FINETUNE} == {k: s for k, (s, _) in FINETUNE.items()}
-    assert shipped["recipe"] == "scratch"  # until bench/recipe_bench.py measures it better
-    tuned = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/w.pth", "recipe": "auto"}
+    tuned = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/w.pth"}
     t = parse_params(params_with(tuned)).train
     assert {k: getattr(t, k) for k in FINETUNE} == {k: f for k, (_, f) in FINETUNE.items()}
-    mine = parse_params(params_with(tuned | {"scheduler": "cosine", "freeze_epochs": 2})).train
-    assert (mine.scheduler, mine.freeze_epochs, mine.optimizer) == ("cosine", 2, "adamw")
+    assert t.label_smoothing == 0.1
+    assert (t.scheduler, t.freeze_epochs, t.optimizer) == ("plateau", 0, "adam")  # no gain measured
+    mine = parse_params(params_with(tuned | {"label_smoothing": 0.2, "scheduler": "onecycle"}))
+    assert (mine.train.label_smoothing, mine.train.scheduler) == (0.2, "onecycle")
     plain = parse_params(params_with(tuned | {"recipe": "scratch"})).train
-    assert (plain.scheduler, plain.freeze_epochs) == ("plateau", 0)
+    assert (plain.label_smoothing, plain.scheduler, plain.freeze_epochs) == (0.0, "plateau", 0)
+    asked = parse_params(params_with(tuned | {"recipe": "finetune"})).train
+    assert asked.label_smoothing == 0.1

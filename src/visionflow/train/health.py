@@ -21,6 +21,7 @@ CHECKS = (
     "overfitting",
     "out_of_memory",
 )
+LAYER_SCALE = "layer_scale"  # the per-channel scale of a block's branch (torchvision's ConvNeXt)
 
 
 @dataclass
@@ -119,7 +120,8 @@ def gradients(
     the backbone was frozen (fine-tuning's first epochs), so they are the new head's (and
     BatchNorm's, with train.train_bn): no advice about the backbone's layers or ReLUs then."""
     exploding = {k: v for k, v in layer_norms.items() if not math.isfinite(v) or v > high}
-    vanishing = {k: v for k, v in layer_norms.items() if v < low}
+    scaled = behind_a_layer_scale(layer_norms, low)
+    vanishing = {k: v for k, v in layer_norms.items() if v < low and k not in scaled}
     if not (exploding or vanishing):
         return None
     parts = []
@@ -156,6 +158,20 @@ def gradients(
         f"gradients at epoch {epoch}: " + "; ".join(parts),
         {"exploding": exploding, "vanishing": vanishing},
     )
+
+
+def behind_a_layer_scale(layer_norms: dict[str, float], low: float) -> set[str]:
+    """The parameters of blocks whose branch a layer scale multiplies (ConvNeXt's, torchvision's
+    `<block>.layer_scale`: 1e-6 per channel at the start, by design), while that scale's own
+    gradient does not vanish: theirs are the scale times what they would be, tiny until it
+    grows, and the scale's gradient is the one that says whether the block learns (a block
+    whose scale's gradient vanishes too is judged as any other)."""
+    blocks = tuple(
+        k.removesuffix(LAYER_SCALE)
+        for k, v in layer_norms.items()
+        if k.endswith(f".{LAYER_SCALE}") and v >= low
+    )
+    return {k for k in layer_norms if k.startswith(blocks) and not k.endswith(LAYER_SCALE)}
 
 
 def diverging(history: list[dict], chance: float) -> Finding | None:
