@@ -1,6 +1,7 @@
 """Training health: each check fires on a case built to trigger it and stays silent on a healthy run."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -52,6 +53,18 @@ def test_a_rising_or_non_finite_loss_is_divergence():
     assert health.diverging(history[:2], 2.3) is None
     exploded = health.diverging([{"train/loss": 2e13}], 2.3)
     assert "train loss 2e+13, over 10x the chance level 2.300" in exploded.message
+
+
+def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
+    # efficientnet_b0 from scratch on 600 photos: the first steps fell from far above chance,
+    # then every epoch stayed at a guess's loss, and no other check fired
+    stuck = [{"train/loss": v} for v in (2.41, 2.31, 2.305)]
+    found = health.at_chance(stuck, math.log(10))
+    assert found.check == "at_chance" and found.epoch == 3
+    assert "train loss 2.305 at best over 3 epochs, not under the 2.303 of a guess" in found.message
+    assert health.at_chance(stuck[:2], math.log(10)) is None  # too early to judge
+    learning = [{"train/loss": v} for v in (2.4, 2.1, 1.9)]
+    assert health.at_chance(learning, math.log(10)) is None
 
 
 def test_gradients_out_of_range_are_named_by_layer():
@@ -176,7 +189,7 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     }
     monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
     assert said == [] and monitor.report()["healthy"] is True
-    assert monitor.summary("health.json").startswith("health: healthy: no finding in 6 checks")
+    assert monitor.summary("health.json").startswith("health: healthy: no finding in 7 checks")
     slow = {**metrics, "data_seconds": 0.9, "first_losses": []}
     monitor.epoch(2, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 2, 1e-3, False)
     monitor.epoch(3, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 3, 1e-3, False)
@@ -265,7 +278,7 @@ def only(report: dict) -> list[str]:
 def test_a_healthy_run_says_it_is_healthy(caches, tmp_path):
     code, log, report = train(caches, tmp_path, "digits", {})
     assert code == 0 and report["healthy"] is True and report["findings"] == 0, log
-    assert "health: healthy: no finding in 6 checks" in log
+    assert "health: healthy: no finding in 7 checks" in log
     assert report["loss_drop_first_steps"] > 0.05
 
 

@@ -17,6 +17,7 @@ CHECKS = (
     "data_bound",
     "loss_not_falling",
     "diverging",
+    "at_chance",
     "gradients",
     "overfitting",
     "out_of_memory",
@@ -194,6 +195,25 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
     )
 
 
+def at_chance(history: list[dict], chance: float, epochs: int = 3) -> Finding | None:
+    """The train loss at or above chance level in every epoch so far, `epochs` of them at least:
+    the network does no better than a guess, even where its first steps fell (a loss that
+    starts far above chance falls to it and stays)."""
+    losses = [h["train/loss"] for h in history]
+    if len(losses) < epochs or min(losses) < 0.97 * chance:
+        return None
+    return Finding(
+        "at_chance",
+        len(losses),
+        f"at chance level: train loss {min(losses):.3f} at best over {len(losses)} epochs, not "
+        f"under the {chance:.3f} of a guess (ln of the class count); the network learns nothing "
+        "yet. Check, in this order: the labels (sanity's grid); train.lr (`visionflow lr-find`); "
+        "a network this large from scratch on little data: train.pretrained or a smaller "
+        "train.model",
+        {"train_loss": losses, "chance_loss": chance},
+    )
+
+
 def overfitting(history: list[dict], epochs: int) -> Finding | None:
     """Validation loss rising `epochs` epochs in a row while the train loss falls."""
     if len(history) < epochs + 1:
@@ -304,6 +324,8 @@ class Monitor:
         norms = metrics["layer_grad_norms"]
         self.add(gradients(epoch, norms, c.max_grad_norm, c.min_grad_norm, frozen))
         self.add(diverging(history, math.log(len(self.classes))))
+        if "loss_not_falling" not in {f.check for f in self.findings}:  # that one says it
+            self.add(at_chance(history, math.log(len(self.classes))))
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:
