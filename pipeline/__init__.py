@@ -115,12 +115,13 @@ def deps_of(spec: dict, params: dict) -> list[str]:
 
 
 def code_digest(stage: str) -> str:
-    """sha256 of the content of the stage's code deps (the `.py` files dvc.yaml lists); outside a
-    DVC project, of the project modules loaded so far. Resumable state is keyed by it, so a code
+    """sha256 of the content of the stage's code deps (the `.py` files dvc.yaml lists, and those
+    in the folders it lists, bytecode and hidden files skipped as .dvcignore skips them); outside
+    a DVC project, of the project modules loaded so far. Resumable state is keyed by it, so a code
     change never resumes the old code's checkpoint."""
     found = stage_spec(stage)
     if found:
-        files = sorted(d for d in deps_of(*found) if d.endswith(".py"))
+        files = sorted(f for f in file_stats(deps_of(*found)) if f.endswith(".py"))
     else:
         root = Path(__file__).resolve().parents[1]
         loaded = (
