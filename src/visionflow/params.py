@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from visionflow.errors import ParamsError
-from visionflow.train import from_torchvision
+from visionflow.train import CHECKPOINTING, OWN_MODELS, TORCHVISION_HAS_TOO, from_torchvision
 
 
 def read_yaml(path: str | Path):
@@ -219,16 +219,17 @@ class Train(Section):
     def model_name(cls, name: str) -> str:
         if not MODEL_NAME.match(name):
             raise ValueError(
-                f"{name!r} is not a model name: simple_cnn, small_resnet, resnet18, a torchvision "
+                f"{name!r} is not a model name: {', '.join(OWN_MODELS)}, a torchvision "
                 "classifier (resnet50, efficientnet_b0, ...) or package.module:Name"
             )
         return name
 
     @model_validator(mode="after")
     def fine_tuning_needs_a_pretrained_network(self):
-        if self.pretrained and self.model in ("simple_cnn", "small_resnet"):
+        if self.pretrained and self.model in set(OWN_MODELS) - set(TORCHVISION_HAS_TOO):
             raise ValueError(
-                f"train.pretrained is for resnet18 and torchvision's classifiers, not {self.model}"
+                f"train.pretrained is for {', '.join(TORCHVISION_HAS_TOO)} and torchvision's "
+                f"classifiers, not {self.model}"
             )
         if self.pretrained and ":" in self.model:
             raise ValueError(
@@ -252,11 +253,10 @@ class Train(Section):
                 f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
             )
         if self.checkpointing and (
-            self.model not in ("small_resnet", "resnet18")
-            or from_torchvision(self.model, self.pretrained)
+            self.model not in CHECKPOINTING or from_torchvision(self.model, self.pretrained)
         ):
             raise ValueError(
-                "train.checkpointing is for small_resnet and resnet18 from scratch, not "
+                f"train.checkpointing is for {' and '.join(CHECKPOINTING)} from scratch, not "
                 f"{self.model}{' with train.pretrained' if self.pretrained else ''}"
             )
         return self

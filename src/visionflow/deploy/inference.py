@@ -210,8 +210,8 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
     import torch
 
-    from visionflow.train import zoo
-    from visionflow.train.models import MODELS, model_from
+    from visionflow.train import OWN_MODELS, zoo
+    from visionflow.train.models import model_from
 
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -228,7 +228,7 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
             f"{path} is a network of the project's own code ({name}), which building it would "
             "import and run: not loaded (ask for the model.onnx instead)"
         )
-    problems = meta_problems(meta, [*MODELS, *zoo.registry()])
+    problems = meta_problems(meta, [*OWN_MODELS, *zoo.registry()])
     if problems:  # checked before the network is built: a forged image_size could fill memory
         raise ModelError(f"{path} is not a checkpoint the train stage writes: {problems}")
     try:

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from visionflow import faults
 from visionflow.errors import DiskFull, Unavailable
-from visionflow.train import zoo
+from visionflow.train import CHECKPOINTING, zoo
 
 
 class SimpleCNN(nn.Module):
@@ -200,6 +200,7 @@ def _into(model: nn.Module, weights: dict) -> dict:
     return {(k if k in names else k.replace(".", ".inner.", 1)): v for k, v in weights.items()}
 
 
+# a builder for each of the project's own networks (OWN_MODELS: their names, torch-free)
 MODELS = {"simple_cnn": SimpleCNN, "small_resnet": SmallResNet, "resnet18": resnet18}
 
 
@@ -217,7 +218,7 @@ def build_model(
     project's (MODELS), a torchvision classifier (`network` then says its input size and the
     3-channel mean/std its weights want; `pretrained` loads them: zoo.py), or an import path."""
     if name in MODELS and network is None:  # resnet18 from pretrained weights: torchvision's
-        extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
+        extra = {"checkpointing": checkpointing} if name in CHECKPOINTING else {}
         model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
     elif zoo.is_import_path(name):
         model = zoo.import_network(name, in_channels, num_classes, image_size)

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from visionflow.errors import Unavailable
-from visionflow.train import from_torchvision
+from visionflow.train import OWN_MODELS, from_torchvision
 
-OWN = ("simple_cnn", "small_resnet", "resnet18")  # models.MODELS: the project's own networks
 WEIGHTS_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DEFAULT, IMAGENET1K_V2, ...
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:Name
 # builders whose training forward also returns auxiliary logits: built without them (their
@@ -62,15 +61,15 @@ def is_import_path(name: str) -> bool:
 
 def unknown_model(name: str) -> str | None:
     """The line refusing `train.model: name` (None: it names a network)."""
-    if name in OWN or is_import_path(name):
+    if name in OWN_MODELS or is_import_path(name):
         return None
     names = registry()
     if name in names:
         return None
-    close = difflib.get_close_matches(name, [*OWN, *names], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [*OWN_MODELS, *names], n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else ""
     return (
-        f"train.model: unknown model {name!r}{hint} (the project's {', '.join(OWN)}, any of "
+        f"train.model: unknown model {name!r}{hint} (the project's {', '.join(OWN_MODELS)}, any of "
         "torchvision's classifiers: torchvision.models.list_models(), or package.module:Name)"
     )
 
