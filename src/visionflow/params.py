@@ -50,15 +50,15 @@ def read_file(path: Path):
         raise ParamsError(f"cannot read {path}: not a regular file (a FIFO, socket or device)")
     try:
         return read_yaml(path)
-    except OSError as e:
-        raise ParamsError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ParamsError(f"cannot read {path}: not UTF-8 text (byte {e.start})") from None
-    except YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+    except OSError as error:
+        raise ParamsError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ParamsError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
+    except YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise ParamsError(
-            f"cannot read {path}: {getattr(e, 'problem', None) or e}{where}"
+            f"cannot read {path}: {getattr(error, 'problem', None) or error}{where}"
         ) from None
 
 
@@ -350,8 +350,8 @@ def parse_params(raw: object) -> Params:
         raise ParamsError(f"params must be a mapping of sections, got {type(raw).__name__}")
     try:
         return Params.model_validate(raw)
-    except ValidationError as e:
-        lines = [_describe(err) for err in e.errors()]
+    except ValidationError as error:
+        lines = [_describe(err) for err in error.errors()]
         raise ParamsError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 
@@ -412,8 +412,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     raw = read_file(path)
     try:
         params = parse_params(raw)
-    except ParamsError as e:
-        raise ParamsError(f"{path}: {e}") from None
+    except ParamsError as error:
+        raise ParamsError(f"{path}: {error}") from None
     check_paths(path, params)
     return params
 
@@ -425,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     path = (argv if argv is not None else sys.argv[1:] or ["params.yaml"])[0]
     try:
         load_params(path)
-    except ParamsError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ParamsError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{path}: ok")
     return 0

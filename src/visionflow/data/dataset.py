@@ -95,8 +95,8 @@ def _decode_one(index: int, item) -> tuple[int, str | None, bytes]:
             image = Image.fromarray(item)
         else:
             image = open_image(Path(item), decode)
-    except DataError as e:
-        return index, str(e), b""
+    except DataError as error:
+        return index, str(error), b""
     pixels = pixels_of(image, decode).tobytes()
     os.pwrite(_worker["out"], pixels, index * len(pixels))
     return index, None, hashlib.blake2b(pixels, digest_size=16).digest()
@@ -168,7 +168,9 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # private: guarded
+    writer = getattr(
+        getattr(pool, "_result_queue", None), "_writer", None
+    )  # private: read with getattr, None where absent
     if writer is not None:
         writer.close()
 
@@ -466,7 +468,7 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
     }
     write_json(out / "rejects.json", report)
     if report["fraction"] > max_bad_fraction:
-        listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
+        listing = "\n  ".join(f"{name}: {reason}" for name, reason in list(rejects.items())[:50])
         raise DataError(
             f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
             f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
@@ -475,14 +477,14 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
     return rejects
 
 
-def check_class_sizes(source: Source, good: np.ndarray, least: int, why: str = "") -> None:
+def check_class_sizes(source: Source, good: np.ndarray, least: int, reason: str = "") -> None:
     """DataError naming the classes with fewer than `least` good images (and their counts)."""
     good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
     small = {c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < least}
     if small:
-        why = f" ({why})" if why else ""
+        reason = f" ({reason})" if reason else ""
         raise DataError(
-            f"classes below the minimum of {least} images{why}: {small}", setting="min_per_class"
+            f"classes below the minimum of {least} images{reason}: {small}", setting="min_per_class"
         )
 
 

@@ -73,8 +73,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
     """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
     try:
         empty = path.stat().st_size == 0
-    except OSError as e:  # gone since the folder was listed (or a name too long)
-        raise DataError(f"cannot read: {e.strerror}") from None
+    except OSError as error:  # gone since the folder was listed (or a name too long)
+        raise DataError(f"cannot read: {error.strerror}") from None
     if empty:
         raise DataError("empty file (0 bytes)")
     with warnings.catch_warnings():
@@ -106,12 +106,14 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
         except UnidentifiedImageError:
             formats = ", ".join(decode.formats)
             raise DataError(f"not a readable image in the allowed formats ({formats})") from None
-        except Image.DecompressionBombError as e:
-            raise DataError(f"decompression bomb: {e}") from None
-        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
-            if isinstance(e, OSError) and e.errno:  # the file system's error, not the data's
-                raise DataError(f"cannot read: {e.strerror}") from None
-            raise DataError(f"corrupt or truncated: {e}") from None
+        except Image.DecompressionBombError as error:
+            raise DataError(f"decompression bomb: {error}") from None
+        except (OSError, SyntaxError, ValueError) as error:  # truncated or corrupt data
+            if (
+                isinstance(error, OSError) and error.errno
+            ):  # the file system's error, not the data's
+                raise DataError(f"cannot read: {error.strerror}") from None
+            raise DataError(f"corrupt or truncated: {error}") from None
 
 
 def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
@@ -137,8 +139,8 @@ def to_pixels(item, decode: Decode) -> np.ndarray:
         return pixels_of(Image.fromarray(item), decode)
     try:
         image = open_image(Path(item), decode)
-    except DataError as e:
-        raise DataError(f"cannot decode {item}: {e}") from None
+    except DataError as error:
+        raise DataError(f"cannot decode {item}: {error}") from None
     return pixels_of(image, decode)
 
 

@@ -67,9 +67,9 @@ def verify_cache(cache: Path) -> list[str]:
     try:
         listed = json.loads(manifest_path.read_text())["files"]
         expected = {name: entry["sha256"] for name, entry in listed.items()}
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise DataError(
-            f"{manifest_path} is not a manifest prepare wrote ({type(e).__name__}: {e}); "
+            f"{manifest_path} is not a manifest prepare wrote ({type(error).__name__}: {error}); "
             f"`dvc checkout {cache}` or `dvc repro --force prepare`"
         ) from None
     bad = []

@@ -74,14 +74,14 @@ def speed_settings(
     dtype = None if amp == "auto" and fp32 else amp_dtype(amp, device)
     nhwc = not fp32 if channels_last == "auto" else channels_last
     if "auto" not in (amp, channels_last):
-        why = "as params.yaml sets them"
+        reason = "as params.yaml sets them"
     elif fp32:
-        why = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
+        reason = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
     elif device.type == "cuda":
-        why = "auto: bf16 with channels_last trained residual networks faster on a GPU"
+        reason = "auto: bf16 with channels_last trained residual networks faster on a GPU"
     else:
-        why = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
-    return dtype, nhwc, why
+        reason = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
+    return dtype, nhwc, reason
 
 
 def make_optimizer(

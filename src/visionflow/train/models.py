@@ -231,8 +231,8 @@ def build_model(
     try:
         with torch.no_grad():
             logits = model.eval()(dummy)
-    except (RuntimeError, AssertionError) as e:  # torch._assert (ViT's size check) asserts
-        raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {e}") from None
+    except (RuntimeError, AssertionError) as error:  # torch._assert (ViT's size check) asserts
+        raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {error}") from None
     if not torch.is_tensor(logits) or logits.shape != (2, num_classes):
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
         raise ValueError(
@@ -258,9 +258,9 @@ def save_atomic(obj: dict, path: Path, **where) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except RuntimeError as e:  # torch's zip writer on a full disk: "unexpected pos 576 vs 534"
+    except RuntimeError as error:  # torch's zip writer on a full disk: "unexpected pos 576 vs 534"
         Path(tmp).unlink(missing_ok=True)
-        if "unexpected pos" in str(e) or "write failed" in str(e):
+        if "unexpected pos" in str(error) or "write failed" in str(error):
             raise DiskFull.at(path.parent) from None
         raise
     except BaseException:

@@ -63,6 +63,13 @@ def start_distributed(device_name: str) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+def end_distributed(world: int) -> None:
+    """Wait for every rank, then leave the group `start_distributed` joined (alone: nothing)."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 # what a collective raises when the rank at the other end is gone: gloo's words, then NCCL's
 LOST = re.compile(
     r"Connection reset by peer|Connection closed by peer|Broken pipe|remote process exited"
