@@ -59,8 +59,9 @@ from visionflow.errors import DataError, DiskFull
 
 _worker: dict = {}  # per decoding process: the scratch file's descriptor, the Decode options
 # images per task handed to a decoding process: large enough that the hand-over (a pickle each
-# way, a queue, a future) costs under 1% of decoding even 32 px PNGs, small enough that the last
+# way, a queue, a future) is small beside decoding even 32 px PNGs, small enough that the last
 # tasks still spread over every core; capped below so each process gets about 8 tasks
+# (docs/benchmarks.md, "Numbers that were code comments")
 CHUNK = 64
 COPY_BYTES = 2**22  # pixels copied from the scratch file per read and write: 4 MB at any size
 HISTOGRAM_PIXELS = 2**18  # counted per np.bincount call, which copies them as int64: 2 MB

@@ -3,10 +3,10 @@ ONNX path of `visionflow predict` and the CLI load without torch.
 
 JPEGs are decoded at the reduced DCT scale that still covers the target size (`Image.draft`);
 every image is then resized in two steps, a box reduce by a whole factor and the recorded filter
-over the last `reducing_gap` times or more (Pillow's `resize(..., reducing_gap=)`): a 1024x768
-PNG to 64 px resizes 3x faster, pixels within 1 of a one-step resize. The cache, `visionflow
-predict` and the ONNX client all do both, and the exported models record them (`jpeg_draft`,
-`reducing_gap`), so served pixels equal trained pixels.
+over the last `reducing_gap` times or more (Pillow's `resize(..., reducing_gap=)`): faster than
+one resize from full size, pixels within 1 of it (docs/benchmarks.md measures both). The cache,
+`visionflow predict` and the ONNX client all do both, and the exported models record them
+(`jpeg_draft`, `reducing_gap`), so served pixels equal trained pixels.
 
 Broken, empty, non-image and oversized files are a DataError with the reason; image modes are
 normalised (alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied).
@@ -95,7 +95,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                 if decode.jpeg_draft and opened.format == "JPEG":
                     # libjpeg decodes at 1/2, 1/4 or 1/8 scale in the DCT, the smallest that
                     # still covers size x size (either way up): a 1024x768 photo for 64 px
-                    # decodes at 128x96, about 3x faster; the resize below does the rest
+                    # decodes at 128x96, a fraction of the work (docs/benchmarks.md measures
+                    # it); the resize below does the rest
                     opened.draft(opened.mode, (decode.size, decode.size))
                 opened.load()
                 if decode.exif_transpose:  # upright, as the camera was held

@@ -32,8 +32,8 @@ def stratified_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(rest, test) of `index`, each class in proportion: the same indices, in the same order, as
     scikit-learn's `train_test_split(index, test_size=, stratify=labels, random_state=seed)`
-    (tests/test_data.py holds them equal). Written out because importing scikit-learn costs
-    about 1 s of CPU, a third of preparing 2,000 photos on 2 cores (docs/benchmarks.md)."""
+    (tests/test_data.py holds them equal). Written out because importing scikit-learn cost a
+    large share of the prepare stage's time (docs/benchmarks.md measures it)."""
     n_test = math.ceil(test_size * len(index))
     n_rest = len(index) - n_test
     classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)

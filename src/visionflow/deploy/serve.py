@@ -29,7 +29,7 @@ a snapshot of its bytes and validated fully (`inference.load_predictor`: metadat
 forward pass) before it replaces the model served; a broken one is refused, logged and shown in
 /health while the old one goes on serving. SIGTERM: see `server.Server`.
 
-No torch: it answers its first request 0.3 s after it starts (2 CPU cores). For tests,
+No torch, so it starts answering quickly (docs/benchmarks.md measures the start). For tests,
 VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FILE exists
 (src/visionflow/faults.py).
 """

@@ -20,7 +20,7 @@ class SimpleCNN(nn.Module):
 
     Each convolution is max-pooled before its ReLU: the same function (max and ReLU commute) and the
     same state_dict as the usual conv -> ReLU -> pool, but ReLU and its backward touch a quarter of
-    the values: a training step on 2 CPU cores ran 1.2x faster (bench/relu_order_bench.py).
+    the values, so a training step runs faster (bench/relu_order_bench.py; docs/benchmarks.md).
     """
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25):

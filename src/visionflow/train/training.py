@@ -40,7 +40,7 @@ def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     if compiled:  # also tells torch.compile's kernels
         torch.use_deterministic_algorithms(deterministic)
-    else:  # the same switch, without importing the compiler for it (1.5 s at every start)
+    else:  # the same switch, without importing the compiler for it (seconds at every start)
         torch._C._set_deterministic_algorithms(deterministic)
     torch.backends.cudnn.benchmark = not deterministic  # autotuning picks kernels by timing
 
