@@ -30,7 +30,7 @@ recomputed over the train split (`recalibrated`). The pretrained file can be kep
     OMP_NUM_THREADS=1 nice -n 19 .venv/bin/python bench/finetune_bench.py [--seeds 3] [--weights-cache /tmp/w.pt]
 
 One intra-op thread: on 2 cores shared with other work, torch's two threads spin against each
-other (a mobilenet_v3_small step at 42 px ran at 18 images/s with two, 334 with one).
+other and a step runs many times slower (docs/benchmarks.md, "fine-tuning at 224 px").
 """
 
 import argparse

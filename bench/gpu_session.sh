@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything #44 asks of a GPU, in one run of about 10 minutes on an H200, from this checkout and
+# Everything #44 asks of a GPU in one run (docs/benchmarks.md says how long), from this checkout and
 # the wheels of bench/gpu_wheels.sh (.whl/, carried with the checkout): the GPU check (`make
 # test-gpu`), then the benchmarks, each under its own time limit so that one that overruns leaves
 # the others their time. Everything goes under OUT (default $OUT, else gpu-session/); the numbers

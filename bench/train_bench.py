@@ -13,9 +13,9 @@ Every run is a fresh Python process, so no contender inherits another's allocato
 or caches. Reports images/s, wall time to reach the target validation accuracy, and final accuracy.
 Each loop runs with `--seeds` seeds, alternating. Images/s and final accuracy are medians; the
 epochs and seconds to the target are means: which epoch first crosses the target moves with the
-seed (over 40 seeds the plain loop took 2.5 epochs on average and the stage 2.6, each run 2, 3 or
-4), and a median of such whole numbers jumps by a whole epoch between runs. 40 seeds take about
-25 minutes on 2 CPU cores; the default 10, about 6.
+seed by a whole epoch or two, and a median of such whole numbers jumps by a whole epoch between
+runs. The run takes time in proportion to `--seeds`: docs/benchmarks.md ("train: the training
+loop") records how long 40 took, and what they measured.
 
     .venv/bin/python bench/train_bench.py [--epochs 8] [--target 0.9] [--seeds 10] [--device cuda]
 """

@@ -115,12 +115,13 @@ def deps_of(spec: dict, params: dict) -> list[str]:
 
 
 def code_digest(stage: str) -> str:
-    """sha256 of the content of the stage's code deps (the `.py` files dvc.yaml lists); outside a
-    DVC project, of the project modules loaded so far. Resumable state is keyed by it, so a code
+    """sha256 of the content of the stage's code deps (the `.py` files dvc.yaml lists, and those
+    in the folders it lists, bytecode and hidden files skipped as .dvcignore skips them); outside
+    a DVC project, of the project modules loaded so far. Resumable state is keyed by it, so a code
     change never resumes the old code's checkpoint."""
     found = stage_spec(stage)
     if found:
-        files = sorted(d for d in deps_of(*found) if d.endswith(".py"))
+        files = sorted(f for f in file_stats(deps_of(*found)) if f.endswith(".py"))
     else:
         root = Path(__file__).resolve().parents[1]
         loaded = (
@@ -173,15 +174,17 @@ class Snapshot:
         return found
 
 
-def disk_full_message(e: OSError) -> str | None:
+def disk_full_message(error: OSError) -> str | None:
     """One line for a full disk or a file too large, else None (any other OSError is a bug to
     show in full)."""
-    if isinstance(e, DiskFull):
-        return str(e)
-    where = Path(e.filename).parent if e.filename else (STAGED[0][0] if STAGED else Path.cwd())
-    if e.errno == errno.ENOSPC:  # without a file name: where this stage was writing
+    if isinstance(error, DiskFull):
+        return str(error)
+    where = (
+        Path(error.filename).parent if error.filename else (STAGED[0][0] if STAGED else Path.cwd())
+    )
+    if error.errno == errno.ENOSPC:  # without a file name: where this stage was writing
         return str(DiskFull.at(where))
-    if e.errno == errno.EFBIG:  # a file past the file system's or the process's largest
+    if error.errno == errno.EFBIG:  # a file past the file system's or the process's largest
         return (
             f"a file in {where} grew past the largest this allows: the file system's (FAT32: "
             "4 GB) or the shell's `ulimit -f`; write to another file system, or raise the limit"
@@ -222,7 +225,7 @@ def check_cache_room() -> None:
         )
 
 
-def say_what_is_left(stage: str, found: tuple[dict, dict] | None) -> None:
+def print_what_is_left(stage: str, found: tuple[dict, dict] | None) -> None:
     """After a failure, the truth about the stage's outputs: DVC deleted them before the stage
     ran (unless persistent), so name the command that brings the recorded ones back."""
     if found is None:
@@ -274,20 +277,20 @@ def run(main: Callable[[], None]) -> None:
         publish()
         if faults.ACTIVE:
             faults.fault("stage.published", stage=stage)
-    except (ParamsError, DataError, GateError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        say_what_is_left(stage, spec)
+    except (ParamsError, DataError, GateError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        print_what_is_left(stage, spec)
         sys.exit(1)
-    except (Interrupted, KeyboardInterrupt) as e:
-        print(f"interrupted: {str(e) or 'stopped at once'}", file=sys.stderr)
-        say_what_is_left(stage, spec)
+    except (Interrupted, KeyboardInterrupt) as error:
+        print(f"interrupted: {str(error) or 'stopped at once'}", file=sys.stderr)
+        print_what_is_left(stage, spec)
         sys.exit(130)
-    except OSError as e:
-        message = disk_full_message(e)
+    except OSError as error:
+        message = disk_full_message(error)
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        say_what_is_left(stage, spec)
+        print_what_is_left(stage, spec)
         sys.exit(1)
     finally:
         discard()

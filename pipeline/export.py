@@ -58,30 +58,30 @@ INT8_FILE = "model.int8.onnx"
 
 def print_parity(parity: dict) -> None:
     for runtime, results in parity.items():
-        for name, r in results.items():
+        for name, result in results.items():
             if name == "metadata":
-                print(f"parity {runtime:11s} metadata differs from the model's: {r}")
+                print(f"parity {runtime:11s} metadata differs from the model's: {result}")
                 continue
             print(
-                f"parity {runtime:11s} {name:9s} max abs {r['max_abs_diff']:.2e}  "
-                f"max rel {r['max_rel_diff']:.2e}  top-1 {r['top1_agreement']:.3f}  "
-                + ("ok" if r["passed"] else "MISS")
+                f"parity {runtime:11s} {name:9s} max abs {result['max_abs_diff']:.2e}  "
+                f"max rel {result['max_rel_diff']:.2e}  top-1 {result['top1_agreement']:.3f}  "
+                + ("ok" if result["passed"] else "MISS")
             )
 
 
-def print_int8(r: dict) -> None:
-    allowed = f"may drop {r['max_accuracy_drop']}"
-    if r["drop_within_noise"]:  # passed, but over the allowance: say why
+def print_int8(gate: dict) -> None:
+    allowed = f"may drop {gate['max_accuracy_drop']}"
+    if gate["drop_within_noise"]:  # passed, but over the allowance: the line says why
         allowed = (
-            f"dropped {r['accuracy_drop']:.4f}, over the {r['max_accuracy_drop']} allowed, which "
-            f"{r['images']} test images cannot tell from noise: p {r['p_value']:.2g}"
+            f"dropped {gate['accuracy_drop']:.4f}, over the {gate['max_accuracy_drop']} allowed, which "
+            f"{gate['images']} test images cannot tell from noise: p {gate['p_value']:.2g}"
         )
     print(
-        f"int8   onnx QDQ, {r['calibration']} on {r['calibration_images']} training "
-        f"image{'s' if r['calibration_images'] != 1 else ''}: "
-        f"test accuracy {r['int8_accuracy']:.4f} (fp32 {r['fp32_accuracy']:.4f}, {allowed}), "
-        f"top-1 agreement {r['top1_agreement']:.4f} (at least {r['min_top1_agreement']})  "
-        + ("ok" if r["passed"] else "MISS")
+        f"int8   onnx QDQ, {gate['calibration']} on {gate['calibration_images']} training "
+        f"image{'s' if gate['calibration_images'] != 1 else ''}: "
+        f"test accuracy {gate['int8_accuracy']:.4f} (fp32 {gate['fp32_accuracy']:.4f}, {allowed}), "
+        f"top-1 agreement {gate['top1_agreement']:.4f} (at least {gate['min_top1_agreement']})  "
+        + ("ok" if gate["passed"] else "MISS")
     )
 
 
@@ -101,23 +101,32 @@ def print_int8_speed(latency: dict) -> dict:
     return faster
 
 
-def int8_miss(r: dict) -> str:
-    if "metadata" in r:
-        return f"INT8 file refused: {r['metadata']}"
-    over = r["accuracy_drop"] > r["max_accuracy_drop"] + 1e-12 and not r["drop_within_noise"]
+def parity_miss(export: Export) -> str:
+    return (
+        f"parity missed (onnx rtol {export.onnx_rtol} atol {export.onnx_atol}; others rtol "
+        f"{export.rtol} atol {export.atol})"
+    )
+
+
+def int8_miss(gate: dict) -> str:
+    if "metadata" in gate:
+        return f"INT8 file refused: {gate['metadata']}"
+    over = (
+        gate["accuracy_drop"] > gate["max_accuracy_drop"] + 1e-12 and not gate["drop_within_noise"]
+    )
     if not over:  # the accuracy held: the answers differ
         return (
-            f"INT8 gives fp32's top-1 class on {r['top1_agreement']:.4f} of the test images, "
-            f"under export.int8_min_top1_agreement {r['min_top1_agreement']} (test accuracy "
-            f"{r['int8_accuracy']:.4f}, fp32 {r['fp32_accuracy']:.4f})"
+            f"INT8 gives fp32's top-1 class on {gate['top1_agreement']:.4f} of the test images, "
+            f"under export.int8_min_top1_agreement {gate['min_top1_agreement']} (test accuracy "
+            f"{gate['int8_accuracy']:.4f}, fp32 {gate['fp32_accuracy']:.4f})"
         )
     return (
-        f"INT8 test accuracy {r['int8_accuracy']:.4f} is {r['accuracy_drop']:.4f} below fp32's "
-        f"{r['fp32_accuracy']:.4f}, more than export.int8_max_accuracy_drop "
-        f"{r['max_accuracy_drop']} (top-1 agreement with fp32 {r['top1_agreement']:.4f}), "
-        f"beyond the test split's noise: INT8 alone is wrong on {r['int8_only_wrong']} of the "
-        f"{r['int8_only_wrong'] + r['fp32_only_wrong']} images where they disagree "
-        f"(p {r['p_value']:.2g} at that drop)"
+        f"INT8 test accuracy {gate['int8_accuracy']:.4f} is {gate['accuracy_drop']:.4f} below fp32's "
+        f"{gate['fp32_accuracy']:.4f}, more than export.int8_max_accuracy_drop "
+        f"{gate['max_accuracy_drop']} (top-1 agreement with fp32 {gate['top1_agreement']:.4f}), "
+        f"beyond the test split's noise: INT8 alone is wrong on {gate['int8_only_wrong']} of the "
+        f"{gate['int8_only_wrong'] + gate['fp32_only_wrong']} images where they disagree "
+        f"(p {gate['p_value']:.2g} at that drop)"
     )
 
 
@@ -126,7 +135,7 @@ def done_line(names: list[str], out: Path, unavailable: dict, exporter: str) -> 
     return f"export: {', '.join(names)} in {out} {not_made}(ONNX via the {exporter} exporter)"
 
 
-def say_int8(int8: dict, made: bool, report: dict, out: Path, model: str) -> None:
+def gate_int8(int8: dict, made: bool, report: dict, out: Path, model: str) -> None:
     """The INT8 gate's line; a miss fails the stage. Without an INT8 file (ONNX Runtime cannot
     quantize the model) the fp32 formats, proven, are promoted without it."""
     if not made:
@@ -137,11 +146,11 @@ def say_int8(int8: dict, made: bool, report: dict, out: Path, model: str) -> Non
         refuse({**report, "int8": int8}, out, int8_miss(int8))
 
 
-def refuse(report: dict, out: Path, why: str) -> None:
+def refuse(report: dict, out: Path, reason: str) -> None:
     """Fail the stage, nothing promoted; the failed report goes beside `out`."""
     miss = out.with_name(out.name + ".miss.json")
     write_json(miss, report)
-    raise GateError(f"{why}; nothing promoted; the failed report is {miss}")
+    raise GateError(f"{reason}; nothing promoted; the failed report is {miss}")
 
 
 def faulty(predictor: Predictor) -> Predictor:
@@ -156,21 +165,21 @@ def int8_gate(
     cache: Path,
     classes: list,
     spec: dict,
-    e: Export,
+    export: Export,
 ) -> tuple[dict, Predictor]:
     """model.int8.onnx, calibrated on training images (never test images), with the fp32 file's
     `metadata`; it is loaded as a client loads it (the preprocessing read from it) and scored on
     the whole test split beside `fp32` (model.onnx as the parity check loaded it). Returns the
     gate's report and the INT8 predictor."""
     calibration = calibration_sample(
-        read_split(cache, "train", mmap=True)[0], e.int8_calibration_images
+        read_split(cache, "train", mmap=True)[0], export.int8_calibration_images
     )
     int8_path = folder / INT8_FILE
     try:
         if faults.ACTIVE:
             faults.fault("export.quantize")
         record = quantize_onnx(
-            onnx_path, int8_path, calibration, spec, e.int8_calibration, metadata
+            onnx_path, int8_path, calibration, spec, export.int8_calibration, metadata
         )
     except Exception as error:  # ONNX Runtime's quantizer fails on some graphs (swin_v2_*)
         int8_path.unlink(missing_ok=True)
@@ -179,9 +188,8 @@ def int8_gate(
     if faults.ACTIVE:  # tests: an INT8 model that lost its accuracy (export.int8:nan)
         int8 = faulty(int8)
     test_x, test_y = read_split(cache, "test", mmap=True)
-    check = int8_check(
-        fp32, int8, test_x, test_y, file_spec, e.int8_max_accuracy_drop, e.int8_min_top1_agreement
-    )
+    allowed = export.int8_max_accuracy_drop, export.int8_min_top1_agreement
+    check = int8_check(fp32, int8, test_x, test_y, file_spec, *allowed)
     if (file_classes, file_spec) != (classes, spec):
         check.update(passed=False, metadata="the INT8 file's classes or preprocessing differ")
     sizes = {"onnx": onnx_path.stat().st_size, "onnx_int8": int8_path.stat().st_size}
@@ -193,10 +201,10 @@ def summary(report: dict, int8: dict) -> dict:
     `dvc exp show --only-changed` fits 160 columns with the params beside them. Latency is not
     among them (latency.json): it differs on every run, so it was a column in every comparison."""
     worst = max(
-        r["max_abs_diff"]
+        result["max_abs_diff"]
         for runtime in ("onnx", "pt2", "torchscript")
-        for r in report[runtime].values()
-        if "max_abs_diff" in r
+        for result in report[runtime].values()
+        if "max_abs_diff" in result
     )
     return {
         "parity_passed": report["passed"],
@@ -224,13 +232,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
     params = load_params()
-    e = params.export
+    export = params.export
 
     model, meta = load_model(args.model, map_location="cpu")  # eval mode, CPU, fp32
-    spec = spec_of(meta)
+    spec, classes = spec_of(meta), meta["classes"]
     # real test images, uint8: the first few, read from a memory map (not the whole split) and
     # copied out of it (torch warns on a tensor over read-only memory)
-    pixels = np.array(read_split(args.data, "test", mmap=True)[0][: e.batch_size])
+    pixels = np.array(read_split(args.data, "test", mmap=True)[0][: export.batch_size])
     example = torch.from_numpy(to_input(pixels, spec))
 
     out = staged(args.out)  # moved to args.out only when parity and the INT8 gate pass
@@ -239,48 +247,43 @@ def main() -> None:
     needed = 6 * args.model.stat().st_size + 2**20
     if shutil.disk_usage(out).free < needed:
         raise DiskFull.at(out, needed)
-    metadata = file_metadata(meta["classes"], spec)
+    metadata = file_metadata(classes, spec)
     try:
-        paths, exporter, unavailable = export_all(model, example, out, e.opset, metadata)
+        paths, exporter, unavailable = export_all(model, example, out, export.opset, metadata)
     except CannotExport as error:
         raise GateError(f"{error}; nothing promoted") from None
-    for runtime, why in unavailable.items():  # the others are proven and promoted without it
-        print(f"export: warning: {runtime} cannot express {meta['model']}: {why}")
+    for runtime, reason in unavailable.items():  # the others are proven and promoted without it
+        print(f"export: warning: {runtime} cannot express {meta['model']}: {reason}")
     opset = onnx_opset(paths["onnx"])  # what the file says, which every record states
-    if opset != e.opset:
+    if opset != export.opset:
         raise GateError(
-            f"export.opset is {e.opset}, but the {exporter} exporter wrote opset {opset}"
+            f"export.opset is {export.opset}, but the {exporter} exporter wrote opset {opset}"
         )
     parity, predictors = check_formats(
         model,
         paths,
         pixels,
-        meta["classes"],
+        classes,
         spec,
-        (e.onnx_rtol, e.onnx_atol),
-        (e.rtol, e.atol),
-        e.min_top1_agreement,
+        (export.onnx_rtol, export.onnx_atol),
+        (export.rtol, export.atol),
+        export.min_top1_agreement,
     )
-    passed = all(r["passed"] for results in parity.values() for r in results.values())
+    passed = all(result["passed"] for results in parity.values() for result in results.values())
     report = {"exporter": exporter, "opset": opset, "passed": passed, **parity}
     report |= {runtime: {} for runtime in unavailable}  # no parity to show: not made
     report["unavailable"] = unavailable  # format -> why it cannot express this model
     print_parity(parity)
     if not passed:
-        refuse(
-            report,
-            args.out,
-            f"parity missed (onnx rtol {e.onnx_rtol} atol {e.onnx_atol}; others rtol {e.rtol} "
-            f"atol {e.atol})",
-        )
+        refuse(report, args.out, parity_miss(export))
     write_json(out / "parity.json", report)
     onnx_metadata = {**metadata, EXPORTER_KEY: exporter}  # as export_onnx wrote it
     int8, int8_predictor = int8_gate(
-        paths["onnx"], predictors["onnx"], onnx_metadata, out, args.data, meta["classes"], spec, e
+        paths["onnx"], predictors["onnx"], onnx_metadata, out, args.data, classes, spec, export
     )
-    say_int8(int8, int8_predictor is not None, report, args.out, meta["model"])
+    gate_int8(int8, int8_predictor is not None, report, args.out, meta["model"])
     predictors = {"eager": module_predictor(model), **predictors}
-    latency = timed(predictors, int8_predictor, int8, example.numpy(), e.latency_repeats)
+    latency = timed(predictors, int8_predictor, int8, example.numpy(), export.latency_repeats)
     write_json(out / "int8.json", int8)
     sizes = int8.get("size_bytes", {"onnx": paths["onnx"].stat().st_size})
     write_json(out / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes})

@@ -1,6 +1,6 @@
 """A run's lifecycle, and what decides whether training resumes, republishes or starts fresh.
 
-        start ──> staged ──> guarded ──> published ──> recorded ──> pruned
+        start ──> staged ──> checked ──> published ──> recorded ──> pruned
                     │           │            │
      Ctrl-C/SIGTERM │  a dep or │  DVC's     │  the next run of the same params, data and code
      (exit 130) or  │  a param  │  cache is  │  starts fresh; one that finds its run published
@@ -15,7 +15,7 @@
 Where each step lives:
 - staged: every stage writes into `<out>.partial` (`pipeline.staged`); a killed run's is removed
   by the next.
-- guarded: the params and deps a stage started with (`pipeline.Snapshot`, a stat per file) are
+- checked: the params and deps a stage started with (`pipeline.Snapshot`, a stat per file) are
   checked when it ends, and DVC's cache must have room for its outputs
   (`pipeline.check_cache_room`).
 - published: the staging folders move into place (`pipeline.publish`), then the
@@ -53,15 +53,15 @@ def run_of(params, cache: Path) -> dict:
     whose learning rate depends on it: under the others a longer run's first epochs are a shorter
     run's, so a larger budget resumes a finished run. train.lr `auto` is kept as it is: the rate
     the range test found is recorded in the folder (pipeline/lr_find.py) and reused on resume."""
-    t = params.train
-    budgeted = t.scheduler in ("cosine", "onecycle")
-    train = t.model_dump(exclude=set() if budgeted else {"epochs"})
+    train = params.train
+    budgeted = train.scheduler in ("cosine", "onecycle")
+    train_values = train.model_dump(exclude=set() if budgeted else {"epochs"})
     hashes = {
         "data": file_hash(cache / "manifest.json"),
         "code": code_digest("train"),
-        "pretrained weights": weights_content(t.model, t.pretrained),
+        "pretrained weights": weights_content(train.model, train.pretrained),
     }
-    return {"seed": params.seed, "train": train, "hashes": hashes}
+    return {"seed": params.seed, "train": train_values, "hashes": hashes}
 
 
 def weights_content(model: str, pretrained: str) -> str | None:
@@ -82,7 +82,7 @@ FRESH_BECAUSE = {"train.epochs": "the cosine and one-cycle schedules' rates depe
 PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt its run published
 
 
-def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, say):
+def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, log):
     """The state of this fingerprint only, from its own folder (`state_to_resume`); a fresh
     start otherwise (other configurations' folders beyond the newest few are pruned).
 
@@ -93,20 +93,20 @@ def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, sa
     if world > 1:
         same_run_everywhere(run, rank, world)
     device = next(trainer.model.parameters()).device
-    state, why, extending, best = None, "", False, None
+    state, reason, extending, best = None, "", False, None
     if rank == 0:
         on = "cpu" if world > 1 else device  # sent to the others, each moves it to its device
-        state, why, extending = state_to_resume(folder, run, out, epochs, on)
+        state, reason, extending = state_to_resume(folder, run, out, epochs, on)
         best = checkpoint.best_file(folder, state["best"]["epoch"]) if state else None
         if state and not checkpoint.readable(best):  # half-deleted or corrupt
             state, extending = None, False
-            why = f"not resuming from {folder}: its {best.name} is missing or unreadable; "
-            why += "starting fresh"
+            reason = f"not resuming from {folder}: its {best.name} is missing or unreadable; "
+            reason += "starting fresh"
     if world > 1:
         decided = [state]
         dist.broadcast_object_list(decided, src=0)
         state = decided[0]
-    say(f"train: {why}")
+    log(f"train: {reason}")
     if rank == 0:
         if state is None:
             shutil.rmtree(folder, ignore_errors=True)  # a fresh run starts a fresh folder
@@ -117,12 +117,12 @@ def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, sa
             if stray != best:
                 stray.unlink()
         for old in checkpoint.prune(folder.parent, keep=folder):
-            say(f"train: removed the resumable state of another configuration: {old}")
+            log(f"train: removed the resumable state of another configuration: {old}")
     if state is None:
         return Progress()
     saved_by = len(state.get("rng_of_ranks") or [None])
     if saved_by != world:  # the steps and draws differ from an uninterrupted run's
-        say(
+        log(
             f"train: warning: resuming a {saved_by}-rank run on {world} rank(s): it goes on, but "
             "will not end as an uninterrupted run would (the batch per step and the random "
             "draws follow the number of ranks)"
@@ -140,14 +140,17 @@ def same_run_everywhere(run: dict, rank: int, world: int) -> None:
     runs = [None] * world
     dist.all_gather_object(runs, run)
     differ = {
-        r: checkpoint.changes(runs[0], other) for r, other in enumerate(runs) if other != runs[0]
+        other_rank: checkpoint.changes(runs[0], other)
+        for other_rank, other in enumerate(runs)
+        if other != runs[0]
     }
     if differ:
-        said = "; ".join(
-            f"rank {r}: {', '.join(found) or 'the run'}" for r, found in differ.items()
+        differences = "; ".join(
+            f"rank {other_rank}: {', '.join(found) or 'the run'}"
+            for other_rank, found in differ.items()
         )
         raise GateError(
-            f"train: the ranks' runs differ from rank 0's ({said}): every node needs the same "
+            f"train: the ranks' runs differ from rank 0's ({differences}): every node needs the same "
             "commit, params.yaml and data (`git pull` and `dvc pull` on each)"
         )
 
@@ -164,30 +167,30 @@ def state_to_resume(
     them), its outputs are written again from it, without training. Without a checkpoint of its
     own, the line names what changed since the newest other configuration's."""
     had_state = any(folder.glob("epoch-*.pt"))
-    state, why = checkpoint.load_latest(folder, checkpoint.fingerprint(run), device)
+    state, reason = checkpoint.load_latest(folder, checkpoint.fingerprint(run), device)
     if state is None:
         changed = None
         if not had_state:  # not some unreadable files (load_latest said so): another config's?
-            changed = checkpoint.why_not_resumed(folder.parent, folder, run, FRESH_BECAUSE)
-        return None, f"starting fresh: {changed}" if changed else why, False
+            changed = checkpoint.reason_not_resumed(folder.parent, folder, run, FRESH_BECAUSE)
+        return None, f"starting fresh: {changed}" if changed else reason, False
     if state["epoch"] > epochs:  # a longer run's state, and train.epochs was lowered
-        why = f"not resuming {folder}: its epoch {state['epoch']} is past train.epochs {epochs}"
-        return None, f"{why}; starting fresh", False
+        reason = f"not resuming {folder}: its epoch {state['epoch']} is past train.epochs {epochs}"
+        return None, f"{reason}; starting fresh", False
     if not (folder / PUBLISHED_FILE).exists():  # a run that stopped before its end
-        return state, why, False
+        return state, reason, False
     done = recorded(folder, out)
     budget = state.get("epochs", state["epoch"])  # an early-stopped run did fewer epochs
     if epochs > budget:
         kind = "recorded" if done else "finished"
-        return state, f"extending the {kind} {budget}-epoch run to {epochs} epochs: {why}", True
+        return state, f"extending the {kind} {budget}-epoch run to {epochs} epochs: {reason}", True
     if done:
-        why = "the last run of these params, data and code is recorded by DVC; starting fresh"
-        return None, why, False
-    why = (
+        reason = "the last run of these params, data and code is recorded by DVC; starting fresh"
+        return None, reason, False
+    reason = (
         "the last run of these params finished but DVC did not record its outputs (a full "
-        f"cache, a stop while DVC hashed them): {why}; writing them again, without training"
+        f"cache, a stop while DVC hashed them): {reason}; writing them again, without training"
     )
-    return state, why, False
+    return state, reason, False
 
 
 def recorded(folder: Path, out: Path) -> bool:

@@ -35,56 +35,64 @@ from visionflow.train.zoo import FineTune
 RECORD = "lr_find.json"  # in the run's state folder: the rate `train.lr: auto` found
 
 
-def range_test_of(t: Train, model, d: Data, norm: tuple, seed: int) -> dict:
+def range_test_of(train: Train, model, data: Data, norm: tuple, seed: int) -> dict:
     """The range test on a copy of `model` (left as it is), frozen as train.freeze_epochs will
     freeze it, with train.*'s optimizer, batches and augmentation; the global generators (dropout's)
     are put back after it."""
     probe = copy.deepcopy(model)
-    if isinstance(probe, FineTune) and t.freeze_epochs:
+    if isinstance(probe, FineTune) and train.freeze_epochs:
         probe.freeze(True)
-    plain = t.model_copy(update={"lr": 1.0, "scheduler": "none", "compile": False})
-    trainer = trainer_for(probe, plain, seed, 0, 1, d.image_size, len(d.y_train))
+    plain = train.model_copy(update={"lr": 1.0, "scheduler": "none", "compile": False})
+    trainer = trainer_for(probe, plain, seed, 0, 1, data.image_size, len(data.y_train))
     draws = partial(augment, generator=trainer.augment_rng, **trainer.augment)
-    split = Split(d.x_train, d.y_train, *norm, trainer.shuffle, draws)
+    split = Split(data.x_train, data.y_train, *norm, trainer.shuffle, draws)
     devices = [norm[0].device] if norm[0].device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         return range_test(probe, trainer.optimizer, split, trainer.step)
 
 
 def rate_for(
-    t: Train, model, d: Data, norm: tuple, seed: int, folder: Path, rank: int, world: int, say
+    train: Train,
+    model,
+    data: Data,
+    norm: tuple,
+    seed: int,
+    folder: Path,
+    rank: int,
+    world: int,
+    log,
 ):
     """(train.* with the rate the run uses, the range test's result or None). Under `train.lr:
     auto` the rate recorded in the run's state folder (a resumed run's), else the range test's
     suggestion (rank 0's, sent to every rank); no suggestion is a GateError in one line."""
-    if t.lr != "auto":
-        return t, None
+    if train.lr != "auto":
+        return train, None
     found, record = None, folder / RECORD
     if rank == 0:
         found = json.loads(record.read_text()) if record.exists() else None
         how = f"recorded in {record}"
         if found is None:
-            found = range_test_of(t, model, d, norm, seed)
+            found = range_test_of(train, model, data, norm, seed)
             how = f"{len(found['rates'])} steps; `visionflow lr-find` plots it"
-        say(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
+        log(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
     if world > 1:
         shared = [found]
         dist.broadcast_object_list(shared, src=0)
         found = shared[0]
     if found["suggestion"] is None:
-        raise GateError(no_rate(t, found))
-    return t.model_copy(update={"lr": found["suggestion"]}), found
+        raise GateError(no_rate(train, found))
+    return train.model_copy(update={"lr": found["suggestion"]}), found
 
 
-def no_rate(t: Train, found: dict) -> str:
+def no_rate(train: Train, found: dict) -> str:
     steps = len(found["rates"])
-    why = (
+    reason = (
         f"the loss was not finite from its first steps ({steps} steps with a finite loss)"
         if steps < 5
         else f"the loss did not fall over {steps} steps of rates {START:g} to {found['rates'][-1]:.2g}"
     )
     return (
-        f"train.lr: auto: the range test found no rate for {t.model} on this data: {why}; "
+        f"train.lr: auto: the range test found no rate for {train.model} on this data: {reason}; "
         "set train.lr to a number (docs/training.md)"
     )
 
@@ -101,22 +109,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
     params = load_params()
-    t = params.train
-    seed_everything(params.seed, t.deterministic, compiled=False)
-    device = device_for(t)
-    d = load_data(args.data, t, device)
-    model, mean, std, _ = model_for(t, d, device, print)
+    train = params.train
+    seed_everything(params.seed, train.deterministic, compiled=False)
+    device = device_for(train)
+    data = load_data(args.data, train, device)
+    model, mean, std, _ = model_for(train, data, device, print)
     norm = torch.tensor(mean, device=device), torch.tensor(std, device=device)
-    found = range_test_of(t, model, d, norm, params.seed)
+    found = range_test_of(train, model, data, norm, params.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     dataset.write_json(args.out / "lr_find.json", found)
-    frozen = " (backbone frozen)" if isinstance(model, FineTune) and t.freeze_epochs else ""
-    figure = range_test_figure(found, f"{t.model}{frozen}: {len(found['rates'])} steps")
+    frozen = " (backbone frozen)" if isinstance(model, FineTune) and train.freeze_epochs else ""
+    figure = range_test_figure(found, f"{train.model}{frozen}: {len(found['rates'])} steps")
     figure.savefig(args.out / "lr_find.png", dpi=100)
     if found["suggestion"] is None:
-        raise GateError(no_rate(t, found))
+        raise GateError(no_rate(train, found))
     print(
-        f"lr-find: suggested train.lr {found['suggestion']:.2e} ({t.model}, "
+        f"lr-find: suggested train.lr {found['suggestion']:.2e} ({train.model}, "
         f"{len(found['rates'])} steps; plot: {args.out / 'lr_find.png'})"
     )
 

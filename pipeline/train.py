@@ -24,7 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from pipeline import GateError, Interrupted, run, staged, when_published
 from pipeline.lifecycle import mark_published, resume, run_of, save_epoch
@@ -55,6 +54,7 @@ from visionflow.train.training import (  # noqa: F401  (Trainer, seed_everything
     StopRequest,
     Trainer,
     cpu_copy,
+    end_distributed,
     epoch_line,
     epoch_record,
     live_curves,
@@ -76,14 +76,16 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int) -> GateError:
+def failed(args, train: Train, monitor: health.Monitor, rank: int, error, epoch: int) -> GateError:
     """The run stops (out of memory, or of finite losses): the health report goes beside the
     (untouched) previous results; the resumable state stays (the next run resumes from its last
     good epoch)."""
     message = str(error)
     if isinstance(error, NonFiniteLoss):
-        hint = f"train.lr is {t.lr:g}: divide it by 10, or set train.grad_clip"
-        finding = health.Finding("diverging", epoch, f"diverging: {error}; {hint}", {"lr": t.lr})
+        hint = f"train.lr is {train.lr:g}: divide it by 10, or set train.grad_clip"
+        finding = health.Finding(
+            "diverging", epoch, f"diverging: {error}; {hint}", {"lr": train.lr}
+        )
         monitor.add(finding)
         message = f"{error}; the last good checkpoint is kept in {args.checkpoints}"
     if rank == 0:
@@ -96,55 +98,58 @@ def failed(args, t: Train, monitor: health.Monitor, rank: int, error, epoch: int
 def main() -> None:
     args = parse_args()
     params = load_params()
-    t = params.train
+    train = params.train
 
     # --- params, data, model, and what steps it ---------------------------------------------
-    rank, world = start_distributed(t.device)
-    say = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
-    seed_everything(params.seed, t.deterministic, t.compile)
-    device = device_for(t)
+    rank, world = start_distributed(train.device)
+    log = print if rank == 0 else (lambda *_, **__: None)  # rank 0 alone prints and writes
+    seed_everything(params.seed, train.deterministic, train.compile)
+    device = device_for(train)
     verify_once(args.data, rank, world)
-    d = load_data(args.data, t, device)
-    model, norm_mean, norm_std, network = model_for(t, d, device, say)
+    data = load_data(args.data, train, device)
+    model, norm_mean, norm_std, network = model_for(train, data, device, log)
     norm = torch.tensor(norm_mean, device=device), torch.tensor(norm_std, device=device)
     run = run_of(params, args.data)  # the fingerprint: its folder holds the resumable state
     folder = args.checkpoints / checkpoint.fingerprint(run)
-    t, found = rate_for(t, model, d, norm, params.seed, folder, rank, world, say)  # lr: auto
-    trainer = trainer_for(model, t, params.seed, rank, world, d.image_size, len(d.y_train))
-    model_meta = model_metadata(t, params.seed, d, norm_mean, norm_std, network)
+    train, found = rate_for(train, model, data, norm, params.seed, folder, rank, world, log)
+    trainer = trainer_for(
+        model, train, params.seed, rank, world, data.image_size, len(data.y_train)
+    )
+    model_meta = model_metadata(train, params.seed, data, norm_mean, norm_std, network)
     model_meta["train"]["lr_found"] = found is not None  # train.lr: auto
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
-    monitor = health.Monitor(health.Limits(**t.health.model_dump()), d.meta.classes, say)
-    checked_network(t, model, d, monitor)
-    progress = resume(trainer, monitor, folder, run, args.out, t.epochs, say)
+    monitor = health.Monitor(health.Limits(**train.health.model_dump()), data.meta.classes, log)
+    checked_network(train, model, data, monitor)
+    progress = resume(trainer, monitor, folder, run, args.out, train.epochs, log)
     if rank == 0:
         record_rate(folder, found)  # the rate a resumed run takes
-    say(starting(t, trainer, d, device))
-    say(f"train: the network sees {input_words(model_meta)}")
-    if warning := cut_photos(args.data, model_meta):
-        say(f"train: warning: {warning}")
-    for warning in degenerate_batches(len(d.y_train) // world, t.batch_size, t.accumulate):
-        say(f"train: warning: {warning}")
+    log(starting(train, trainer, data, device))
+    log(f"train: the network sees {input_words(model_meta)}")
+    batches = degenerate_batches(len(data.y_train) // world, train.batch_size, train.accumulate)
+    for warning in filter(None, [cut_photos(args.data, model_meta), *batches]):
+        log(f"train: warning: {warning}")
 
     # --- the epoch loop: train, validate, record, keep the best, checkpoint -------------------
     out = staged(args.out) if rank == 0 else None  # moved to args.out when the run succeeds
     stop, best_state = StopRequest(), None  # best_state: the best epoch, in memory
     with live_curves(out, progress.history) as live, named_if_lost(rank, world, progress, folder):
-        for epoch in range(progress.start, t.epochs + 1):
-            if t.early_stop and progress.stale >= t.early_stop:
-                say(f"train: early stop, no better val accuracy for {progress.stale} epochs")
+        for epoch in range(progress.start, train.epochs + 1):
+            if train.early_stop and progress.stale >= train.early_stop:
+                log(f"train: early stop, no better val accuracy for {progress.stale} epochs")
                 break
-            if isinstance(model, FineTune) and t.freeze_epochs:
-                trainer.freeze(epoch <= t.freeze_epochs)  # the new head alone, then all
+            if isinstance(model, FineTune) and train.freeze_epochs:
+                trainer.freeze(epoch <= train.freeze_epochs)  # the new head alone, then all
             laps = Laps()  # where the epoch's time goes, said under its line
             try:
-                train_metrics, record = train_and_validate(trainer, d, norm, epoch, monitor, laps)
-            except (OutOfMemory, NonFiniteLoss) as e:
-                raise failed(args, t, monitor, rank, e, epoch) from None
+                train_metrics, record = train_and_validate(
+                    trainer, data, norm, epoch, monitor, laps
+                )
+            except (OutOfMemory, NonFiniteLoss) as error:
+                raise failed(args, train, monitor, rank, error, epoch) from None
             improved = progress.update(epoch, record)
             frozen = isinstance(model, FineTune) and model.frozen  # the head alone trained
-            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, d.mapped, frozen)
+            monitor.epoch(epoch, train_metrics, progress.history, trainer.lr, data.mapped, frozen)
             laps("health")
             rngs = trainer.rng_of_every_rank()  # every rank asked: each goes on with its own
             if live:
@@ -154,23 +159,20 @@ def main() -> None:
                     meta = {**model_meta, "epoch": epoch, "val_accuracy": record["val/accuracy"]}
                     best_state = {"state_dict": cpu_copy(model.state_dict()), "meta": meta}
                     save_atomic(best_state, checkpoint.best_file(folder, epoch))
-                save_epoch(trainer, progress, monitor, folder, epoch, t.epochs, rngs)
+                save_epoch(trainer, progress, monitor, folder, epoch, train.epochs, rngs)
             laps("checkpoint")
             if faults.ACTIVE:
                 faults.fault("train.epoch_end", epoch=epoch)
             best = "  (best)" if improved else ""
             phase = " (frozen: head only)" if frozen else ""
-            say(f"epoch {epoch:3d}/{t.epochs}{phase}  {epoch_line(record)}{best}")
-            say(time_line(train_metrics, laps.seconds, warmup=epoch == progress.start))
+            log(f"epoch {epoch:3d}/{train.epochs}{phase}  {epoch_line(record)}{best}")
+            log(time_line(train_metrics, laps.seconds, warmup=epoch == progress.start))
             if stop.agreed(world, device):  # any rank's, on every rank
                 raise Interrupted(
                     f"train stopped after epoch {epoch}; its checkpoint is in "
                     f"{folder}, and `dvc repro` resumes from it"
                 )
-
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_distributed(world)
     if rank == 0:
         write_outputs(out, args.out, best_state, folder, progress, monitor, model_meta)
 
@@ -181,8 +183,8 @@ def named_if_lost(rank: int, world: int, progress: Progress, folder: Path) -> It
     becomes one line naming that rank and what to do, not gloo's traceback."""
     try:
         yield
-    except RuntimeError as e:
-        gone = lost_rank(e, rank, world)
+    except RuntimeError as error:
+        gone = lost_rank(error, rank, world)
         if gone is None:
             raise
         raise GateError(
@@ -194,17 +196,17 @@ def named_if_lost(rank: int, world: int, progress: Progress, folder: Path) -> It
 
 
 def train_and_validate(
-    trainer: Trainer, d: Data, norm: tuple, epoch: int, monitor: health.Monitor, laps: Laps
+    trainer: Trainer, data: Data, norm: tuple, epoch: int, monitor: health.Monitor, laps: Laps
 ) -> tuple[dict, dict]:
     """One epoch of training, then validation (every rank evaluates rank 0's model: the same
     answer) and the scheduler's step: (the training numbers, the epoch's record)."""
     mean, std = norm
     started = time.perf_counter()
-    train_metrics = trainer.epoch(d.x_train, d.y_train, mean, std, epoch, monitor)
+    train_metrics = trainer.epoch(data.x_train, data.y_train, mean, std, epoch, monitor)
     seconds = time.perf_counter() - started
     laps("training")
     sync_buffers(trainer.model, trainer.world)
-    val_metrics, _ = evaluate(trainer.model, d.x_val, d.y_val, mean, std, 1024)
+    val_metrics, _ = evaluate(trainer.model, data.x_val, data.y_val, mean, std, 1024)
     lr, backbone_lr = trainer.lr, trainer.backbone_lr
     step_scheduler(trainer.scheduler, val_metrics["loss"])
     record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))

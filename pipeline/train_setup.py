@@ -38,11 +38,11 @@ from visionflow.train.zoo import (
 )
 
 
-def device_for(t: Train) -> torch.device:
+def device_for(train: Train) -> torch.device:
     try:
-        return pick_device(t.device)
-    except Unavailable as e:
-        raise GateError(f"train.device is {t.device!r}, but {e}") from None
+        return pick_device(train.device)
+    except Unavailable as error:
+        raise GateError(f"train.device is {train.device!r}, but {error}") from None
 
 
 @dataclass
@@ -78,8 +78,8 @@ def verify_once(cache: Path, rank: int, world: int) -> None:
             faults.fault("train.verify", rank=rank)
         try:
             dataset.verify_cache(cache)
-        except DataError as e:
-            problem = str(e) if rank == 0 else f"on rank {rank}'s node, {e}"
+        except DataError as error:
+            problem = str(error) if rank == 0 else f"on rank {rank}'s node, {error}"
     if world > 1:
         verdicts = [None] * world
         dist.all_gather_object(verdicts, problem)
@@ -88,174 +88,201 @@ def verify_once(cache: Path, rank: int, world: int) -> None:
         raise DataError(problem)
 
 
-def load_data(cache: Path, t: Train, device: torch.device) -> Data:
-    max_bytes = t.max_memory_gb * 2**30  # larger splits: memory-mapped, read by DataLoader workers
+def load_data(cache: Path, train: Train, device: torch.device) -> Data:
+    max_bytes = (
+        train.max_memory_gb * 2**30
+    )  # larger splits: memory-mapped, read by DataLoader workers
     x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
     x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
-    if t.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
-        subset = t.overfit_batches * t.batch_size
+    if train.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
+        subset = train.overfit_batches * train.batch_size
         x_train, y_train = x_train[:subset], y_train[:subset]
         x_val, y_val = x_train, y_train
     return Data(x_train, y_train, x_val, y_val, dataset.read_cache_meta(cache))
 
 
-def model_for(t: Train, d: Data, device: torch.device, say) -> tuple[nn.Module, list, list, dict]:
+def model_for(
+    train: Train, data: Data, device: torch.device, log
+) -> tuple[nn.Module, list, list, dict]:
     """The model on the device, the mean/std its inputs are normalised with (the train split's,
     or those the pretrained weights were trained with) and, for a torchvision classifier, what
     model.pt records of its network (`network_for`)."""
-    mean, std, network = d.meta.mean, d.meta.std, None
-    if from_torchvision(t.model, t.pretrained):
-        network = network_for(t, d, say)
+    mean, std, network = data.meta.mean, data.meta.std, None
+    if from_torchvision(train.model, train.pretrained):
+        network = network_for(train, data, log)
         mean, std = network["mean"], network["std"]
-        if d.channels == 1:  # FineTune gives each of the network's channels its own
+        if data.channels == 1:  # FineTune gives each of the network's channels its own
             mean, std = [sum(mean) / 3], [sum(std) / 3]
     try:
         model = build_model(
-            t.model,
-            d.channels,
-            len(d.meta.classes),
-            d.image_size,
-            t.dropout,
-            t.checkpointing,
+            train.model,
+            data.channels,
+            len(data.meta.classes),
+            data.image_size,
+            train.dropout,
+            train.checkpointing,
             network,
-            t.pretrained,
+            train.pretrained,
         )
-    except Unavailable as e:
-        raise GateError(f"train.pretrained: {e}") from None
-    except ValueError as e:  # a network of your own that does not build or fit
-        raise GateError(str(e)) from None
-    if t.pretrained and not is_weights_name(t.pretrained):
-        if not Path(t.pretrained).resolve().is_relative_to(Path("data/pretrained").resolve()):
-            say(
-                f"train: warning: {t.pretrained} is outside data/pretrained/, which dvc.yaml "
+    except Unavailable as error:
+        raise GateError(f"train.pretrained: {error}") from None
+    except ValueError as error:  # a network of your own that does not build or fit
+        raise GateError(str(error)) from None
+    if train.pretrained and not is_weights_name(train.pretrained):
+        if not Path(train.pretrained).resolve().is_relative_to(Path("data/pretrained").resolve()):
+            log(
+                f"train: warning: {train.pretrained} is outside data/pretrained/, which dvc.yaml "
                 "tracks: DVC will not rerun train when that file changes"
             )
     if isinstance(model, FineTune):
-        model.train_bn = t.train_bn  # BatchNorm trains in the frozen epochs (fastai's train_bn)
+        model.train_bn = train.train_bn  # BatchNorm trains in the frozen epochs (fastai's train_bn)
     model = model.to(device)
-    if speed_settings(t.amp, t.channels_last, t.model, device)[1]:
+    if speed_settings(train.amp, train.channels_last, train.model, device)[1]:
         model = model.to(memory_format=torch.channels_last)
     return model, mean, std, network
 
 
-def network_for(t: Train, d: Data, say) -> dict:
+def network_for(train: Train, data: Data, log) -> dict:
     """A torchvision classifier's input size (the weights' centre crop of the cache's side) and
     the 3-channel mean/std it is fed with: its weights', or the train split's from scratch."""
-    if not t.pretrained:
+    if not train.pretrained:
         return {
-            "input_size": d.image_size,
-            "mean": d.meta.mean * (3 // d.channels),
-            "std": d.meta.std * (3 // d.channels),
+            "input_size": data.image_size,
+            "mean": data.meta.mean * (3 // data.channels),
+            "std": data.meta.std * (3 // data.channels),
             "weights": None,
         }
     try:
-        pre = preprocessing(t.model, t.pretrained)
-    except Unavailable as e:
-        raise GateError(f"train.pretrained: {e}") from None
-    if is_weights_name(t.pretrained) and pre["interpolation"] != d.meta.resize:
-        say(
-            f"train: note: {t.model}'s weights saw {pre['interpolation']} resizes, the cache "
-            f"{d.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
+        pre = preprocessing(train.model, train.pretrained)
+    except Unavailable as error:
+        raise GateError(f"train.pretrained: {error}") from None
+    if is_weights_name(train.pretrained) and pre["interpolation"] != data.meta.resize:
+        log(
+            f"train: note: {train.model}'s weights saw {pre['interpolation']} resizes, the cache "
+            f"{data.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
         )
-    size = input_size(t.model, d.image_size, t.pretrained)
+    size = input_size(train.model, data.image_size, train.pretrained)
     return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
 
 
-def checked_network(t: Train, model: nn.Module, d: Data, monitor: health.Monitor) -> None:
+def checked_network(train: Train, model: nn.Module, data: Data, monitor: health.Monitor) -> None:
     """A network of your own gets the checks a new model needs: its output shape (build_model's
     dummy forward) and its gradients against finite differences, which go into health.json."""
-    if not is_import_path(t.model):
+    if not is_import_path(train.model):
         return
-    result = gradient_check(model, d.channels, d.image_size, len(d.meta.classes))
+    result = gradient_check(model, data.channels, data.image_size, len(data.meta.classes))
     if not result["passed"]:
         raise GateError(
-            f"train.model: {t.model} fails the gradient check: autograd and finite differences "
+            f"train.model: {train.model} fails the gradient check: autograd and finite differences "
             f"differ by {result['max_relative_error']:.2e} (relative, float64; at most 1e-4)"
         )
     monitor.model_check = {"gradient_check": result}
 
 
 def model_metadata(
-    t: Train, seed: int, d: "Data", mean: list, std: list, network: dict | None
+    train: Train, seed: int, data: "Data", mean: list, std: list, network: dict | None
 ) -> dict:
     """What model.pt says about itself: plain values only, so it loads with weights_only=True.
     The export stage's model card states only what this (and the cache) say."""
     return {
-        "model": t.model,
-        "in_channels": d.channels,
-        "image_size": d.image_size,
-        "dropout": t.dropout,
-        "classes": d.meta.classes,
+        "model": train.model,
+        "in_channels": data.channels,
+        "image_size": data.image_size,
+        "dropout": train.dropout,
+        "classes": data.meta.classes,
         "mean": mean,
         "std": std,
-        "background": d.meta.background,
-        "jpeg_draft": d.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
-        "reducing_gap": d.meta.reducing_gap,  # and resized every image
-        "resize": d.meta.resize,
-        "fit": d.meta.fit,
-        "checkpointing": t.checkpointing,
+        "background": data.meta.background,
+        "jpeg_draft": data.meta.jpeg_draft,  # how the cache decoded JPEGs: predict does the same
+        "reducing_gap": data.meta.reducing_gap,  # and resized every image
+        "resize": data.meta.resize,
+        "fit": data.meta.fit,
+        "checkpointing": train.checkpointing,
         **({"network": network} if network else {}),  # a torchvision classifier's (`network_for`)
         # where mean/std come from (`model_for`)
-        "norm": "ImageNet (the pretrained weights' statistics)" if t.pretrained else "train split",
+        "norm": "ImageNet (the pretrained weights' statistics)"
+        if train.pretrained
+        else "train split",
         "train": {
-            "epochs": t.epochs,
-            "batch_size": t.batch_size,
-            "lr": t.lr,
-            "weight_decay": t.weight_decay,
-            "dropout": t.dropout,
+            "epochs": train.epochs,
+            "batch_size": train.batch_size,
+            "lr": train.lr,
+            "weight_decay": train.weight_decay,
+            "dropout": train.dropout,
             "seed": seed,
-            "hflip": t.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
+            "hflip": train.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
         },
     }
 
 
-def parameter_groups(model: nn.Module, t: Train) -> list[dict] | None:
+def parameter_groups(model: nn.Module, train: Train) -> list[dict] | None:
     """Fine-tuning: the new head at train.lr, then the backbone's layer groups from the last
     (train.lr x train.backbone_lr_factor) down, each at the next one's rate x
     train.group_lr_factor (fastai's `slice(lr / 100, lr)`: early layers move least)."""
-    if not (isinstance(model, FineTune) and t.pretrained):
+    if not (isinstance(model, FineTune) and train.pretrained):
         return None
-    groups, rate = [{"params": model.head_parameters(), "lr": t.lr}], t.lr * t.backbone_lr_factor
+    groups, rate = (
+        [{"params": model.head_parameters(), "lr": train.lr}],
+        train.lr * train.backbone_lr_factor,
+    )
     for layers in reversed(model.layer_groups()):
         groups.append({"params": layers, "lr": rate})
-        rate *= t.group_lr_factor
+        rate *= train.group_lr_factor
     return groups
 
 
-def steps_per_epoch(images: int, t: Train, world: int) -> int:
+def steps_per_epoch(images: int, train: Train, world: int) -> int:
     """Optimizer steps in an epoch of `images` training images (`loading.batches`)."""
-    return math.ceil(math.ceil(images // world / t.batch_size) / t.accumulate)
+    return math.ceil(math.ceil(images // world / train.batch_size) / train.accumulate)
 
 
 def trainer_for(
-    model: nn.Module, t: Train, seed: int, rank: int, world: int, image_size: int, images: int
+    model: nn.Module,
+    train: Train,
+    seed: int,
+    rank: int,
+    world: int,
+    image_size: int,
+    images: int,
 ) -> Trainer:
     """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
     the generators of the batch order and the augmentation, as train.* says (`images`: the
     training images, for a per-step schedule's length)."""
     device = next(model.parameters()).device
-    net = stepping(model, world, t.compile)
+    net = stepping(model, world, train.compile)
     optimizer = make_optimizer(
-        t.optimizer, model, t.lr, t.weight_decay, t.momentum, t.nesterov, parameter_groups(model, t)
+        train.optimizer,
+        model,
+        train.lr,
+        train.weight_decay,
+        train.momentum,
+        train.nesterov,
+        parameter_groups(model, train),
     )
-    steps = steps_per_epoch(images, t, world)
+    steps = steps_per_epoch(images, train, world)
     scheduler = make_scheduler(
-        t.scheduler, optimizer, t.epochs, t.lr_patience, t.lr_factor, t.lr_step, steps
+        train.scheduler,
+        optimizer,
+        train.epochs,
+        train.lr_patience,
+        train.lr_factor,
+        train.lr_step,
+        steps,
     )
-    dtype, _, _ = speed_settings(t.amp, t.channels_last, t.model, device)
+    dtype, _, _ = speed_settings(train.amp, train.channels_last, train.model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step = Step(
-        t.batch_size,
-        t.accumulate,
-        t.grad_clip,
-        t.label_smoothing,
-        t.max_nonfinite_steps,
+        train.batch_size,
+        train.accumulate,
+        train.grad_clip,
+        train.label_smoothing,
+        train.max_nonfinite_steps,
         dtype,
-        agree_on_memory=t.auto_batch and world > 1,  # every rank retries, or none
+        agree_on_memory=train.auto_batch and world > 1,  # every rank retries, or none
     )
     shuffle = torch.Generator().manual_seed(seed)
     augment_rng = torch.Generator().manual_seed(seed + rank)
-    augment = t.augment.model_dump()
+    augment = train.augment.model_dump()
     if isinstance(model, FineTune) and model.size < image_size:
         augment["resized_crop"] = model.size  # the weights' crop: random while training
     return Trainer(
@@ -268,23 +295,25 @@ def trainer_for(
         augment_rng,
         step,
         augment,
-        t.auto_batch,
+        train.auto_batch,
         rank,
         world,
-        compiled=t.compile,
+        compiled=train.compile,
     )
 
 
-def starting(t: Train, trainer: Trainer, d: Data, device: torch.device) -> str:
+def starting(train: Train, trainer: Trainer, data: Data, device: torch.device) -> str:
     """The run's first lines: what trains where, on what, and the speed settings picked."""
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    dtype, channels_last, why = speed_settings(t.amp, t.channels_last, t.model, device)
+    dtype, channels_last, reason = speed_settings(
+        train.amp, train.channels_last, train.model, device
+    )
     return (
-        f"train: {t.model} on {device} x {trainer.world}, "
-        f"{len(d.y_train)} train ({'memory-mapped' if d.mapped else 'on the device'}) / "
-        f"{len(d.y_val)} val images, {parameters} parameters\n"
+        f"train: {train.model} on {device} x {trainer.world}, "
+        f"{len(data.y_train)} train ({'memory-mapped' if data.mapped else 'on the device'}) / "
+        f"{len(data.y_val)} val images, {parameters} parameters\n"
         f"train: amp {str(dtype).removeprefix('torch.') if dtype else 'off'}, channels_last "
-        f"{str(channels_last).lower()} ({why})"
+        f"{str(channels_last).lower()} ({reason})"
     )
 
 

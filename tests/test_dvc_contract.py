@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, commit, copy_project, python_path, sh
+from tests.helpers import ROOT, commit, copy_project, env, python_path, sh
 from visionflow.params import Params, ParamsError, Section, load_params, read_yaml
 
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -185,7 +186,7 @@ def test_a_key_is_required_exactly_when_a_stage_lists_it():
             assert not field.is_required(), key
 
 
-# --- 3. deps are complete ---------------------------------------------------------------------
+# --- 3. deps are complete, and by layer -------------------------------------------------------
 
 
 def module_file(name: str) -> Path | None:
@@ -218,12 +219,106 @@ def project_modules(module: str) -> set[str]:
     return {str(p.relative_to(ROOT)) for p in seen}
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_every_module_a_stage_loads_is_in_its_deps(stage):
+LIBRARY = "src/visionflow"
+LAYERS = ("data", "train", "deploy")  # the layers a stage may depend on as a folder
+# The first stage that works in each layer: it and the stages after it depend on the layer's
+# folder, the stages before it name the files they borrow, so a change in train/ never reruns
+# prepare and one in deploy/ never reruns train. ops/ is never a folder dep: an edit to the
+# runner or the sweeps reruns no stage.
+WORKS_IN = {"data": "prepare", "train": "train", "deploy": "export"}
+
+
+def stage_deps(stage: str) -> list[str]:
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
     assert f"python -m pipeline.{stage} " in spec["cmd"]
-    missing = project_modules(f"pipeline.{stage}") - set(spec["deps"])
+    return spec["deps"]
+
+
+def code_deps(stage: str) -> tuple[set[str], set[str]]:
+    """The stage's deps in src/ and pipeline/: (files, folders)."""
+    code = {d for d in stage_deps(stage) if d.startswith(("src/", "pipeline/"))}
+    folders = {d for d in code if (ROOT / d).is_dir()}
+    return code - folders, folders
+
+
+def layer_of(path: str) -> str | None:
+    """The layer package (src/visionflow/<layer>/) that holds `path`, or None."""
+    parts = Path(path).parts
+    return parts[2] if len(parts) > 3 and parts[:2] == ("src", "visionflow") else None
+
+
+def covered(path: str, files: set[str], folders: set[str]) -> bool:
+    return path in files or any(Path(path).is_relative_to(folder) for folder in folders)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_module_a_stage_loads_is_in_its_deps(stage):
+    files, folders = code_deps(stage)
+    missing = {m for m in project_modules(f"pipeline.{stage}") if not covered(m, files, folders)}
     assert not missing, f"dvc.yaml stages.{stage}.deps lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_depends_on_the_folders_of_the_layers_it_works_in_and_no_other(stage):
+    """A folder for each layer the stage imports and works in (WORKS_IN); the files it borrows
+    from the others, each one it imports; nothing it does not import, and no file twice."""
+    files, folders = code_deps(stage)
+    imported = project_modules(f"pipeline.{stage}")
+    uses = {layer_of(m) for m in imported} - {None}
+    at = STAGES.index(stage)
+    whole = {layer for layer in uses if layer in WORKS_IN and at >= STAGES.index(WORKS_IN[layer])}
+    assert folders == {f"{LIBRARY}/{layer}" for layer in whole}, (folders, whole)
+    assert files <= imported, f"{stage} depends on modules it does not import: {files - imported}"
+    inside = {f for f in files if any(Path(f).is_relative_to(folder) for folder in folders)}
+    assert not inside, f"{stage}: {sorted(inside)} are in a folder it depends on already"
+
+
+def reruns(path: str) -> set[str]:
+    """The stages whose deps in dvc.yaml cover `path`: those a change to it reruns."""
+    return {stage for stage in STAGES if covered(path, *code_deps(stage))}
+
+
+def test_a_change_in_a_layer_reruns_that_layers_stages_and_those_that_import_the_file():
+    """What issue #47 promised, for every module: a change in deploy/ reruns export (and the
+    stages that import that very file, sanity and evaluate for viz.py), one in train/ reruns
+    train, evaluate and export (and earlier stages that import the file), never train for
+    deploy/; ops/ and the CLI rerun only the stages that import the file."""
+    importers = {stage: project_modules(f"pipeline.{stage}") for stage in STAGES}
+    later = {
+        "train": {"train", "evaluate", "export"},
+        "deploy": {"export"},
+        "data": set(STAGES[1:]),
+    }
+    paths = sorted((ROOT / LIBRARY).rglob("*.py")) + sorted((ROOT / "pipeline").glob("*.py"))
+    for path in (str(p.relative_to(ROOT)) for p in paths):
+        rerun = reruns(path)
+        because_imported = {stage for stage in STAGES if path in importers[stage]}
+        assert rerun == because_imported | later.get(layer_of(path), set()), (path, rerun)
+    assert "train" not in reruns(f"{LIBRARY}/deploy/serve.py")
+    assert reruns(f"{LIBRARY}/deploy/export.py") == {"export"}
+    assert reruns(f"{LIBRARY}/train/health.py") == {"train", "evaluate", "export"}
+    assert reruns(f"{LIBRARY}/ops/runner.py") == reruns(f"{LIBRARY}/cli.py") == set()
+
+
+def test_the_resume_key_reads_the_code_in_folder_deps(tmp_path, monkeypatch):
+    """Resumable state is keyed by the content of the stage's code deps: a module in a folder dep
+    counts, bytecode and an editor's hidden file do not."""
+    from pipeline import code_digest
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib/engine.py").write_text("STEP = 1\n")
+    (tmp_path / "stage.py").write_text("import lib.engine\n")
+    stage = {"cmd": "python -m pipeline.train", "deps": ["stage.py", "lib"]}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": stage}}))
+    (tmp_path / "params.yaml").write_text("train: {}\n")
+    first = code_digest("train")
+    (tmp_path / "lib/__pycache__").mkdir()
+    (tmp_path / "lib/__pycache__/engine.cpython-311.pyc").write_bytes(b"bytecode")
+    (tmp_path / "lib/.engine.py.swp").write_bytes(b"vim")
+    assert code_digest("train") == first
+    (tmp_path / "lib/engine.py").write_text("STEP = 2\n")
+    assert code_digest("train") != first
 
 
 def test_the_import_reading_sees_what_python_loads():
@@ -243,23 +338,58 @@ def test_the_import_reading_sees_what_python_loads():
     assert "src/visionflow/train/health.py" in ours and ours <= project_modules("pipeline.train")
 
 
+def stale(project: Path) -> set[str]:
+    return set(json.loads(sh(project, "dvc", "status", "--json").stdout))
+
+
 @pytest.mark.slow
-def test_editing_a_module_the_stage_imports_makes_it_stale(project):
-    health = project / "src/visionflow/train/health.py"
-    text = health.read_text()
-    health.write_text(text + "\n# an edit\n")
+def test_a_change_in_a_layer_folder_reruns_its_stages_and_bytecode_none(project):
+    """Through real `dvc status`: an edit in train/ makes train and the stages after it stale, one
+    in deploy/ export alone; the bytecode Python writes into the folders when the stages' modules
+    are imported, and an editor's swap file, make nothing stale (.dvcignore)."""
+    for module, expected in [
+        ("train/health.py", {"train", "evaluate", "export"}),
+        ("deploy/serve.py", {"export"}),
+    ]:
+        path = project / "src/visionflow" / module
+        text = path.read_text()
+        path.write_text(text + "\n# an edit\n")
+        try:
+            assert stale(project) == expected, module
+        finally:
+            path.write_text(text)
+    stages = "; ".join(f"import pipeline.{stage}" for stage in STAGES)
+    bytecode = {k: v for k, v in env(project).items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", stages], cwd=project, env=bytecode, check=True)
+    assert list((project / "src/visionflow/deploy").glob("__pycache__/*.pyc"))
+    (project / "src/visionflow/train/.engine.py.swp").write_bytes(b"an editor's")
     try:
-        assert set(json.loads(sh(project, "dvc", "status", "--json").stdout)) == {"train"}
+        assert stale(project) == set()
     finally:
-        health.write_text(text)
+        for junk in (project / "src").rglob("__pycache__"):
+            shutil.rmtree(junk)
+        (project / "src/visionflow/train/.engine.py.swp").unlink()
 
 
 # --- 4. the committed dvc.lock matches the committed code ------------------------------------
 
 
+def folder_md5(folder: str, tracked: set[str]) -> str:
+    """DVC's hash of a code folder, from the files git tracks in it (a clean clone's; bytecode and
+    editor files are neither tracked nor hashed): the md5 of its sorted JSON listing, + ".dir"."""
+    listing = [
+        {"md5": hashlib.md5((ROOT / f).read_bytes()).hexdigest(), "relpath": f[len(folder) + 1 :]}
+        for f in tracked
+        if Path(f).is_relative_to(folder)
+    ]
+    listing.sort(key=lambda entry: tuple(entry["relpath"].split("/")))
+    return hashlib.md5(json.dumps(listing, sort_keys=True).encode()).hexdigest() + ".dir"
+
+
 def test_dvc_lock_matches_the_code():
-    """Every file that dvc.lock records (code, params.yaml) has the md5 the lock says: a commit
-    that changes a stage without rerunning it fails here, in CI, rather than on a user's clone."""
+    """Every file and code folder that dvc.lock records (code, params.yaml) has the md5 the lock
+    says: a commit that changes a stage without rerunning it fails here, in CI, rather than on a
+    user's clone."""
     tracked = set(
         subprocess.run(
             ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -271,9 +401,12 @@ def test_dvc_lock_matches_the_code():
     stale = []
     for name, entry in lock.items():
         for dep in entry["deps"]:
-            if dep["path"] in tracked and not dep["md5"].endswith(".dir"):
-                if hashlib.md5((ROOT / dep["path"]).read_bytes()).hexdigest() != dep["md5"]:
-                    stale.append(f"{name}: {dep['path']}")
+            path = dep["path"]
+            if path in tracked and not dep["md5"].endswith(".dir"):
+                if hashlib.md5((ROOT / path).read_bytes()).hexdigest() != dep["md5"]:
+                    stale.append(f"{name}: {path}")
+            elif path.startswith("src/") and folder_md5(path, tracked) != dep["md5"]:
+                stale.append(f"{name}: {path}/")
         listed = {d.replace("${prepare.path}", "data/raw") for d in stages[name].get("deps", [])}
         assert {d["path"] for d in entry["deps"]} == listed, f"{name}: deps differ from dvc.yaml"
     assert not stale, f"dvc.lock predates the code; run `dvc repro` and commit dvc.lock: {stale}"

@@ -243,7 +243,7 @@ def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduce
     result = sh(project, "dvc", "repro", "train", check=False)
     assert "error: train.model: mynets.py is not among the train stage's deps" in result.stderr
     dvc_yaml = (project / "dvc.yaml").read_text()
-    anchor = "      - src/visionflow/train/zoo.py\n"
+    anchor = "      - pipeline/train.py\n"  # in the train stage's deps alone
     (project / "dvc.yaml").write_text(dvc_yaml.replace(anchor, anchor + "      - mynets.py\n", 1))
     sh(project, "dvc", "repro", "train")
     report = json.loads((project / "results/train/health.json").read_text())

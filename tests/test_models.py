@@ -2,7 +2,20 @@ import pytest
 import torch
 
 from visionflow.errors import Unavailable
-from visionflow.train.models import MODELS, build_model, load_pretrained
+from visionflow.train import CHECKPOINTING, OWN_MODELS, TORCHVISION_HAS_TOO
+from visionflow.train.models import MODELS, Checkpointed, build_model, load_pretrained
+
+
+def test_the_own_models_list_is_what_the_builders_build():
+    """OWN_MODELS (torch-free: params.py and zoo.py check train.model against it) names exactly
+    the networks MODELS builds; those it says take train.checkpointing take it."""
+    assert list(MODELS) == list(OWN_MODELS)
+    assert set(CHECKPOINTING) | set(TORCHVISION_HAS_TOO) <= set(OWN_MODELS)
+    for name in OWN_MODELS:
+        model = build_model(name, 1, 3, 8, checkpointing=name in CHECKPOINTING)
+        wrapped = any(isinstance(m, Checkpointed) for m in model.modules())
+        checkpointed = wrapped or getattr(model, "checkpointing", False)
+        assert checkpointed == (name in CHECKPOINTING), name
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

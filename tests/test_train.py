@@ -415,11 +415,11 @@ def test_fingerprint_follows_the_run_and_a_fresh_start_names_what_changed(tmp_pa
         "hashes": {"data": "d1", "code": "c2"},
     }
     notes = {"train.epochs": "the cosine schedule's learning rate depends on it"}
-    assert checkpoint.why_not_resumed(tmp_path, new, changed, notes) == (
+    assert checkpoint.reason_not_resumed(tmp_path, new, changed, notes) == (
         f"the code, train.epochs 3 -> 5, train.lr 0.001 -> 0.003 changed since the checkpoint in "
         f"{old} (the cosine schedule's learning rate depends on it)"
     )
-    assert checkpoint.why_not_resumed(tmp_path / "none", new, changed, notes) is None
+    assert checkpoint.reason_not_resumed(tmp_path / "none", new, changed, notes) is None
 
 
 # --- the stage: DDP (kill and resume: test_reliability, test_nothing_lost) ---------------------------------------------------------------

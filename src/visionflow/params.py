@@ -30,7 +30,7 @@ from pydantic import (
 )
 
 from visionflow.errors import ParamsError
-from visionflow.train import from_torchvision
+from visionflow.train import CHECKPOINTING, OWN_MODELS, TORCHVISION_HAS_TOO, from_torchvision
 
 
 def read_yaml(path: str | Path):
@@ -50,15 +50,15 @@ def read_file(path: Path):
         raise ParamsError(f"cannot read {path}: not a regular file (a FIFO, socket or device)")
     try:
         return read_yaml(path)
-    except OSError as e:
-        raise ParamsError(f"cannot read {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ParamsError(f"cannot read {path}: not UTF-8 text (byte {e.start})") from None
-    except YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
+    except OSError as error:
+        raise ParamsError(f"cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ParamsError(f"cannot read {path}: not UTF-8 text (byte {error.start})") from None
+    except YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
         raise ParamsError(
-            f"cannot read {path}: {getattr(e, 'problem', None) or e}{where}"
+            f"cannot read {path}: {getattr(error, 'problem', None) or error}{where}"
         ) from None
 
 
@@ -218,16 +218,17 @@ class Train(Section):
     def model_name(cls, name: str) -> str:
         if not MODEL_NAME.match(name):
             raise ValueError(
-                f"{name!r} is not a model name: simple_cnn, small_resnet, resnet18, a torchvision "
+                f"{name!r} is not a model name: {', '.join(OWN_MODELS)}, a torchvision "
                 "classifier (resnet50, efficientnet_b0, ...) or package.module:Name"
             )
         return name
 
     @model_validator(mode="after")
     def fine_tuning_needs_a_pretrained_network(self):
-        if self.pretrained and self.model in ("simple_cnn", "small_resnet"):
+        if self.pretrained and self.model in set(OWN_MODELS) - set(TORCHVISION_HAS_TOO):
             raise ValueError(
-                f"train.pretrained is for resnet18 and torchvision's classifiers, not {self.model}"
+                f"train.pretrained is for {', '.join(TORCHVISION_HAS_TOO)} and torchvision's "
+                f"classifiers, not {self.model}"
             )
         if self.pretrained and ":" in self.model:
             raise ValueError(
@@ -251,11 +252,10 @@ class Train(Section):
                 f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
             )
         if self.checkpointing and (
-            self.model not in ("small_resnet", "resnet18")
-            or from_torchvision(self.model, self.pretrained)
+            self.model not in CHECKPOINTING or from_torchvision(self.model, self.pretrained)
         ):
             raise ValueError(
-                "train.checkpointing is for small_resnet and resnet18 from scratch, not "
+                f"train.checkpointing is for {' and '.join(CHECKPOINTING)} from scratch, not "
                 f"{self.model}{' with train.pretrained' if self.pretrained else ''}"
             )
         return self
@@ -349,8 +349,8 @@ def parse_params(raw: object) -> Params:
         raise ParamsError(f"params must be a mapping of sections, got {type(raw).__name__}")
     try:
         return Params.model_validate(raw)
-    except ValidationError as e:
-        lines = [_describe(err) for err in e.errors()]
+    except ValidationError as error:
+        lines = [_describe(err) for err in error.errors()]
         raise ParamsError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 
@@ -411,8 +411,8 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     raw = read_file(path)
     try:
         params = parse_params(raw)
-    except ParamsError as e:
-        raise ParamsError(f"{path}: {e}") from None
+    except ParamsError as error:
+        raise ParamsError(f"{path}: {error}") from None
     check_paths(path, params)
     return params
 
@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     path = (argv if argv is not None else sys.argv[1:] or ["params.yaml"])[0]
     try:
         load_params(path)
-    except ParamsError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ParamsError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1
     print(f"{path}: ok")
     return 0

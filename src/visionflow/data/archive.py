@@ -100,8 +100,8 @@ def extract(archive: Path, dest: Path, max_bytes: int) -> Path:
     """
     try:
         files = _members(archive, max_bytes)
-    except (zipfile.BadZipFile, tarfile.TarError, EOFError) as e:
-        raise DataError(f"{archive}: not a readable archive: {e}") from None
+    except (zipfile.BadZipFile, tarfile.TarError, EOFError) as error:
+        raise DataError(f"{archive}: not a readable archive: {error}") from None
     dest = dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
     needed = sum(size for _, _, size in files)

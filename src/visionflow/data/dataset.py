@@ -59,8 +59,9 @@ from visionflow.errors import DataError, DiskFull
 
 _worker: dict = {}  # per decoding process: the scratch file's descriptor, the Decode options
 # images per task handed to a decoding process: large enough that the hand-over (a pickle each
-# way, a queue, a future) costs under 1% of decoding even 32 px PNGs, small enough that the last
+# way, a queue, a future) is small beside decoding even 32 px PNGs, small enough that the last
 # tasks still spread over every core; capped below so each process gets about 8 tasks
+# (docs/benchmarks.md, "Numbers that were code comments")
 CHUNK = 64
 COPY_BYTES = 2**22  # pixels copied from the scratch file per read and write: 4 MB at any size
 HISTOGRAM_PIXELS = 2**18  # counted per np.bincount call, which copies them as int64: 2 MB
@@ -95,8 +96,8 @@ def _decode_one(index: int, item) -> tuple[int, str | None, bytes]:
             image = Image.fromarray(item)
         else:
             image = open_image(Path(item), decode)
-    except DataError as e:
-        return index, str(e), b""
+    except DataError as error:
+        return index, str(error), b""
     pixels = pixels_of(image, decode).tobytes()
     os.pwrite(_worker["out"], pixels, index * len(pixels))
     return index, None, hashlib.blake2b(pixels, digest_size=16).digest()
@@ -168,7 +169,9 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         if process.is_alive():
             process.kill()
             process.join()
-    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)  # private: guarded
+    writer = getattr(
+        getattr(pool, "_result_queue", None), "_writer", None
+    )  # private: read with getattr, None where absent
     if writer is not None:
         writer.close()
 
@@ -466,7 +469,7 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
     }
     write_json(out / "rejects.json", report)
     if report["fraction"] > max_bad_fraction:
-        listing = "\n  ".join(f"{name}: {why}" for name, why in list(rejects.items())[:50])
+        listing = "\n  ".join(f"{name}: {reason}" for name, reason in list(rejects.items())[:50])
         raise DataError(
             f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
             f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
@@ -475,14 +478,14 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
     return rejects
 
 
-def check_class_sizes(source: Source, good: np.ndarray, least: int, why: str = "") -> None:
+def check_class_sizes(source: Source, good: np.ndarray, least: int, reason: str = "") -> None:
     """DataError naming the classes with fewer than `least` good images (and their counts)."""
     good_counts = np.bincount(source.labels[good], minlength=len(source.classes))
     small = {c: int(n) for c, n in zip(source.classes, good_counts, strict=True) if n < least}
     if small:
-        why = f" ({why})" if why else ""
+        reason = f" ({reason})" if reason else ""
         raise DataError(
-            f"classes below the minimum of {least} images{why}: {small}", setting="min_per_class"
+            f"classes below the minimum of {least} images{reason}: {small}", setting="min_per_class"
         )
 
 

@@ -3,10 +3,10 @@ ONNX path of `visionflow predict` and the CLI load without torch.
 
 JPEGs are decoded at the reduced DCT scale that still covers the target size (`Image.draft`);
 every image is then resized in two steps, a box reduce by a whole factor and the recorded filter
-over the last `reducing_gap` times or more (Pillow's `resize(..., reducing_gap=)`): a 1024x768
-PNG to 64 px resizes 3x faster, pixels within 1 of a one-step resize. The cache, `visionflow
-predict` and the ONNX client all do both, and the exported models record them (`jpeg_draft`,
-`reducing_gap`), so served pixels equal trained pixels.
+over the last `reducing_gap` times or more (Pillow's `resize(..., reducing_gap=)`): faster than
+one resize from full size, pixels within 1 of it (docs/benchmarks.md measures both). The cache,
+`visionflow predict` and the ONNX client all do both, and the exported models record them
+(`jpeg_draft`, `reducing_gap`), so served pixels equal trained pixels.
 
 Broken, empty, non-image and oversized files are a DataError with the reason; image modes are
 normalised (alpha composited on a background, CMYK to RGB, 16-bit scaled, EXIF orientation applied).
@@ -73,8 +73,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
     """Open, check and fully load one file, upright; any problem is a DataError with the reason."""
     try:
         empty = path.stat().st_size == 0
-    except OSError as e:  # gone since the folder was listed (or a name too long)
-        raise DataError(f"cannot read: {e.strerror}") from None
+    except OSError as error:  # gone since the folder was listed (or a name too long)
+        raise DataError(f"cannot read: {error.strerror}") from None
     if empty:
         raise DataError("empty file (0 bytes)")
     with warnings.catch_warnings():
@@ -95,7 +95,8 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
                 if decode.jpeg_draft and opened.format == "JPEG":
                     # libjpeg decodes at 1/2, 1/4 or 1/8 scale in the DCT, the smallest that
                     # still covers size x size (either way up): a 1024x768 photo for 64 px
-                    # decodes at 128x96, about 3x faster; the resize below does the rest
+                    # decodes at 128x96, a fraction of the work (docs/benchmarks.md measures
+                    # it); the resize below does the rest
                     opened.draft(opened.mode, (decode.size, decode.size))
                 opened.load()
                 if decode.exif_transpose:  # upright, as the camera was held
@@ -106,12 +107,14 @@ def open_image(path: Path, decode: Decode) -> Image.Image:
         except UnidentifiedImageError:
             formats = ", ".join(decode.formats)
             raise DataError(f"not a readable image in the allowed formats ({formats})") from None
-        except Image.DecompressionBombError as e:
-            raise DataError(f"decompression bomb: {e}") from None
-        except (OSError, SyntaxError, ValueError) as e:  # truncated or corrupt data
-            if isinstance(e, OSError) and e.errno:  # the file system's error, not the data's
-                raise DataError(f"cannot read: {e.strerror}") from None
-            raise DataError(f"corrupt or truncated: {e}") from None
+        except Image.DecompressionBombError as error:
+            raise DataError(f"decompression bomb: {error}") from None
+        except (OSError, SyntaxError, ValueError) as error:  # truncated or corrupt data
+            if (
+                isinstance(error, OSError) and error.errno
+            ):  # the file system's error, not the data's
+                raise DataError(f"cannot read: {error.strerror}") from None
+            raise DataError(f"corrupt or truncated: {error}") from None
 
 
 def pixels_of(image: Image.Image, decode: Decode) -> np.ndarray:
@@ -137,8 +140,8 @@ def to_pixels(item, decode: Decode) -> np.ndarray:
         return pixels_of(Image.fromarray(item), decode)
     try:
         image = open_image(Path(item), decode)
-    except DataError as e:
-        raise DataError(f"cannot decode {item}: {e}") from None
+    except DataError as error:
+        raise DataError(f"cannot decode {item}: {error}") from None
     return pixels_of(image, decode)
 
 

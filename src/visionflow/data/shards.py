@@ -166,10 +166,10 @@ def read_sharded(cache: Path, split: str) -> tuple[Shards, np.ndarray]:
     its shards; DataError naming a shard the manifest lists that is not there."""
     try:
         names = json.loads((cache / "manifest.json").read_text())["shards"][split]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise DataError(
             f"{cache} has no {split}_x.npy and its manifest.json lists no {split} shards "
-            f"({type(e).__name__}: {e}); `dvc checkout {cache}` or `dvc repro --force prepare`"
+            f"({type(error).__name__}: {error}); `dvc checkout {cache}` or `dvc repro --force prepare`"
         ) from None
     for name in names:
         for part in ("x", "y"):

@@ -92,8 +92,8 @@ def imagefolder_source(root: Path) -> Source:
         if not found:
             links = sum(
                 1
-                for k, why in skipped.items()
-                if k.startswith(f"{name}/") and why.startswith(LINK_SKIPPED)
+                for k, reason in skipped.items()
+                if k.startswith(f"{name}/") and reason.startswith(LINK_SKIPPED)
             )
             also = f" ({links} links skipped: links are not followed)" if links else ""
             raise DataError(f"class '{classes[label]}' ({root / name}) has no image files{also}")
@@ -156,18 +156,18 @@ def torchvision_source(name: str, root: Path, download: bool) -> Source:
     for train in (True, False):
         try:
             parts.append(dataset_class(str(root), train=train, download=download))
-        except RuntimeError as e:  # torchvision's "Dataset not found or corrupted"
+        except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
             if download:
-                raise DataError(f"{name} not usable under {root}: {e}") from None
+                raise DataError(f"{name} not usable under {root}: {error}") from None
             raise DataError(
-                f"{name} not usable under {root}: {e}; downloading is off (turn it on to fetch "
+                f"{name} not usable under {root}: {error}; downloading is off (turn it on to fetch "
                 "it when online)",
                 setting="download",
             ) from None
     images = np.concatenate([np.asarray(p.data, dtype=np.uint8) for p in parts])
     labels = np.concatenate([np.asarray(p.targets, dtype=np.int64) for p in parts])
     is_test = np.arange(len(labels)) >= len(parts[0].data)
-    names = [f"{'test' if t else 'train'}#{i}" for i, t in enumerate(is_test)]
+    names = [f"{'test' if in_test else 'train'}#{i}" for i, in_test in enumerate(is_test)]
     return Source(images, labels, list(parts[0].classes), is_test, names)
 
 

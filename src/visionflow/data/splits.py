@@ -32,8 +32,8 @@ def stratified_split(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(rest, test) of `index`, each class in proportion: the same indices, in the same order, as
     scikit-learn's `train_test_split(index, test_size=, stratify=labels, random_state=seed)`
-    (tests/test_data.py holds them equal). Written out because importing scikit-learn costs
-    about 1 s of CPU, a third of preparing 2,000 photos on 2 cores (docs/benchmarks.md)."""
+    (tests/test_data.py holds them equal). Written out because importing scikit-learn cost a
+    large share of the prepare stage's time (docs/benchmarks.md measures it)."""
     n_test = math.ceil(test_size * len(index))
     n_rest = len(index) - n_test
     classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
@@ -46,10 +46,10 @@ def stratified_split(
     rest_n = approximate_mode(counts, n_rest, rng)
     test_n = approximate_mode(counts - rest_n, n_test, rng)
     rest, test = [], []
-    for members, r, t in zip(by_class, rest_n, test_n, strict=True):
+    for members, rest_count, test_count in zip(by_class, rest_n, test_n, strict=True):
         shuffled = members.take(rng.permutation(len(members)), mode="clip")
-        rest.extend(shuffled[:r])
-        test.extend(shuffled[r : r + t])
+        rest.extend(shuffled[:rest_count])
+        test.extend(shuffled[rest_count : rest_count + test_count])
     return index[rng.permutation(rest)], index[rng.permutation(test)]
 
 
@@ -68,10 +68,10 @@ def split_indices(
         else:
             pool, test = index[~is_test], index[is_test]
         train, val = stratified_split(pool, labels[pool], val_fraction, seed)
-    except ValueError as e:  # too few images in a class to stratify
+    except ValueError as error:  # too few images in a class to stratify
         counts = np.bincount(labels)
         raise DataError(
-            f"cannot split {len(labels)} images, per-class counts {counts}: {e}"
+            f"cannot split {len(labels)} images, per-class counts {counts}: {error}"
         ) from None
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 

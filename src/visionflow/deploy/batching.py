@@ -177,11 +177,13 @@ class Batcher:
                     f"{model.path} returned {len(logits)} rows of logits for a batch of "
                     f"{len(items)} images: the model file is broken (re-export it)"
                 )
-        except Exception as e:  # the runtime or the model failed: each request says so (a
+        except Exception as error:  # the runtime or the model failed: each request says so (a
             # 500, its own exception: one shared would gather every request's traceback), the
             # log says so once, /health until a batch succeeds, and the batcher goes on
             self.failed += 1
-            self.failing = f"batch {number} of {len(items)} images failed: {type(e).__name__}: {e}"
+            self.failing = (
+                f"batch {number} of {len(items)} images failed: {type(error).__name__}: {error}"
+            )
             log(self.failing)
             for _, _, done in items:
                 if not done.done():

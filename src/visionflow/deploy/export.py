@@ -48,9 +48,12 @@ def export_onnx(
             program, (example,), str(path), dynamo=True, external_data=False, verbose=False, **names
         )
         exporter = "dynamo"
-    except Exception as e:  # the new exporter fails on some models; the legacy one is the fallback
+    except (
+        Exception
+    ) as error:  # the new exporter fails on some models; the legacy one is the fallback
         warnings.warn(
-            f"dynamo ONNX export failed ({type(e).__name__}: {e}); using dynamo=False", stacklevel=2
+            f"dynamo ONNX export failed ({type(error).__name__}: {error}); using dynamo=False",
+            stacklevel=2,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -154,16 +157,18 @@ def export_all(
         program = None
     try:
         exporter = export_onnx(model, example, paths["onnx"], opset, metadata, program)
-    except Exception as e:  # both exporters failed
-        raise CannotExport(f"ONNX cannot express {type(model).__name__}: {one_line(e)}") from None
+    except Exception as error:  # both exporters failed
+        raise CannotExport(
+            f"ONNX cannot express {type(model).__name__}: {one_line(error)}"
+        ) from None
     unavailable = {}
     writers = {"pt2": partial(export_pt2, program=program), "torchscript": export_torchscript}
     for runtime, write in writers.items():
         try:
             write(model, example, paths[runtime], metadata)
-        except Exception as e:  # the format cannot express this model: said, not promoted
+        except Exception as error:  # the format cannot express this model: said, not promoted
             paths.pop(runtime).unlink(missing_ok=True)
-            unavailable[runtime] = one_line(e)
+            unavailable[runtime] = one_line(error)
     return paths, exporter, unavailable
 
 
@@ -240,5 +245,7 @@ def latency_table(
                 predict(batch)
                 if turn >= WARMUP:
                     times[name].append(time.perf_counter() - start)
-        table[f"batch_{n}"] = {name: float(np.median(t) * 1000) for name, t in times.items()}
+        table[f"batch_{n}"] = {
+            name: float(np.median(seconds) * 1000) for name, seconds in times.items()
+        }
     return table

@@ -118,8 +118,8 @@ def load_images(paths: list[Path], spec: dict) -> tuple[np.ndarray, list[Path], 
         try:
             pixels.append(to_pixels(path, decode))
             good.append(path)
-        except DataError as e:
-            errors[path] = str(e)
+        except DataError as error:
+            errors[path] = str(error)
     size, channels = spec["image_size"], 1 if spec["color"] == "grayscale" else 3
     empty = np.empty((0, size, size, channels), np.uint8)
     return (np.stack(pixels) if pixels else empty), good, errors
@@ -131,8 +131,8 @@ def onnx_predictor(path: Path, options=None) -> tuple[Predictor, dict[str, str]]
 
     try:
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        refusal = onnx_load_error(path, str(e), ort.__version__)
+    except Exception as error:
+        refusal = onnx_load_error(path, str(error), ort.__version__)
         if refusal is None:
             raise  # a corrupt or truncated file: the caller names it
         raise refusal from None
@@ -210,8 +210,8 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
 
     import torch
 
-    from visionflow.train import zoo
-    from visionflow.train.models import MODELS, model_from
+    from visionflow.train import OWN_MODELS, zoo
+    from visionflow.train.models import model_from
 
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -228,13 +228,13 @@ def torch_predictor(path: Path) -> tuple[Predictor, dict[str, str]]:
             f"{path} is a network of the project's own code ({name}), which building it would "
             "import and run: not loaded (ask for the model.onnx instead)"
         )
-    problems = meta_problems(meta, [*MODELS, *zoo.registry()])
+    problems = meta_problems(meta, [*OWN_MODELS, *zoo.registry()])
     if problems:  # checked before the network is built: a forged image_size could fill memory
         raise ModelError(f"{path} is not a checkpoint the train stage writes: {problems}")
     try:
         model, meta = model_from(saved)
-    except (KeyError, RuntimeError, TypeError, ValueError) as e:
-        words = " ".join(str(e).split())  # torch's lines, as one
+    except (KeyError, RuntimeError, TypeError, ValueError) as error:
+        words = " ".join(str(error).split())  # torch's lines, as one
         raise ModelError(
             f"{path}: its weights do not fit the network its meta describes: {words[:300]}"
         ) from None
@@ -345,8 +345,10 @@ def load_predictor(
     try:
         classes, spec = parse_metadata(meta)
         check_against_network(predictor, classes, spec, meta.get(DECLARED))
-    except ModelError as e:
-        raise ModelError(f"{path}: {e}; not used (re-export it with `dvc repro export`)") from None
+    except ModelError as error:
+        raise ModelError(
+            f"{path}: {error}; not used (re-export it with `dvc repro export`)"
+        ) from None
     return predictor, classes, spec
 
 
@@ -357,8 +359,8 @@ def parse_metadata(meta: dict[str, str]) -> tuple[list[str], dict]:
         raise ModelError(f"it lacks the {' and '.join(missing)} metadata visionflow writes")
     try:
         classes, spec = json.loads(meta[CLASSES_KEY]), json.loads(meta[PREPROCESS_KEY])
-    except json.JSONDecodeError as e:
-        raise ModelError(f"its metadata is not JSON ({e})") from None
+    except json.JSONDecodeError as error:
+        raise ModelError(f"its metadata is not JSON ({error})") from None
     problems = class_problems(classes) + spec_problems(spec)
     if problems:
         raise ModelError("its metadata is invalid: " + "; ".join(problems))
@@ -429,10 +431,10 @@ def check_against_network(
     wanted = [channels, spec["image_size"], spec["image_size"]]
     if declared:
         kind, inputs, outputs = json.loads(declared)
-        fixed = [d if isinstance(d, int) else None for d in inputs[1:]]
+        fixed = [dim if isinstance(dim, int) else None for dim in inputs[1:]]
         if kind != "tensor(float)" or len(inputs) != 4:
             raise ModelError(f"the network's input is {kind} {inputs}, not a float32 NCHW batch")
-        if any(d is not None and d != w for d, w in zip(fixed, wanted, strict=True)):
+        if any(dim is not None and dim != w for dim, w in zip(fixed, wanted, strict=True)):
             raise ModelError(
                 f"the metadata describes {spec['color']} {spec['image_size']} px images "
                 f"(N x {' x '.join(map(str, wanted))}), the network takes {inputs}"
@@ -443,8 +445,10 @@ def check_against_network(
             )
     try:
         logits = predictor(np.zeros((1, *wanted), np.float32))
-    except Exception as e:  # a runtime's own error on the wrong input
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    except Exception as error:  # a runtime's own error on the wrong input
+        first = (
+            str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        )
         raise ModelError(
             f"the network does not run on the input its metadata describes "
             f"(1 x {' x '.join(map(str, wanted))} float32): {first}"

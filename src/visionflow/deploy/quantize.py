@@ -136,7 +136,7 @@ def binomial_tail(k: int, n: int, p: float) -> float:
         + i * math.log(p) + (n - i) * math.log1p(-p)
         for i in range(k, n + 1)
     )  # fmt: skip
-    return min(1.0, sum(math.exp(t) for t in terms))
+    return min(1.0, sum(math.exp(term) for term in terms))
 
 
 def int8_check(
@@ -163,8 +163,8 @@ def int8_check(
     fp32_top1, int8_top1 = top1(fp32, pixels, spec), top1(int8, pixels, spec)
     fp32_right, int8_right = fp32_top1 == labels, int8_top1 == labels
     lost, gained = int((fp32_right & ~int8_right).sum()), int((~fp32_right & int8_right).sum())
-    n, d = len(labels), lost + gained
-    p_value = binomial_tail(lost, d, (1 + max_drop * n / d) / 2) if d else 1.0
+    n, changed = len(labels), lost + gained
+    p_value = binomial_tail(lost, changed, (1 + max_drop * n / changed) / 2) if changed else 1.0
     drop = float(fp32_right.mean()) - float(int8_right.mean())
     agreement = float((fp32_top1 == int8_top1).mean())
     # so that a drop of exactly max_drop passes: 0.99 - 0.98 is 0.010000000000000009

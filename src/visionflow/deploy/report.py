@@ -56,14 +56,14 @@ def data_line(made_from: dict) -> str:
 
 def training_line(meta: dict) -> str:
     """The training values, from the model's meta (the budget: an early stop did fewer)."""
-    t = meta.get("train")
-    if not t:
+    train_values = meta.get("train")
+    if not train_values:
         return "Training values: unknown (a model.pt saved before they were recorded)."
-    epochs = f"{t['epochs']} epoch" + ("s" if t["epochs"] != 1 else "")
-    found = " (train.lr auto: the range test's suggestion)" if t.get("lr_found") else ""
+    epochs = f"{train_values['epochs']} epoch" + ("s" if train_values["epochs"] != 1 else "")
+    found = " (train.lr auto: the range test's suggestion)" if train_values.get("lr_found") else ""
     return (
-        f"{epochs}, batch {t['batch_size']}, lr {t['lr']}{found}, weight decay {t['weight_decay']}, "
-        f"dropout {t['dropout']}, seed {t['seed']}."
+        f"{epochs}, batch {train_values['batch_size']}, lr {train_values['lr']}{found}, weight decay {train_values['weight_decay']}, "
+        f"dropout {train_values['dropout']}, seed {train_values['seed']}."
     )
 
 

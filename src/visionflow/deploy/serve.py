@@ -29,7 +29,7 @@ a snapshot of its bytes and validated fully (`inference.load_predictor`: metadat
 forward pass) before it replaces the model served; a broken one is refused, logged and shown in
 /health while the old one goes on serving. SIGTERM: see `server.Server`.
 
-No torch: it answers its first request 0.3 s after it starts (2 CPU cores). For tests,
+No torch, so it starts answering quickly (docs/benchmarks.md measures the start). For tests,
 VISIONFLOW_FAULT='serve.infer@batch=1:pause=FILE' holds the first batch until FILE exists
 (src/visionflow/faults.py).
 """
@@ -116,17 +116,17 @@ def limited(request, limit: int, timeout_s: float, min_rate: float):
         except TimeoutError:  # asyncio.TimeoutError is this class from Python 3.11 on
             elapsed = loop.time() - start
             if due < last + timeout_s:
-                why = (
+                reason = (
                     f"the upload is too slow: {seen} bytes in {elapsed:.0f} s, under the "
                     f"minimum of {min_rate / 1024:g} KB/s (--min-upload-rate) after the first "
                     f"{timeout_s:g} s (--body-timeout)"
                 )
             else:
-                why = (
+                reason = (
                     f"the upload stalled: no byte of the body for {timeout_s:g} s "
                     f"(--body-timeout); {seen} bytes came"
                 )
-            raise Refused(408, why, {"Connection": "close"}) from None
+            raise Refused(408, reason, {"Connection": "close"}) from None
         seen, last = seen + len(message.get("body", b"")), loop.time()
         if seen > limit:
             raise Refused(413, too_large(limit))
@@ -172,19 +172,19 @@ async def spool_form(request, dest: Path) -> None:
     from starlette.formparsers import MultiPartException, MultiPartParser
 
     class Parser(MultiPartParser):
-        ended = False  # the closing boundary came (Starlette accepts a form without it)
+        complete = False  # the closing boundary came (Starlette accepts a form without it)
 
         def on_end(self) -> None:
-            self.ended = True
+            self.complete = True
 
     parser = Parser(request.headers, request.stream(), max_files=1, max_fields=16)
     try:
         form = await parser.parse()
-    except MultiPartException as e:
-        why = f" ({e.__cause__})" if e.__cause__ else ""  # the parser's own words
-        raise Refused(400, f"the multipart form is malformed: {e.message}{why}") from None
+    except MultiPartException as error:
+        reason = f" ({error.__cause__})" if error.__cause__ else ""  # the parser's own words
+        raise Refused(400, f"the multipart form is malformed: {error.message}{reason}") from None
     try:
-        if not parser.ended:
+        if not parser.complete:
             raise Refused(
                 400,
                 "the multipart form is cut off: it ends before its closing boundary "
@@ -254,8 +254,10 @@ class Service:
         try:
             dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
             await spool(request, dest, s.max_body, s.body_timeout_s, s.min_upload_rate)
-        except OSError as e:
-            raise Refused(503, f"the server cannot store the upload: {e.strerror or e}") from None
+        except OSError as error:
+            raise Refused(
+                503, f"the server cannot store the upload: {error.strerror or error}"
+            ) from None
         finally:
             self.uploads -= 1
 
@@ -325,8 +327,8 @@ class Service:
             await asyncio.sleep(self.settings.reload_interval_s)
             try:
                 await self.check_model_file()
-            except Exception as e:  # a reload problem must not stop the serving
-                log(f"model file check failed: {type(e).__name__}: {e}")
+            except Exception as error:  # a reload problem must not stop the serving
+                log(f"model file check failed: {type(error).__name__}: {error}")
 
     async def check_model_file(self) -> None:
         """Reload a changed model file, once it has stayed unchanged for a look and has been
@@ -347,9 +349,9 @@ class Service:
             model = await loop.run_in_executor(None, load_served, path, self.scratch)
         except Changing:
             return  # being written: the next look tries again
-        except ModelError as e:
-            self.seen, self.refused = stat, str(e)
-            log(f"reload refused: {e}; still serving sha256 {self.model.sha256[:12]}")
+        except ModelError as error:
+            self.seen, self.refused = stat, str(error)
+            log(f"reload refused: {error}; still serving sha256 {self.model.sha256[:12]}")
             return
         self.seen, self.refused = model.stat, None
         if model.sha256 != self.model.sha256:
@@ -382,12 +384,14 @@ class Service:
         ]
         handlers = {
             # a refusal may come before the body is read (or all of it): the connection closes
-            Refused: lambda request, e: error(
-                e.status, str(e), {"Connection": "close"} | (e.headers or {})
+            Refused: lambda request, raised: error(
+                raised.status, str(raised), {"Connection": "close"} | (raised.headers or {})
             ),
-            HTTPException: lambda request, e: error(e.status_code, str(e.detail)),
-            ClientDisconnect: lambda request, e: error(400, "the client went away"),
-            Exception: lambda request, e: error(500, f"{type(e).__name__}: {e}"),  # a bug
+            HTTPException: lambda request, raised: error(raised.status_code, str(raised.detail)),
+            ClientDisconnect: lambda request, raised: error(400, "the client went away"),
+            Exception: lambda request, raised: error(
+                500, f"{type(raised).__name__}: {raised}"
+            ),  # a bug
         }
         app = Starlette(routes=routes, exception_handlers=handlers, lifespan=self.lifespan)
 
@@ -426,8 +430,8 @@ def error(status: int, reason: str, headers: dict | None = None):
     return JSONResponse({"error": " ".join(reason.split())}, status_code=status, headers=headers)
 
 
-def iso(t: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+def iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
 class Stopped(Exception):
@@ -448,14 +452,15 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
         try:
             model = load_served(model_path, scratch)
             sock = listen(host, port)
-        except (ModelError, Changing) as e:
-            print(f"error: {e}", file=sys.stderr)
+        except (ModelError, Changing) as error:
+            print(f"error: {error}", file=sys.stderr)
             return 2
-        except OSError as e:
+        except OSError as error:
             hint = " (another server there? choose another --port)"
-            hint = hint if e.errno == errno.EADDRINUSE else ""
+            hint = hint if error.errno == errno.EADDRINUSE else ""
             print(
-                f"error: cannot listen on {host}:{port}: {e.strerror or e}{hint}", file=sys.stderr
+                f"error: cannot listen on {host}:{port}: {error.strerror or error}{hint}",
+                file=sys.stderr,
             )
             return 2
         service = Service(model, settings, scratch)

@@ -73,19 +73,19 @@ def load_served(path: Path, scratch: Path) -> ServedModel:
             raise Changing(f"{path} changed while it was read")
         sha, opset, meta = fingerprint(snapshot)
         predictor, classes, spec = load_predictor("onnx", snapshot, onnx_options=session_options())
-    except (ModelError, ValueError, FileNotFoundError) as e:
-        raise ModelError(str(e).replace(str(snapshot), str(path))) from None
+    except (ModelError, ValueError, FileNotFoundError) as error:
+        raise ModelError(str(error).replace(str(snapshot), str(path))) from None
     except Changing:
         raise
-    except Exception as e:  # ONNX Runtime's own words for a corrupt or truncated file
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+    except Exception as error:  # ONNX Runtime's own words for a corrupt or truncated file
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
             raise ModelError(
                 f"no room in {scratch} for the copy of {path} that serve loads: free space "
                 "there, or point TMPDIR at a larger disk"
             ) from None
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        first = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         first = first.replace(str(snapshot), str(path))
-        raise ModelError(f"{path} could not be loaded ({type(e).__name__}: {first})") from None
+        raise ModelError(f"{path} could not be loaded ({type(error).__name__}: {first})") from None
     finally:
         snapshot.unlink(missing_ok=True)
     shape = input_shape(spec)

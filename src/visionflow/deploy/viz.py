@@ -80,8 +80,8 @@ def mistakes_grid(
 ):
     """Misclassified images (float NCHW in 0..1), each titled true / predicted (confidence)."""
     titles = [
-        f"true {t}\npred {p} ({c:.2f})"
-        for t, p, c in zip(truth, predicted, confidence, strict=True)
+        f"true {actual}\npred {guess} ({prob:.2f})"
+        for actual, guess, prob in zip(truth, predicted, confidence, strict=True)
     ]
     return titled_grid(images, titles, "most confidently misclassified test images", "no mistakes")
 
@@ -96,8 +96,8 @@ def top_losses_grid(
     """The highest-loss images (float NCHW in 0..1), each titled as fastai's `plot_top_losses`:
     predicted / actual / loss / the predicted class's probability."""
     titles = [
-        f"{p} / {t}\n{loss:.2f} / {prob:.2f}"
-        for p, t, loss, prob in zip(predicted, truth, losses, probs, strict=True)
+        f"{guess} / {actual}\n{loss:.2f} / {prob:.2f}"
+        for guess, actual, loss, prob in zip(predicted, truth, losses, probs, strict=True)
     ]
     title = "highest-loss test images: predicted / actual, loss / probability"
     return titled_grid(images, titles, title, "no test images")

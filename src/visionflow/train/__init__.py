@@ -2,11 +2,12 @@
 step and the epoch (engine, training), checkpoints, the health report, scores. Takes values,
 never the params models or the stages."""
 
-OWN_MODELS = (
-    "simple_cnn",
-    "small_resnet",
-    "resnet18",
-)  # the project's own; the rest: torchvision's
+# The project's own networks, the one list of their names (models.MODELS builds them; params.py
+# and zoo.py check train.model against it without importing torch); any other name is
+# torchvision's, or a network of your own (package.module:Name).
+OWN_MODELS = ("simple_cnn", "small_resnet", "resnet18")
+TORCHVISION_HAS_TOO = ("resnet18",)  # with train.pretrained, torchvision's is fine-tuned instead
+CHECKPOINTING = ("small_resnet", "resnet18")  # those with train.checkpointing (from scratch)
 
 
 def from_torchvision(model: str, pretrained: str) -> bool:
@@ -15,4 +16,4 @@ def from_torchvision(model: str, pretrained: str) -> bool:
     project's own resnet18, with a one-channel stem, is for training from scratch)."""
     if ":" in model:
         return False
-    return model not in OWN_MODELS or (model == "resnet18" and bool(pretrained))
+    return model not in OWN_MODELS or (model in TORCHVISION_HAS_TOO and bool(pretrained))

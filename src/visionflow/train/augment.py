@@ -44,7 +44,7 @@ def augment(
         cos, sin = torch.cos(angle).view(n, 1, 1), torch.sin(angle).view(n, 1, 1)
         dx, dy = (2 * shift[0] / width).view(n, 1, 1), (2 * shift[1] / height).view(n, 1, 1)
         # Pixel centres in -1..1 (affine_grid's align_corners=False), written out: affine_grid's
-        # batched matrix product with an inner size of 3 cost 4% of a training step on the CPU.
+        # batched matrix product with an inner size of 3 is slow on the CPU (docs/benchmarks.md).
         u = ((torch.arange(width, device=x.device) * 2 + 1) / width - 1).view(1, 1, width)
         v = ((torch.arange(height, device=x.device) * 2 + 1) / height - 1).view(1, height, 1)
         grid = torch.stack([cos * u - sin * v + dx, sin * u + cos * v + dy], dim=-1)

@@ -62,7 +62,7 @@ def changes(old: dict, new: dict) -> list[str]:
     return found
 
 
-def why_not_resumed(root: Path, keep: Path, run: dict, notes: dict[str, str]) -> str | None:
+def reason_not_resumed(root: Path, keep: Path, run: dict, notes: dict[str, str]) -> str | None:
     """Why `run`, which has no checkpoint of its own (in `keep`), starts fresh: what changed since
     the newest other folder under `root` with a checkpoint and a run.json, e.g. `train.lr 0.001 ->
     0.003 changed since the checkpoint in <folder>`, with `notes[key]` for the keys changed; None
@@ -114,10 +114,10 @@ def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None,
             state = torch.load(path, map_location=map_location, weights_only=True)
             if not (isinstance(state, dict) and {"epoch", "model", "fingerprint"} <= state.keys()):
                 raise ValueError("not a visionflow checkpoint")
-        except Exception as e:  # truncated or corrupt: any unpickling error
-            reason = str(e).split(". ")[0]  # not torch's advice to load it unsafely
+        except Exception as error:  # truncated or corrupt: any unpickling error
+            reason = str(error).split(". ")[0]  # not torch's advice to load it unsafely
             warnings.warn(
-                f"checkpoint {path} is unreadable ({type(e).__name__}: {reason}); "
+                f"checkpoint {path} is unreadable ({type(error).__name__}: {reason}); "
                 "falling back to the previous one",
                 stacklevel=2,
             )

@@ -54,9 +54,9 @@ def amp_dtype(amp: str, device: torch.device) -> torch.dtype | None:
 
 
 # What `auto` picks per model on a GPU, from measurements on an H200 (bench/gpu_bench.py, 32 px,
-# batch 512; docs/benchmarks.md): simple_cnn trained fastest in fp32 with the default memory format
-# (bf16 0.90x, bf16 + channels_last 0.87x): its two small convolutions gain nothing from tensor
-# cores and pay for the casts and the layout. small_resnet gained 1.46x with bf16 + channels_last
+# batch 512; docs/benchmarks.md, "GPU"): simple_cnn trained fastest in fp32 with the default
+# memory format, bf16 and channels_last slower: its two small convolutions gain nothing from tensor
+# cores and pay for the casts and the layout. small_resnet gained with bf16 + channels_last
 # (cuDNN's tensor-core convolutions want NHWC); torchvision's networks are fine-tuned that way.
 FP32_ON_A_GPU = {"simple_cnn"}
 
@@ -74,14 +74,14 @@ def speed_settings(
     dtype = None if amp == "auto" and fp32 else amp_dtype(amp, device)
     nhwc = not fp32 if channels_last == "auto" else channels_last
     if "auto" not in (amp, channels_last):
-        why = "as params.yaml sets them"
+        reason = "as params.yaml sets them"
     elif fp32:
-        why = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
+        reason = f"auto: {model} trained fastest in fp32 with the default layout on a GPU"
     elif device.type == "cuda":
-        why = "auto: bf16 with channels_last trained residual networks faster on a GPU"
+        reason = "auto: bf16 with channels_last trained residual networks faster on a GPU"
     else:
-        why = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
-    return dtype, nhwc, why
+        reason = "auto: on the CPU autocast rarely pays, and channels_last was measured faster"
+    return dtype, nhwc, reason
 
 
 def make_optimizer(
@@ -95,8 +95,8 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """`groups`: parameter groups with their own `lr` (fine-tuning: the head's, the backbone's),
     else one group of all the model's parameters."""
-    # fused: one kernel for the whole update instead of a loop of small ones per parameter (on 2
-    # CPU cores Adam's step took 0.25 ms instead of 0.75 ms for SimpleCNN); the same update rule
+    # fused: one kernel for the whole update instead of a loop of small ones per parameter (a
+    # third of the time for SimpleCNN's Adam step: docs/benchmarks.md); the same update rule
     params = groups or model.parameters()
     if name == "sgd":
         return torch.optim.SGD(

@@ -180,15 +180,15 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
     losses = [h["train/loss"] for h in history]
     epoch, loss = len(losses), losses[-1]
     if loss > 10 * chance or not math.isfinite(loss):
-        why = f"over 10x the chance level {chance:.3f}"
+        reason = f"over 10x the chance level {chance:.3f}"
     elif len(losses) > 1 and loss > 2 * min(losses[:-1]):
-        why = f"more than twice its best {min(losses[:-1]):.3g}"
+        reason = f"more than twice its best {min(losses[:-1]):.3g}"
     else:
         return None
     return Finding(
         "diverging",
         epoch,
-        f"diverging at epoch {epoch}: train loss {loss:.3g}, {why}; "
+        f"diverging at epoch {epoch}: train loss {loss:.3g}, {reason}; "
         "the learning rate is likely too high: divide train.lr by 10, or set "
         "train.grad_clip",
         {"train_loss": loss, "chance_loss": chance},
@@ -283,8 +283,8 @@ class Limits:
 class Monitor:
     """Runs the checks as training goes; reports each finding once, as it is found."""
 
-    def __init__(self, config: Limits, classes: list[str], say=print):
-        self.config, self.classes, self.say = config, classes, say
+    def __init__(self, config: Limits, classes: list[str], log=print):
+        self.config, self.classes, self.log = config, classes, log
         self.findings: list[Finding] = []
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
@@ -297,7 +297,7 @@ class Monitor:
     def add(self, finding: Finding | None) -> None:
         if finding and finding.check not in {f.check for f in self.findings}:
             self.findings.append(finding)
-            self.say(f"health: {finding.message}")
+            self.log(f"health: {finding.message}")
 
     def epoch(
         self,

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from visionflow import faults
 from visionflow.errors import DiskFull, Unavailable
-from visionflow.train import zoo
+from visionflow.train import CHECKPOINTING, zoo
 
 
 class SimpleCNN(nn.Module):
@@ -20,7 +20,7 @@ class SimpleCNN(nn.Module):
 
     Each convolution is max-pooled before its ReLU: the same function (max and ReLU commute) and the
     same state_dict as the usual conv -> ReLU -> pool, but ReLU and its backward touch a quarter of
-    the values: a training step on 2 CPU cores ran 1.2x faster (bench/relu_order_bench.py).
+    the values, so a training step runs faster (bench/relu_order_bench.py; docs/benchmarks.md).
     """
 
     def __init__(self, in_channels: int, num_classes: int, image_size: int, dropout: float = 0.25):
@@ -200,6 +200,7 @@ def _into(model: nn.Module, weights: dict) -> dict:
     return {(k if k in names else k.replace(".", ".inner.", 1)): v for k, v in weights.items()}
 
 
+# a builder for each of the project's own networks (OWN_MODELS: their names, torch-free)
 MODELS = {"simple_cnn": SimpleCNN, "small_resnet": SmallResNet, "resnet18": resnet18}
 
 
@@ -217,7 +218,7 @@ def build_model(
     project's (MODELS), a torchvision classifier (`network` then says its input size and the
     3-channel mean/std its weights want; `pretrained` loads them: zoo.py), or an import path."""
     if name in MODELS and network is None:  # resnet18 from pretrained weights: torchvision's
-        extra = {"checkpointing": checkpointing} if name != "simple_cnn" else {}
+        extra = {"checkpointing": checkpointing} if name in CHECKPOINTING else {}
         model = MODELS[name](in_channels, num_classes, image_size, dropout, **extra)
     elif zoo.is_import_path(name):
         model = zoo.import_network(name, in_channels, num_classes, image_size)
@@ -230,8 +231,8 @@ def build_model(
     try:
         with torch.no_grad():
             logits = model.eval()(dummy)
-    except (RuntimeError, AssertionError) as e:  # torch._assert (ViT's size check) asserts
-        raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {e}") from None
+    except (RuntimeError, AssertionError) as error:  # torch._assert (ViT's size check) asserts
+        raise ValueError(f"{name} does not fit input {tuple(dummy.shape)}: {error}") from None
     if not torch.is_tensor(logits) or logits.shape != (2, num_classes):
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
         raise ValueError(
@@ -257,9 +258,9 @@ def save_atomic(obj: dict, path: Path, **where) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except RuntimeError as e:  # torch's zip writer on a full disk: "unexpected pos 576 vs 534"
+    except RuntimeError as error:  # torch's zip writer on a full disk: "unexpected pos 576 vs 534"
         Path(tmp).unlink(missing_ok=True)
-        if "unexpected pos" in str(e) or "write failed" in str(e):
+        if "unexpected pos" in str(error) or "write failed" in str(error):
             raise DiskFull.at(path.parent) from None
         raise
     except BaseException:

@@ -2,7 +2,8 @@
 
 Computed from the confusion matrix with NumPy: the same numbers as scikit-learn's
 `precision_recall_fscore_support(..., zero_division=0)` and `confusion_matrix` (tests/test_models_engine.py
-holds them equal), without importing scikit-learn, which cost the evaluate stage 2 s of its 6 s start.
+holds them equal), without importing scikit-learn, which cost the evaluate stage a third of its
+start (docs/benchmarks.md, "Numbers that were code comments").
 """
 
 import numpy as np

@@ -40,7 +40,7 @@ def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     if compiled:  # also tells torch.compile's kernels
         torch.use_deterministic_algorithms(deterministic)
-    else:  # the same switch, without importing the compiler for it (1.5 s at every start)
+    else:  # the same switch, without importing the compiler for it (seconds at every start)
         torch._C._set_deterministic_algorithms(deterministic)
     torch.backends.cudnn.benchmark = not deterministic  # autotuning picks kernels by timing
 
@@ -61,6 +61,13 @@ def start_distributed(device_name: str) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), world
+
+
+def end_distributed(world: int) -> None:
+    """Wait for every rank, then leave the group `start_distributed` joined (alone: nothing)."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # what a collective raises when the rank at the other end is gone: gloo's words, then NCCL's

@@ -26,9 +26,8 @@ import torch
 from torch import nn
 
 from visionflow.errors import Unavailable
-from visionflow.train import from_torchvision
+from visionflow.train import OWN_MODELS, from_torchvision
 
-OWN = ("simple_cnn", "small_resnet", "resnet18")  # models.MODELS: the project's own networks
 WEIGHTS_NAME = re.compile(r"^[A-Z][A-Z0-9_]*$")  # DEFAULT, IMAGENET1K_V2, ...
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:Name
 # builders whose training forward also returns auxiliary logits: built without them (their
@@ -62,15 +61,15 @@ def is_import_path(name: str) -> bool:
 
 def unknown_model(name: str) -> str | None:
     """The line refusing `train.model: name` (None: it names a network)."""
-    if name in OWN or is_import_path(name):
+    if name in OWN_MODELS or is_import_path(name):
         return None
     names = registry()
     if name in names:
         return None
-    close = difflib.get_close_matches(name, [*OWN, *names], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, [*OWN_MODELS, *names], n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else ""
     return (
-        f"train.model: unknown model {name!r}{hint} (the project's {', '.join(OWN)}, any of "
+        f"train.model: unknown model {name!r}{hint} (the project's {', '.join(OWN_MODELS)}, any of "
         "torchvision's classifiers: torchvision.models.list_models(), or package.module:Name)"
     )
 
@@ -174,20 +173,20 @@ def read_weights(source: str) -> dict:
         else:
             with torch.serialization.safe_globals(ARGS_CLASSES):
                 weights = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # Python objects: loading them could run code
-        if "Weights only load failed" not in str(e):
+    except pickle.UnpicklingError as error:  # Python objects: loading them could run code
+        if "Weights only load failed" not in str(error):
             raise Unavailable(
-                f"{source} is not a loadable state_dict (UnpicklingError: {e})"
+                f"{source} is not a loadable state_dict (UnpicklingError: {error})"
             ) from None
-        found = UNSUPPORTED.search(str(e))
+        found = UNSUPPORTED.search(str(error))
         what = f" ({found.group(1)})" if found else ""
         raise Unavailable(
             f"{source} holds pickled Python objects{what}, which are not loaded (they can run "
             "code): save model.state_dict() instead"
         ) from None
-    except Exception as e:  # truncated, not torch's format
+    except Exception as error:  # truncated, not torch's format
         raise Unavailable(
-            f"{source} is not a loadable state_dict ({type(e).__name__}: {e})"
+            f"{source} is not a loadable state_dict ({type(error).__name__}: {error})"
         ) from None
     return unwrapped(weights, source)
 
@@ -226,8 +225,8 @@ def fit_problem(arch: str, source: str, size: int) -> str | None:
     net = build(arch, 2, size)
     try:
         load_into(net, arch, read_weights(source), head_keys(arch, 2, net, size), source)
-    except Unavailable as e:
-        return f"train.pretrained: {e}"
+    except Unavailable as error:
+        return f"train.pretrained: {error}"
     return None
 
 
@@ -251,9 +250,9 @@ def fetch(arch: str, name: str) -> Path:
         prefix = torch.hub.HASH_REGEX.search(target.name)
         print(f"downloading {weights} to {target}", file=sys.stderr)
         torch.hub.download_url_to_file(weights.url, str(target), prefix and prefix.group(1))
-    except OSError as e:  # offline (URLError), or the cache unwritable
+    except OSError as error:  # offline (URLError), or the cache unwritable
         raise Unavailable(
-            f"cannot download {weights} ({type(e).__name__}): offline, fetch {weights.url} "
+            f"cannot download {weights} ({type(error).__name__}): offline, fetch {weights.url} "
             f"elsewhere and put it at {target}, or name a state_dict file in data/pretrained/"
         ) from None
     return target
@@ -377,8 +376,10 @@ def builder_of(path: str):
     module_name, _, name = path.partition(":")
     try:
         return getattr(importlib.import_module(module_name), name)
-    except Exception as e:  # the module's own code runs here: any error
-        raise ValueError(f"train.model: cannot import {path} ({type(e).__name__}: {e})") from None
+    except Exception as error:  # the module's own code runs here: any error
+        raise ValueError(
+            f"train.model: cannot import {path} ({type(error).__name__}: {error})"
+        ) from None
 
 
 def import_network(path: str, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
@@ -386,10 +387,10 @@ def import_network(path: str, in_channels: int, num_classes: int, image_size: in
     builder = builder_of(path)
     try:
         return builder(in_channels=in_channels, num_classes=num_classes, image_size=image_size)
-    except Exception as e:
+    except Exception as error:
         raise ValueError(
             f"train.model: {path}(in_channels={in_channels}, num_classes={num_classes}, "
-            f"image_size={image_size}) failed: {type(e).__name__}: {e}"
+            f"image_size={image_size}) failed: {type(error).__name__}: {error}"
         ) from None
 
 
