@@ -1,2 +1,3 @@
 """DVC and processes, no torch: the runner (visionflow repro), questions to DVC (repo), what
-dvc.yaml depends on (project), sweeps, the watcher, verify and doctor."""
+dvc.yaml depends on (project), the watcher, verify and doctor. The Prefect flows and the sweeps
+that use them are orchestration/'s."""

@@ -167,6 +167,13 @@ KINDS = {
 }
 
 
+def dvc_ignores(path: Path) -> bool:
+    """What .dvcignore keeps out of the code folders stages depend on: Python's bytecode and hidden
+    files (editors' swap and lock files) beside a package's modules."""
+    hidden = path.name.startswith(".") and (path.parent / "__init__.py").exists()
+    return "__pycache__" in path.parts or path.suffix in (".pyc", ".pyo") or hidden
+
+
 def special_files(paths: list[Path]) -> list[str]:
     """A line for each file at or under `paths` (links followed) that DVC cannot hash, naming it
     and what to do: a FIFO, socket or device (DVC would wait forever reading it) or a link to
@@ -192,6 +199,8 @@ def special_files(paths: list[Path]) -> list[str]:
     while folders:
         with os.scandir(folders.pop()) as entries:
             for entry in entries:
+                if dvc_ignores(Path(entry.path)):
+                    continue
                 if entry.is_dir(follow_symlinks=False):
                     folders.append(Path(entry.path))
                 elif not entry.is_file(follow_symlinks=False):  # a link, or a special file

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from visionflow.ops.project import all_deps
+from visionflow.ops.project import all_deps, dvc_ignores
 
 
 def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
@@ -94,7 +94,9 @@ def settled_changes(root: Path, settle_s: float) -> Iterator[list[str]]:
 
 def touched(paths: list[Path], deps: list[Path], event_type: str) -> tuple[set, set]:
     """The paths an event touched that matter: at or below a dep, or, for a folder that came
-    or went, above one (its watch is gone or due); and those above ones apart."""
+    or went, above one (its watch is gone or due); and those above ones apart. What DVC ignores
+    (bytecode a stage's import writes, an editor's swap file) touches nothing."""
+    paths = [path for path in paths if not dvc_ignores(path)]
     hits = {path for path in paths for dep in deps if path.is_relative_to(dep)}
     above = set()
     if event_type in ("created", "deleted", "moved"):
