@@ -904,3 +904,48 @@ def test_a_body_no_route_reads_does_not_hold_its_connection(tmp_path):
                 status, headers, _ = read_answer(client)
                 assert status in (200, 404) and headers["connection"] == "close", (head, headers)
                 assert client.recv(1) == b""  # closed by the server, the body unread
+
+
+def test_a_request_head_must_arrive_in_time_on_a_socket_that_sends_at_once():
+    """uvicorn with the server's `HeadTimeout` and its socket from `listen` (IPPROTO_TCP, so
+    asyncio sets TCP_NODELAY): a client that sends half a head is cut off after the deadline;
+    a whole request is answered, on a kept-alive connection too."""
+    import uvicorn
+
+    from visionflow.deploy.server import HeadTimeout, listen
+
+    async def app(scope, receive, send):
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def answer(client: socket.socket) -> bytes:
+        got = b""
+        while not got.endswith(b"\r\n\r\nok"):
+            more = client.recv(4096)
+            assert more, got
+            got += more
+        return got
+
+    class Quick(HeadTimeout):
+        head_timeout_s = 0.5
+
+    sock = listen("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    with pytest.raises(OSError):  # the port is taken: nothing half made is left open
+        listen("127.0.0.1", sock.getsockname()[1])
+    server = uvicorn.Server(uvicorn.Config(app, http=Quick, lifespan="off", log_level="error"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        address = sock.getsockname()
+        with socket.create_connection(address, timeout=60) as whole:
+            for _ in range(2):
+                whole.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert answer(whole).startswith(b"HTTP/1.1 200 OK")
+        with socket.create_connection(address, timeout=60) as half:
+            half.sendall(b"GET /hea")
+            assert half.recv(4096) == b""  # closed by the server, with no answer
+    finally:
+        server.should_exit = True
+        thread.join(60)
