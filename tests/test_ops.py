@@ -74,7 +74,7 @@ def gone(pid: int) -> bool:
 
 
 def test_the_stop_grace_period_is_seconds_from_the_environment(monkeypatch):
-    monkeypatch.delenv("VISIONFLOW_STOP_GRACE_S")
+    monkeypatch.delenv("VISIONFLOW_STOP_GRACE_S", raising=False)
     assert runner.stop_grace_s() == runner.STOP_GRACE_S
     monkeypatch.setenv("VISIONFLOW_STOP_GRACE_S", "2.5")
     assert runner.stop_grace_s() == 2.5
