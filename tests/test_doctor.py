@@ -65,7 +65,22 @@ def test_doctor_reports_this_machine_and_the_workspace(reproduced_base, tmp_path
     assert (stale["status"], stale["found"]) == ("warn", "not up to date: check, evaluate")
 
 
-def test_a_missing_package_fails_with_the_fix(tmp_path):
+def test_a_missing_package_fails_with_the_fix(monkeypatch):
+    """Doctor's package check in this process, onnxruntime not importable (None in sys.modules:
+    Python's own "import halted"); the test below runs the whole command with it shadowed."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    found, modules = doctor.packages()
+    failed = [c for c in found if c["status"] != "ok"]
+    assert [c["check"] for c in failed] == ["onnxruntime"] and "onnxruntime" not in modules
+    assert failed[0]["found"] == (
+        "cannot be imported (ModuleNotFoundError: import of onnxruntime halted; None in sys.modules)"
+    )
+    assert failed[0]["fix"].startswith("run `make setup`")
+    assert {"torch", "dvc", "prefect"} <= modules.keys()
+
+
+@pytest.mark.slow
+def test_doctor_fails_on_a_missing_package_with_the_fix(tmp_path):
     shadow = tmp_path / "onnxruntime"
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")

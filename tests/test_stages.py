@@ -47,10 +47,27 @@ def test_sanity_writes_grids_counts_and_scan(cache):
     assert scan["duplicates"]["across_splits"] == 0 and scan["rejected_files"] == 0
 
 
-def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
+def labels_out_of_range(cache) -> None:
     y = np.load(cache / "prepared/val_y.npy")
     y[3] = 12
     np.save(cache / "prepared/val_y.npy", y)
+
+
+def test_sanitys_scan_fails_on_labels_out_of_range_with_the_numbers(cache):
+    """The scan, in this process; the test below runs the stage."""
+    from pipeline import GateError
+    from pipeline.sanity import scan
+
+    labels_out_of_range(cache)
+    with pytest.raises(
+        GateError, match=r"^val: labels span 0\.\.12, outside 0\.\.9 for 10 classes"
+    ):
+        scan(cache / "prepared", [str(i) for i in range(10)])
+
+
+@pytest.mark.slow
+def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
+    labels_out_of_range(cache)
     result = stage(cache, "pipeline.sanity", "--data", "prepared", "--out", "sanity")
     assert result.returncode == 1
     assert "val: labels span 0..12, outside 0..9 for 10 classes" in result.stderr
