@@ -5,6 +5,7 @@ pipeline runs; these pin what each function promises on a tiny DVC project of tw
 
 import fcntl
 import json
+import math
 import os
 import queue
 import signal
@@ -71,6 +72,23 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_a_fault_applies_only_where_its_keys_match(tmp_path, monkeypatch):
+    """The fault points the slow tests use to kill, fail and pause stages (faults.py)."""
+    stopping = tmp_path / "stopping"
+    spec = f"train.loss@epoch=2:nan; stage.start@stage=evaluate:raise; train.stop:touch={stopping}"
+    monkeypatch.setattr(faults, "FAULTS", faults.parse(spec))
+    assert faults.fault("train.loss", 1.0, epoch=1, step=0) == 1.0
+    assert math.isnan(faults.fault("train.loss", 1.0, epoch=2, step=5))
+    faults.fault("stage.start", stage="train")
+    with pytest.raises(faults.FaultInjected, match="injected fault at stage.start"):
+        faults.fault("stage.start", stage="evaluate")
+    assert not stopping.exists()
+    faults.fault("train.stop")
+    assert stopping.exists()
+    with pytest.raises(ValueError, match="'train.loss:explode' is not <point>"):
+        faults.parse("train.loss:explode")
 
 
 def test_the_stop_grace_period_is_seconds_from_the_environment(monkeypatch):
