@@ -8,9 +8,10 @@ times in turn:
   - `dvc repro --force`     the default pipeline as it is now, every stage, in the clone
   - `make test`             the suite as CI runs it, with pytest's 15 slowest tests
   - the yardstick again     (a change in the machine's load shows as two different yardsticks)
-and prints them, the suite's ratio to the yardstick (budget: 10x), and the slowest tests (the
-table in docs/tests.md). The yardstick runs in a worktree of the clone at caa9cb7 with the
-clone's .venv (PYTHONPATH at the worktree's own src/): only the code differs, not the packages.
+and prints them, the suite's ratio to the yardstick (budget: 30x, issue #47), and the slowest
+tests (the table in docs/tests.md). The yardstick runs in a worktree of the clone at caa9cb7 with
+the clone's .venv (PYTHONPATH at the worktree's own src/): only the code differs, not the
+packages. bench/tiers_bench.py times both tiers against it with an existing venv.
 
     .venv/bin/python bench/suite_bench.py [--keep]
 """
@@ -72,7 +73,7 @@ def measure(clone: Path) -> None:
     print(f"yardstick again:                       {after:.0f} s")
     stick = (before + after) / 2
     print(
-        f"ratio:                                 {suite_s / stick:.1f}x the yardstick (budget 10x)"
+        f"ratio:                                 {suite_s / stick:.1f}x the yardstick (budget 30x)"
     )
     print(f"                                       {suite_s / repro_s:.1f}x one full dvc repro now")
     lines = out.splitlines()

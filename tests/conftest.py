@@ -32,6 +32,25 @@ if WORKERS > 1:
 os.environ.setdefault("VISIONFLOW_STOP_GRACE_S", "5")
 
 
+# What makes a test slow by the tiers' definition (docs/tests.md): a whole pipeline run, a
+# Prefect server. `make test-fast` must never start either.
+SLOW_FIXTURES = {"reproduced_base", "prefect_server"}
+
+
+def pytest_collection_modifyitems(items):
+    """A test not marked slow that needs a slow fixture (itself, or through another fixture)
+    stops the run at collection, naming it."""
+    unmarked = [
+        f"{item.nodeid} ({', '.join(sorted(SLOW_FIXTURES & set(item.fixturenames)))})"
+        for item in items
+        if SLOW_FIXTURES & set(item.fixturenames) and not item.get_closest_marker("slow")
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "mark these tests slow, or give them a fast fixture: " + "; ".join(unmarked)
+        )
+
+
 @pytest.fixture
 def image_folder(tmp_path) -> Path:
     """Three classes of solid-colour PNG and JPEG files, with a nested folder and hidden entries."""

@@ -582,3 +582,48 @@ def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
     assert (
         len(list(dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), 2))) > 0
     )
+
+
+def test_file_stats_skip_hidden_files_caches_and_broken_links(tmp_path):
+    from visionflow.data import files
+
+    (tmp_path / "a" / "__pycache__").mkdir(parents=True)
+    for name in ("a/one.png", "a/.DS_Store", "a/__pycache__/m.pyc", "two.png"):
+        (tmp_path / name).write_bytes(b"12345")
+    (tmp_path / "a" / "gone.png").symlink_to(tmp_path / "nowhere")
+    stats = files.file_stats([tmp_path / "a", tmp_path / "two.png"])
+    assert sorted(stats) == [str(tmp_path / "a/one.png"), str(tmp_path / "two.png")]
+    assert stats[str(tmp_path / "two.png")].size == 5
+    before = stats[str(tmp_path / "two.png")]
+    (tmp_path / "two.png").write_bytes(b"54321")  # the same size: the stat still differs
+    os.utime(tmp_path / "two.png", ns=(before.mtime_ns, before.mtime_ns))  # even mtime set back
+    assert files.file_stats([tmp_path / "two.png"])[str(tmp_path / "two.png")] != before
+    assert files.flatten({"train": {"lr": 0.1, "health": {"n": 3}}}) == {
+        "train.lr": 0.1,
+        "train.health.n": 3,
+    }
+
+
+def test_verify_cache_names_each_file_that_differs_from_the_manifest(tmp_path):
+    from visionflow.data import files
+
+    cache = tmp_path / "prepared"
+    cache.mkdir()
+    with pytest.raises(files.DataError, match="manifest.json is missing: run `dvc repro prepare`"):
+        files.verify_cache(cache)
+    (cache / "manifest.json").write_text("[]")
+    with pytest.raises(files.DataError, match="is not a manifest prepare wrote"):
+        files.verify_cache(cache)
+    for name in ("train_x.npy", "classes.json"):
+        (cache / name).write_text(name)
+    listed = {n: {"sha256": files.file_hash(cache / n)} for n in ("train_x.npy", "classes.json")}
+    (cache / "manifest.json").write_text(json.dumps({"files": listed}))
+    assert files.verify_cache(cache) == [str(cache / "train_x.npy"), str(cache / "classes.json")]
+    (cache / "classes.json").write_text('["a", "b"]')
+    (cache / "train_x.npy").unlink()
+    with pytest.raises(files.DataError) as error:
+        files.verify_cache(cache)
+    assert f"{cache / 'train_x.npy'}: sha256 missing, manifest says" in str(error.value)
+    assert f"{cache / 'classes.json'}: sha256 {files.file_hash(cache / 'classes.json')}" in str(
+        error.value
+    )

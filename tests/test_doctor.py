@@ -65,7 +65,22 @@ def test_doctor_reports_this_machine_and_the_workspace(reproduced_base, tmp_path
     assert (stale["status"], stale["found"]) == ("warn", "not up to date: check, evaluate")
 
 
-def test_a_missing_package_fails_with_the_fix(tmp_path):
+def test_a_missing_package_fails_with_the_fix(monkeypatch):
+    """Doctor's package check in this process, onnxruntime not importable (None in sys.modules:
+    Python's own "import halted"); the test below runs the whole command with it shadowed."""
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    found, modules = doctor.packages()
+    failed = [c for c in found if c["status"] != "ok"]
+    assert [c["check"] for c in failed] == ["onnxruntime"] and "onnxruntime" not in modules
+    assert failed[0]["found"] == (
+        "cannot be imported (ModuleNotFoundError: import of onnxruntime halted; None in sys.modules)"
+    )
+    assert failed[0]["fix"].startswith("run `make setup`")
+    assert {"torch", "dvc", "prefect"} <= modules.keys()
+
+
+@pytest.mark.slow
+def test_doctor_fails_on_a_missing_package_with_the_fix(tmp_path):
     shadow = tmp_path / "onnxruntime"
     shadow.mkdir()
     (shadow / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
@@ -125,21 +140,38 @@ def test_a_prefect_server_that_answers_is_ok(prefect_server):
     assert (check["status"], check["found"]) == ("ok", f"{prefect_server} answers")
 
 
-def test_a_stage_python_outside_the_venv_fails_with_the_fix(tmp_path):
-    """`.venv/bin/dvc repro` runs each stage with the `python` first on PATH: without the venv
-    there, every stage stopped with ModuleNotFoundError and doctor said nothing."""
+def python_outside_the_venv(tmp_path) -> Path:
+    """A folder whose `python` is the Python the venv was made from, without its packages."""
     bare = tmp_path / "bin"
     bare.mkdir()
     base = subprocess.run(
         [sys.executable, "-c", "import sys; print(sys.base_prefix)"], capture_output=True, text=True
     ).stdout.strip()
-    (bare / "python").symlink_to(f"{base}/bin/python3")  # the Python the venv was made from
+    (bare / "python").symlink_to(f"{base}/bin/python3")
+    return bare
+
+
+def assert_outside_the_venv(found: dict) -> None:
+    assert found["status"] == "FAIL"
+    assert "cannot import torch, dvclive" in found["found"]
+    assert "ModuleNotFoundError" in found["found"]
+    assert found["fix"].startswith("`source .venv/bin/activate`")
+
+
+def test_a_stage_python_outside_the_venv_fails_with_the_fix(tmp_path, monkeypatch):
+    """`.venv/bin/dvc repro` runs each stage with the `python` first on PATH: without the venv
+    there, every stage stopped with ModuleNotFoundError and doctor said nothing. Doctor's own
+    check, in this process; the test below runs the whole command."""
+    monkeypatch.setenv("PATH", f"{python_outside_the_venv(tmp_path)}{os.pathsep}/usr/bin:/bin")
+    assert_outside_the_venv(doctor.stage_python(ROOT))
+
+
+@pytest.mark.slow
+def test_doctor_fails_on_a_stage_python_outside_the_venv(tmp_path):
+    bare = python_outside_the_venv(tmp_path)
     result = run_doctor("--json", env_change={"PATH": f"{bare}{os.pathsep}/usr/bin:/bin"})
-    checks = by_name(json.loads(result.stdout))
-    assert result.returncode == 1 and checks["stage python"]["status"] == "FAIL"
-    assert "cannot import torch, dvclive" in checks["stage python"]["found"]
-    assert "ModuleNotFoundError" in checks["stage python"]["found"]
-    assert checks["stage python"]["fix"].startswith("`source .venv/bin/activate`")
+    assert result.returncode == 1
+    assert_outside_the_venv(by_name(json.loads(result.stdout))["stage python"])
 
 
 def test_a_stage_python_that_hangs_is_said_and_ended_with_what_it_started(tmp_path, monkeypatch):

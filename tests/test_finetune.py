@@ -13,7 +13,7 @@ import yaml
 from PIL import Image
 from torch import nn
 
-from tests.helpers import ROOT, copy_project, sh, write_params
+from tests.helpers import ROOT, TINY, copy_project, sh, write_params
 
 HEAD = ("classifier.3.weight", "classifier.3.bias")  # mobilenet_v3_small's: the new one
 
@@ -115,21 +115,36 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     assert (project / "results/evaluate/top_losses.png").is_file()
 
 
-def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_path, monkeypatch):
-    from pipeline.check import network_problem
-    from visionflow.params import Train
+UNKNOWN_MODEL = (
+    "train.model: unknown model 'resnet5O'; did you mean resnet50? (the project's simple_cnn, "
+    "small_resnet, resnet18, any of torchvision's classifiers: torchvision.models.list_models(), "
+    "or package.module:Name)"
+)
 
+
+@pytest.mark.slow
+def test_an_unknown_model_stops_dvc_repro_at_check_in_one_line(reproduced_base, tmp_path):
+    """The line below, as `dvc repro` shows it: from the check stage, before anything is
+    deleted, and no traceback."""
     project = copy_project(reproduced_base, tmp_path / "project")
     write_params(project, {"train": {"model": "resnet5O"}})
     result = sh(project, "dvc", "repro", "check", check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and errors, result.stderr
-    assert errors[0] == "error: train.model: unknown model 'resnet5O'; did you mean resnet50? " + (
-        "(the project's simple_cnn, small_resnet, resnet18, any of torchvision's classifiers: "
-        "torchvision.models.list_models(), or package.module:Name)"
-    )
+    assert errors[0] == f"error: {UNKNOWN_MODEL}"
     assert "Traceback" not in result.stderr + result.stdout
-    base = yaml.safe_load((project / "params.yaml").read_text())["train"]
+
+
+def test_unknown_names_and_sizes_are_one_line_from_check(tmp_path, monkeypatch):
+    """The check stage's lines, asked in this process of the tests' params (the test above
+    runs one through `dvc repro`)."""
+    from pipeline.check import network_problem
+    from visionflow.params import Train
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    write_params(tmp_path, TINY)
+    base = yaml.safe_load((tmp_path / "params.yaml").read_text())["train"]
+    assert network_problem(Train(**{**base, "model": "resnet5O"}), 8) == UNKNOWN_MODEL
     cases = {  # (model, pretrained, prepare.image_size): the line's start
         ("vit_b_16", "DEFAULT", 64): "train.model: vit_b_16 takes 224 px inputs only; "
         "prepare.image_size 64 gives it 56 px: set prepare.image_size to 256",
@@ -151,7 +166,7 @@ def test_unknown_names_and_sizes_are_one_line_from_check(reproduced_base, tmp_pa
     from pipeline.check import tta_problem
     from visionflow.params import load_params
 
-    params = load_params(project / "params.yaml")  # 8 px, no flips
+    params = load_params(tmp_path / "params.yaml")  # 8 px, no flips
 
     def tta(**train):
         evaluate = params.evaluate.model_copy(update={"tta": True})

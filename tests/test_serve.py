@@ -904,3 +904,50 @@ def test_a_body_no_route_reads_does_not_hold_its_connection(tmp_path):
                 status, headers, _ = read_answer(client)
                 assert status in (200, 404) and headers["connection"] == "close", (head, headers)
                 assert client.recv(1) == b""  # closed by the server, the body unread
+
+
+def test_a_request_head_must_arrive_in_time_on_a_socket_that_sends_at_once():
+    """uvicorn with the server's `HeadTimeout` and its socket from `listen` (IPPROTO_TCP, so
+    asyncio sets TCP_NODELAY): a whole request is answered; then that kept-alive connection, and
+    one that sent half a head, are closed at the head deadline, long before uvicorn's own
+    keep-alive timeout. The clients write before the server starts: a slow machine cannot make
+    them late."""
+    import uvicorn
+
+    from visionflow.deploy.server import HeadTimeout, listen
+
+    async def app(scope, receive, send):
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    class Quick(HeadTimeout):
+        head_timeout_s = 0.5
+
+    sock = listen("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    with pytest.raises(OSError):  # the port is taken: nothing half made is left open
+        listen("127.0.0.1", sock.getsockname()[1])
+    whole = socket.create_connection(sock.getsockname(), timeout=60)  # in the listen backlog
+    half = socket.create_connection(sock.getsockname(), timeout=60)
+    whole.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    half.sendall(b"GET /hea")
+    config = uvicorn.Config(app, http=Quick, lifespan="off", log_level="error")
+    config.timeout_keep_alive = 600  # what closes them within the sockets' 60 s is the deadline
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        got = b""
+        while not got.endswith(b"\r\n\r\nok"):
+            more = whole.recv(4096)
+            assert more, got
+            got += more
+        assert got.startswith(b"HTTP/1.1 200 OK")
+        assert whole.recv(4096) == b""  # no next head: closed
+        assert half.recv(4096) == b""  # closed, with no answer
+    finally:
+        whole.close()
+        half.close()
+        server.should_exit = True
+        thread.join(60)

@@ -20,9 +20,10 @@ def cache(tmp_path):
     return tmp_path
 
 
-def stage(cwd, name, *args):
+def stage(cwd, module, *args):
+    """`python -m MODULE ARGS` in `cwd`, as dvc.yaml's command runs it."""
     return subprocess.run(
-        [sys.executable, "-m", f"pipeline.{name}", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -31,7 +32,7 @@ def stage(cwd, name, *args):
 
 
 def test_sanity_writes_grids_counts_and_scan(cache):
-    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+    result = stage(cache, "pipeline.sanity", "--data", "prepared", "--out", "sanity")
     assert result.returncode == 0, result.stderr
     out = cache / "sanity"
     for name in ("labels.png", "augmented.png", "counts.png", "scan.json"):
@@ -46,11 +47,28 @@ def test_sanity_writes_grids_counts_and_scan(cache):
     assert scan["duplicates"]["across_splits"] == 0 and scan["rejected_files"] == 0
 
 
-def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
+def labels_out_of_range(cache) -> None:
     y = np.load(cache / "prepared/val_y.npy")
     y[3] = 12
     np.save(cache / "prepared/val_y.npy", y)
-    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+
+
+def test_sanitys_scan_fails_on_labels_out_of_range_with_the_numbers(cache):
+    """The scan, in this process; the test below runs the stage."""
+    from pipeline import GateError
+    from pipeline.sanity import scan
+
+    labels_out_of_range(cache)
+    with pytest.raises(
+        GateError, match=r"^val: labels span 0\.\.12, outside 0\.\.9 for 10 classes"
+    ):
+        scan(cache / "prepared", [str(i) for i in range(10)])
+
+
+@pytest.mark.slow
+def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
+    labels_out_of_range(cache)
+    result = stage(cache, "pipeline.sanity", "--data", "prepared", "--out", "sanity")
     assert result.returncode == 1
     assert "val: labels span 0..12, outside 0..9 for 10 classes" in result.stderr
 
@@ -58,7 +76,7 @@ def test_sanity_fails_on_labels_out_of_range_with_the_numbers(cache):
 def test_sanity_fails_on_image_label_count_mismatch(cache):
     images = len(np.load(cache / "prepared/test_x.npy", mmap_mode="r"))
     np.save(cache / "prepared/test_y.npy", np.load(cache / "prepared/test_y.npy")[:-2])
-    result = stage(cache, "sanity", "--data", "prepared", "--out", "sanity")
+    result = stage(cache, "pipeline.sanity", "--data", "prepared", "--out", "sanity")
     assert result.returncode == 1
     assert f"test: {images} images but {images - 2} labels" in result.stderr
 
@@ -78,7 +96,9 @@ def test_evaluate_refuses_a_model_with_another_class_count(cache):
         "background": [255] * 3,
     }
     save_model(model, meta, cache / "model.pt")
-    result = stage(cache, "evaluate", "--model", "model.pt", "--data", "prepared", "--out", "ev")
+    result = stage(
+        cache, "pipeline.evaluate", "--model", "model.pt", "--data", "prepared", "--out", "ev"
+    )
     assert result.returncode == 1
     assert (
         "the model has 3 classes ['a', 'b', 'c'], but the cache's classes.json has 10"
@@ -101,10 +121,72 @@ def test_prepare_names_the_params_key_of_a_limit(image_folder, tmp_path):
             }
         },
     )
-    result = stage(tmp_path, "prepare", "--out", "prepared")
+    result = stage(tmp_path, "pipeline.prepare", "--out", "prepared")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     error = result.stderr.splitlines()[-1]
     assert error.startswith(
         "error: prepare.min_per_class: classes below the minimum of 50 images: {'blue': 8,"
     ), result.stderr
     assert not (tmp_path / "prepared").exists()
+
+
+def test_outputs_are_published_whole_or_not_at_all(tmp_path):
+    """`run` moves a stage's staging folder into place only when it succeeded (then the actions
+    that wait for it run); a failed stage's staging folder goes and the old output stays."""
+    import pipeline
+
+    out = tmp_path / "results" / "train"
+    out.mkdir(parents=True)
+    (out / "model.pt").write_text("old")
+    done = []
+    (pipeline.staged(out) / "model.pt").write_text("new")
+    pipeline.when_published(lambda: done.append((out / "model.pt").read_text()))
+    assert (out / "model.pt").read_text() == "old" and not done
+    pipeline.publish()
+    assert done == ["new"] and sorted(p.name for p in out.parent.iterdir()) == ["train"]
+    (pipeline.staged(out) / "model.pt").write_text("refused")
+    pipeline.when_published(lambda: done.append("never"))
+    pipeline.discard()
+    pipeline.publish()  # nothing left to publish
+    assert (out / "model.pt").read_text() == "new" and done == ["new"]
+    assert not out.with_name("train.partial").exists()
+
+
+def test_a_stage_names_the_params_and_deps_that_changed_while_it_ran(tmp_path, monkeypatch):
+    """Outside a DVC project (a stage run by hand) DVC has no hash to compare a touched file
+    with, so a changed stat is a change, said as such."""
+    import pipeline
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("a.png", "b.png", ".hidden"):
+        (tmp_path / "data" / name).write_text(name)
+    (tmp_path / "params.yaml").write_text("train:\n  lr: 0.001\n  epochs: 4\nother: 1\n")
+    spec = {"deps": ["${prepare.path}"], "params": ["train"]}
+    before = pipeline.Snapshot(spec, {"prepare": {"path": "data"}, "train": {"lr": 0.001}})
+    assert before.changes() == ["params.yaml train.epochs: None -> 4"]
+    (tmp_path / "params.yaml").write_text("train:\n  lr: 0.003\nother: 2\n")
+    (tmp_path / "data" / "a.png").unlink()
+    (tmp_path / "data" / "c.png").write_text("c")
+    (tmp_path / "data" / ".hidden").write_text("a hidden file is not data")
+    with open(tmp_path / "data" / "b.png", "a") as f:
+        f.write("more")
+    assert before.changes() == [
+        "params.yaml train.lr: 0.001 -> 0.003",
+        "data/a.png removed",
+        "data/b.png changed (its stat did, and DVC has no hash from before the run to compare "
+        "its content with: outside a DVC project)",
+        "data/c.png added",
+    ]
+
+
+def test_a_full_disk_and_a_file_too_large_are_one_line_and_other_errors_are_not(tmp_path):
+    import errno
+
+    import pipeline
+
+    full = pipeline.disk_full_message(OSError(errno.ENOSPC, "No space", str(tmp_path / "x.npy")))
+    assert full.startswith(f"disk full: no room to write in {tmp_path} (") and "MB free" in full
+    large = pipeline.disk_full_message(OSError(errno.EFBIG, "File too large", str(tmp_path / "x")))
+    assert large.startswith(f"a file in {tmp_path} grew past the largest this allows")
+    assert pipeline.disk_full_message(OSError(errno.EACCES, "Permission denied", "x")) is None

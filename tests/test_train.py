@@ -1247,3 +1247,51 @@ def test_the_model_and_every_checkpoint_follow_the_umask_like_the_other_outputs(
     modes = {str(p.relative_to(reproduced_base)): oct(p.stat().st_mode & 0o777) for p in written}
     assert set(modes.values()) == {oct(0o666 & ~umask())}, modes
     assert (train / "health.json").stat().st_mode & 0o777 == 0o666 & ~umask()  # as the others
+
+
+def test_a_run_keeps_its_best_epoch_and_a_lost_rank_is_named(monkeypatch):
+    from visionflow.train.training import Progress, epoch_line, lost_rank
+
+    progress = Progress()
+    accuracies = [0.5, 0.7, 0.7, 0.6]
+    improved = [progress.update(e, {"val/accuracy": a}) for e, a in enumerate(accuracies, 1)]
+    assert improved == [True, True, False, False]  # a tie is not better
+    assert progress.best == {"accuracy": 0.7, "epoch": 2} and progress.stale == 2
+    gloo = (
+        "[../gloo/transport/tcp/pair.cc:534] Read error [10.0.0.2]:41235: Connection reset by peer"
+    )
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert lost_rank(RuntimeError(gloo), 0, 2) == "rank 1 on node 1 (Connection reset by peer)"
+    assert lost_rank(RuntimeError(gloo), 3, 4) == "a rank at 10.0.0.2 (Connection reset by peer)"
+    assert lost_rank(RuntimeError(gloo), 0, 1) is None
+    assert lost_rank(RuntimeError("CUDA out of memory"), 0, 2) is None
+    record = {"train/loss": 0.5, "train/accuracy": 0.8, "val/loss": 0.25, "val/accuracy": 0.9,
+              "lr": 1e-3, "lr_backbone": 0.0, "train/images_per_s": 1234.4, "skipped_steps": 2}  # fmt: skip
+    assert epoch_line(record) == (
+        "train loss 0.5000 acc 0.8000  val loss 0.2500 acc 0.9000  lr 1.00e-03 backbone frozen"
+        "     1234 img/s  2 skipped"
+    )
+
+
+def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(capsys):
+    from visionflow.train.training import StopRequest
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        assert signal.getsignal(signal.SIGTERM) == stop.handle
+        assert not stop.agreed(1, torch.device("cpu"))
+        stop.handle(signal.SIGTERM, None)
+        stop.handle(signal.SIGTERM, None)  # a stop is under way: nothing more
+        stop.handle(signal.SIGINT, None)  # nor after a SIGTERM
+        assert stop.requested == signal.SIGTERM and stop.agreed(1, torch.device("cpu"))
+        said = capsys.readouterr().err
+        assert said.count("train: SIGTERM: finishing this epoch to checkpoint it") == 1
+        ctrl_c = StopRequest()
+        ctrl_c.handle(signal.SIGINT, None)
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.handle(signal.SIGINT, None)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
