@@ -146,11 +146,11 @@ def test_a_half_written_rwlock_goes_and_a_whole_one_stays(tmp_path):
 
 def test_a_run_that_may_need_a_restore_keeps_a_note_until_it_is_done(tmp_path):
     said = []
-    runner.owe_restore(tmp_path, said.append, "train", "evaluate")
-    assert runner.owed(tmp_path).read_text() == "train\nevaluate\n" and not said
-    runner.paid(tmp_path)
-    assert not runner.owed(tmp_path).exists()
-    runner.paid(tmp_path)  # twice is fine
+    runner.begin_restorable_run(tmp_path, said.append, "train", "evaluate")
+    assert runner.restore_note(tmp_path).read_text() == "train\nevaluate\n" and not said
+    runner.drop_restore_note(tmp_path)
+    assert not runner.restore_note(tmp_path).exists()
+    runner.drop_restore_note(tmp_path)  # twice is fine
 
 
 def test_a_group_streams_its_lines_returns_its_code_and_leaves_nothing_running(tmp_path):
@@ -189,7 +189,7 @@ def test_a_group_past_its_timeout_is_stopped_and_killed_when_it_ignores_sigint(
         runner.run_group([sys.executable, "-c", command], tmp_path, 1, print)
     assert set(runner.KILLED[killed:]) == {0.0}  # killed: it never reached a safe point
     monkeypatch.setattr(runner, "FORWARDED", [signal.SIGTERM])
-    assert runner.stopped("the run", killed) == (
+    assert runner.stop_message("the run", killed) == (
         "the run stopped by SIGTERM, killed after VISIONFLOW_STOP_GRACE_S=0 s without reaching "
         "its safe point"
     )
