@@ -310,6 +310,28 @@ def test_preflight_names_missing_data_a_fifo_dep_and_a_damaged_lock(tmp_path):
     assert lock.startswith(f"{root / 'dvc.lock'} is empty or not a DVC lock file")
 
 
+def test_what_dvcignore_keeps_out_of_code_folders_is_no_change_and_no_special_file(tmp_path):
+    """Bytecode a stage's import writes and an editor's lock file (a link to nothing, as emacs
+    leaves `.#engine.py`) in a layer folder: DVC ignores both (.dvcignore), so the watcher starts
+    no run for them and the preflight refuses nothing; a dangling link in the images still is."""
+    code, images = tmp_path / "src" / "train", tmp_path / "images"
+    (code / "__pycache__").mkdir(parents=True)
+    images.mkdir()
+    (code / "__init__.py").write_text("")
+    bytecode = code / "__pycache__" / "engine.cpython-311.pyc"
+    assert watching.touched([bytecode, code / ".engine.py.swp"], [code], "created") == (
+        set(),
+        set(),
+    )
+    assert watching.touched([code / "engine.py"], [code], "modified")[0] == {code / "engine.py"}
+    (code / ".#engine.py").symlink_to("user@host.1234")
+    (images / "cat.png").symlink_to("gone.png")
+    assert project.special_files([code, images]) == [
+        f"{images / 'cat.png'} is a link to gone.png, which does not exist: DVC cannot hash it; "
+        "remove the link, or put its target back"
+    ]
+
+
 def test_param_changes_are_named_key_by_key():
     before = {"train": {"lr": 0.001, "epochs": 4}, "prepare": {"path": "data"}}
     after = {"train": {"lr": 0.003, "epochs": 4, "seed": 1}, "prepare": {"path": "data"}}
