@@ -194,18 +194,23 @@ def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
 
 
 def crash_if_silent(client, name: str, run, beats: dict, lost_after_s: float) -> None:
-    """Note the running child's heartbeat count in `beats` (name -> (count, when this process
-    saw it change)); one whose count has not moved for `lost_after_s` is marked Crashed, on the
-    server and in `run`."""
-    count = (run.labels or {}).get(HEARTBEAT)
-    if name not in beats or beats[name][0] != count:
-        beats[name] = (count, time.monotonic())
-    elif time.monotonic() - beats[name][1] > lost_after_s:
+    """A running child whose heartbeat has not moved for `lost_after_s` (`silent`) is marked
+    Crashed, on the server and in `run`."""
+    if silent(beats, name, (run.labels or {}).get(HEARTBEAT), lost_after_s):
         where = (run.labels or {}).get(RAN_ON, "a worker")
         message = f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
         crashed = Crashed(message=message)
         client.set_flow_run_state(run.id, crashed, force=True)
         run.state = crashed
+
+
+def silent(beats: dict, name: str, count, lost_after_s: float) -> bool:
+    """Whether `name`'s heartbeat `count` has not moved for `lost_after_s`, on this process's
+    clock; notes the count in `beats` (name -> (count, when this process saw it change))."""
+    if name not in beats or beats[name][0] != count:
+        beats[name] = (count, time.monotonic())
+        return False
+    return time.monotonic() - beats[name][1] > lost_after_s
 
 
 def cancel_unended(runs: dict, ends: dict) -> None:
@@ -266,7 +271,12 @@ def spread_problem(root: Path, remote: str, commit: str | None = None) -> str | 
         ["git", "remote", "get-url", remote], cwd=root, capture_output=True
     ).returncode:
         return f"{root} has no git remote {remote!r}: `git remote add {remote} URL` (the experiments travel through it)"
-    default = dvc_waiting(root, "remote", "default", doing="finding the DVC remote", timeout_s=300)
+    try:
+        default = dvc_waiting(
+            root, "remote", "default", doing="finding the DVC remote", timeout_s=300
+        )
+    except StageFailed:  # none set: DVC 3 says so on stdout and exits 1
+        default = ""
     if not default.strip():
         return f"{root} has no default DVC remote: `dvc remote add -d NAME URL` (the experiments' metrics and models travel through it)"
     head = git(root, "rev-parse", "HEAD").strip()

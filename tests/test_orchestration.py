@@ -1,0 +1,400 @@
+"""The orchestration package's own logic, in process and fast: no Prefect server, no pipeline
+run. What each module decides on its own (a sweep's table and its rounding, which experiment a
+stop leaves `not run`, when a spread experiment counts as lost, which checkout may take part in
+a spread sweep, which stage is retried, what the command lines refuse) is pinned here on tiny
+real inputs: git repositories in `tmp_path`, DVC's own answers, real processes and signals. The
+slow tests (test_flows) drive the same code through real flow runs against a Prefect server.
+
+Flows and tasks are called through `.fn` only where that path asks no server; the run logger is
+Prefect's own null logger there (`disable_run_logger`)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from prefect.client.schemas.objects import FlowRun
+from prefect.logging import disable_run_logger
+from prefect.states import Cancelled, Completed, Crashed, Failed, Running
+
+from orchestration import experiments, in_turn, queued, record, reproduce, spread, sweep
+from tests.helpers import commit, sh
+from visionflow.ops.repo import DvcBusy, StageFailed
+from visionflow.ops.runner import workspace_lock
+
+METRICS = "results/evaluate/metrics.json"
+
+
+def project_folder(root: Path, params: str = "train:\n  lr: 0.001\n") -> Path:
+    """The least a DVC project needs for the flows to find it and for `preflight` to pass:
+    `.dvc/tmp`, a dvc.yaml with no stages, a params.yaml."""
+    (root / ".dvc" / "tmp").mkdir(parents=True)
+    (root / "dvc.yaml").write_text("stages: {}\n")
+    (root / "params.yaml").write_text(params)
+    return root
+
+
+def params_of(tree: dict) -> dict:
+    return {"params.yaml": {"data": tree}}
+
+
+def revision(name: str, params: dict, metrics: dict | None) -> dict:
+    data = {"params": params_of(params), "metrics": {METRICS: {"data": metrics}} if metrics else {}}
+    return {"rev": "0" * 40, "name": name, "data": data, "error": None, "experiments": None}
+
+
+# `dvc exp show --json` (DVC 3.67) on a baseline with two experiments of a sweep: e1 done (no
+# executor), e2 running in DVC's queue (its metrics are still the baseline's); the sweep's e3
+# has no record (it failed before DVC kept one). Trimmed to the fields the sweep reads.
+EXP_SHOW = [
+    {
+        **revision("main", {"train": {"lr": 0.001, "epochs": 2}}, {"accuracy": 0.5}),
+        "experiments": [
+            {
+                "name": "e1",
+                "executor": None,
+                "revs": [
+                    revision(
+                        "e1",
+                        {"train": {"lr": 0.003, "epochs": 2}},
+                        {"accuracy": 0.7722222222222223, "macro_f1": 0.61},
+                    )
+                ],
+            },
+            {
+                "name": "e2",
+                "executor": {"state": "running", "name": "dvc-task", "local": {"pid": 4242}},
+                "revs": [revision("e2", {"train": {"lr": 0.001, "epochs": 3}}, {"accuracy": 0.5})],
+            },
+        ],
+    }
+]
+
+
+class RecordedPoll(sweep.Poll):
+    """A sweep's poll that reads DVC's recorded answer (EXP_SHOW) instead of asking DVC."""
+
+    def exp_show(self, patience_s: float) -> list:
+        return json.loads(json.dumps(EXP_SHOW))
+
+
+def a_plan(root: Path, experiments: dict[str, list[str]]) -> sweep.Plan:
+    return sweep.Plan(root, experiments, timeout_s=60, poll=RecordedPoll(root))
+
+
+def test_each_override_is_one_set_param_whatever_its_value_holds():
+    sets = ["train.lr=1e-3", "prepare.formats=[PNG, JPEG]"]
+    assert sweep.exp_run_args("sweep-1", sets) == [
+        *("exp", "run", "--name", "sweep-1"),
+        *("--set-param", "train.lr=1e-3", "--set-param", "prepare.formats=[PNG, JPEG]"),
+    ]
+    assert sweep.exp_run_args("sweep-2", []) == ["exp", "run", "--name", "sweep-2"]
+
+
+def test_a_failed_experiment_is_told_by_its_error_line_not_dvcs_sign_off():
+    sign_off = "Having any troubles? Hit us up at https://dvc.org/support, we are always happy!\n\n"
+    stage = "Running stage 'train':\nepoch 1\nerror: train.lr must be a number, got 'fast'\n"
+    assert sweep.failure_line(stage + sign_off) == "error: train.lr must be a number, got 'fast'"
+    dvc = "ERROR: failed to reproduce 'train': failed to run: python -m pipeline.train, exited 1"
+    assert sweep.failure_line(f"epoch 1\n{dvc}\n{sign_off}") == dvc
+    assert sweep.failure_line("Killed\n  \n") == "Killed"  # no error line: the last one
+    assert sweep.failure_line("") == ""
+
+
+def test_overrides_read_as_dvc_reads_them_and_name_the_param_without_its_file():
+    sets = ["train.lr=1e-3", "train.model=simple_cnn", "params.yaml:train.epochs=3"]
+    assert sweep.overrides(sets) == {
+        "train.lr": 0.001,
+        "train.model": "simple_cnn",
+        "train.epochs": 3,
+    }
+
+
+def test_an_ended_experiment_gives_its_main_metrics_as_dvc_exp_show_prints_them():
+    done = {"state": "success", "metrics": {METRICS: {"data": {"accuracy": 0.7722222222222223}}}}
+    assert sweep.five_digits(0.7722222222222223) == 0.77222
+    assert sweep.five_digits(3) == 3 and sweep.five_digits(None) is None
+    assert sweep.main_metrics(done) == "accuracy=0.77222"  # macro_f1 missing: not said
+    with disable_run_logger():
+        result = sweep.experiment_result("e1", done)
+        failed = sweep.experiment_result("e2", {"state": "failed"}, " (see its log)")
+    assert result == {"experiment": "e1", "state": "success", "accuracy": 0.77222, "macro_f1": None}
+    assert failed.is_failed() and failed.message == "e2: failed (see its log)"
+
+
+def test_a_poll_reads_each_experiments_state_and_one_dvc_has_no_record_of_as_failed(tmp_path):
+    found = RecordedPoll(tmp_path).results(["e1", "e2", "e3"])
+    assert [found[name]["state"] for name in ("e1", "e2", "e3")] == ["success", "running", "failed"]
+    assert found["e2"]["pid"] == 4242 and found["e2"]["metrics"] == {}  # the baseline's: none
+    assert found["e1"]["metrics"][METRICS]["data"]["macro_f1"] == 0.61
+
+
+def test_the_sweep_table_has_the_params_that_differ_and_a_failed_ones_overrides(tmp_path):
+    plan = a_plan(
+        tmp_path, {"e1": ["train.lr=3e-3"], "e2": ["train.epochs=3"], "e3": ["train.lr=1e-2"]}
+    )
+    nothing = {"accuracy": None, "macro_f1": None}
+    assert sweep.sweep_table(plan) == [
+        {"experiment": "e1", "state": "success", "train.epochs": None, "train.lr": 0.003}
+        | {"accuracy": 0.77222, "macro_f1": 0.61},
+        {"experiment": "e2", "state": "running", "train.epochs": 3, "train.lr": None} | nothing,
+        {"experiment": "e3", "state": "failed", "train.epochs": None, "train.lr": 0.01} | nothing,
+    ]
+
+
+def test_a_stopped_in_turn_sweep_marks_the_one_stopped_and_those_after_it_not_run(tmp_path):
+    plan = a_plan(tmp_path, {"e1": [], "e2": [], "e3": [], "e4": []})
+    rows = [{"experiment": name, "state": "failed"} for name in ("e1", "e2", "e3", "e4")]
+    rows[0]["state"] = "success"
+    marked = in_turn.marked_stopped(rows, plan, "e2")
+    assert [row["state"] for row in marked] == ["success", "stopped", "not run", "not run"]
+
+
+def test_the_holder_record_names_this_process_while_held_and_goes_with_it(tmp_path):
+    root = project_folder(tmp_path)
+    held = record.record_file(root)
+    held.write_text("{half a record")  # a holder killed while writing it: no run to mark
+    with pytest.raises(RuntimeError), record.record_holder(root):
+        assert json.loads(held.read_text()) == {"flow_run_id": "", "pid": os.getpid()}
+        raise RuntimeError("the run failed")
+    assert not held.exists()
+    assert not record.deployed()  # called here, not in a deployment's run
+    stopped = record.stopped_run("stopped by SIGINT")
+    assert stopped.is_cancelled() and stopped.message == "stopped by SIGINT"
+
+
+def test_a_stage_is_retried_only_when_another_dvc_held_the_repository():
+    busy = Failed(data=DvcBusy("another dvc holds the lock of /p"))
+    assert reproduce.only_when_busy(None, None, busy)
+    assert not reproduce.only_when_busy(None, None, Failed(data=StageFailed("stage train failed")))
+    assert not reproduce.only_when_busy(None, None, Completed(data=True))
+
+
+def test_reproduce_with_if_busy_skip_ends_at_once_while_another_run_holds_it(tmp_path):
+    root = project_folder(tmp_path)
+    with workspace_lock(root, wait=False) as held, disable_run_logger():
+        assert held
+        state = reproduce.reproduce.fn(str(root), if_busy="skip")
+    assert state.is_completed() and state.name == "Skipped" and state.result() == []
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--if-busy", "never"], "invalid choice: 'never'"),
+        ([], "is not inside a DVC project (no .dvc folder here or above)"),
+    ],
+)
+def test_the_reproduce_command_refuses_bad_arguments_in_one_line(
+    tmp_path, monkeypatch, capsys, argv, said
+):
+    monkeypatch.setattr(sys, "argv", ["reproduce", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as ended:
+        reproduce.main()
+    assert said in capsys.readouterr().err + str(ended.value.code)
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        ([], "the following arguments are required: -e/--experiment"),
+        (["-e", "train.lr=1e-3", "--workers", "2", "--spread"], "not allowed with argument"),
+        (["-e", "train.lr=1e-3", "--timeout", "soon"], "invalid float value: 'soon'"),
+        (["-e", "train.lr=1e-3"], "is not inside a DVC project (no .dvc folder here or above)"),
+    ],
+)
+def test_the_experiments_command_refuses_bad_arguments_in_one_line(
+    tmp_path, monkeypatch, capsys, argv, said
+):
+    monkeypatch.setattr(sys, "argv", ["experiments", str(tmp_path), *argv])
+    with pytest.raises(SystemExit) as ended:
+        experiments.main()
+    assert said in capsys.readouterr().err + str(ended.value.code)
+
+
+def test_a_sweep_is_refused_in_one_line_before_any_experiment_runs(tmp_path):
+    """A project DVC would choke on, or a spread sweep from a checkout with no git remote, ends
+    the sweep Failed with the line that says what to do, and no experiment runs."""
+    broken = project_folder(tmp_path / "broken", params="train: [lr\n")
+    fine = project_folder(tmp_path / "fine")
+    sh(fine, "git", "init", "-q")
+    overrides = [["train.lr=1e-3"]]
+    with disable_run_logger():
+        refused = experiments.experiments.fn(str(broken), overrides)
+        spread_out = experiments.experiments.fn(str(fine), overrides, spread=True)
+    assert refused.is_failed() and str(broken / "params.yaml") in refused.message
+    assert spread_out.is_failed()
+    assert spread_out.message.startswith(f"{fine} has no git remote 'origin': `git remote add")
+    assert experiments.table_of(Cancelled()) == []  # stopped before its run began: no table
+
+
+def a_flow_run(state, **labels) -> FlowRun:
+    return FlowRun(id=uuid4(), flow_id=uuid4(), name="e1", labels=labels, state=state)
+
+
+def test_a_spread_experiment_is_lost_only_when_its_heartbeat_stops_for_lost_after_s():
+    beats = {}
+    assert not spread.silent(beats, "e1", 1, lost_after_s=60)  # first seen: its clock starts
+    seen_at = beats["e1"][1]
+    beats["e1"] = (1, seen_at - 100)  # the same count, 100 s ago on this process's clock
+    assert not spread.silent(beats, "e1", 1, lost_after_s=600)
+    assert spread.silent(beats, "e1", 1, lost_after_s=60)
+    assert not spread.silent(beats, "e1", 2, lost_after_s=60)  # it beat: alive, clock restarted
+    assert beats["e1"][0] == 2 and beats["e1"][1] >= seen_at
+    assert not spread.silent(beats, "e1", 2, lost_after_s=60)
+    beats["e2"] = (None, seen_at - 100)  # running, and never a beat since it was first seen
+    assert spread.silent(beats, "e2", None, lost_after_s=60)
+    run = a_flow_run(Running(), **{spread.HEARTBEAT: 5})
+    spread.crash_if_silent(None, "e3", run, beats, lost_after_s=60)  # seen once: no server asked
+    assert beats["e3"][0] == 5 and run.state.is_running()
+
+
+def test_a_spread_sweeps_table_says_where_each_ran_and_why_one_did_not_succeed(tmp_path):
+    where = {spread.RAN_ON: "worker-2:/srv/checkout"}
+    done = a_flow_run(Completed(message="e1 ran on worker-2:/srv/checkout"), **where)
+    message = "Flow run encountered an exception: StageFailed: stage train failed (exit 1)"
+    failed = a_flow_run(Failed(message=message), **where)
+    lost = a_flow_run(Crashed(message="no heartbeat for 60 s: its worker or machine was lost"))
+    assert spread.where_and_why(done) == {
+        "ran on": where[spread.RAN_ON],
+        "state": "success",
+        "why": None,
+    }
+    assert spread.where_and_why(failed)["why"] == "stage train failed (exit 1)"
+    assert spread.where_and_why(lost) == {
+        "ran on": None,
+        "state": "crashed",
+        "why": "no heartbeat for 60 s: its worker or machine was lost",
+    }
+    plan = a_plan(tmp_path, {"e1": ["train.lr=3e-3"], "e2": ["train.epochs=3"], "e3": []})
+    rows = spread.stopped_rows(plan, {"e1": done, "e2": failed})
+    assert [(row["experiment"], row["state"], row["why"]) for row in rows] == [
+        ("e1", "success", None),
+        ("e2", "failed", "stage train failed (exit 1)"),
+        ("e3", "stopped", None),
+    ]
+    assert [(row["train.lr"], row["train.epochs"], row["ran on"]) for row in rows] == [
+        (0.003, None, "worker-2:/srv/checkout"),
+        (None, 3, "worker-2:/srv/checkout"),
+        (None, None, None),
+    ]
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    """A git checkout with one commit, a bare repository as its remote `origin`, and a DVC
+    folder with no DVC remote yet."""
+    sh(tmp_path, "git", "init", "-q", "--bare", "origin.git")
+    root = project_folder(tmp_path / "checkout")
+    sh(root, "git", "init", "-q")
+    sh(root, "git", "remote", "add", "origin", str(tmp_path / "origin.git"))
+    commit(root, "the sweep's commit")
+    return root
+
+
+def with_dvc_remote(root: Path) -> None:
+    store = root.parent / "dvc-store"
+    (root / ".dvc" / "config").write_text(
+        f"[core]\n    remote = store\n['remote \"store\"']\n    url = {store}\n"
+    )
+
+
+def test_a_checkout_without_the_remotes_or_the_pushed_commit_cannot_start_a_spread_sweep(checkout):
+    no_git = spread.spread_problem(checkout, "upstream")
+    assert no_git.startswith(f"{checkout} has no git remote 'upstream': `git remote add upstream")
+    no_dvc = spread.spread_problem(checkout, "origin")
+    assert no_dvc.startswith(f"{checkout} has no default DVC remote: `dvc remote add -d NAME URL`")
+    with_dvc_remote(checkout)
+    head = sh(checkout, "git", "rev-parse", "HEAD").stdout.strip()
+    not_pushed = spread.spread_problem(checkout, "origin")
+    assert (
+        not_pushed
+        == f"commit {head[:8]} is not on origin: `git push origin` first (every worker needs it)"
+    )
+    sh(checkout, "git", "push", "-q", "origin", "HEAD:refs/heads/main")
+    assert spread.spread_problem(checkout, "origin") is None
+
+
+def test_a_worker_checkout_at_another_commit_or_with_changes_refuses_the_experiment(checkout):
+    with_dvc_remote(checkout)
+    head = sh(checkout, "git", "rev-parse", "HEAD").stdout.strip()
+    other = spread.spread_problem(checkout, "origin", "f" * 40)
+    assert other.startswith(f"{checkout} is at commit {head[:8]}, the sweep's is ffffffff")
+    (checkout / "params.yaml").write_text("train:\n  lr: 0.1\n")
+    changed = spread.spread_problem(checkout, "origin", head)
+    assert changed.startswith(f"{checkout} has uncommitted changes (params.yaml)")
+    assert spread.uncommitted(checkout) == ["params.yaml"]
+
+
+# A stand-in for one experiment's stage: counts the SIGINTs it gets, and says how many when
+# SIGTERM ends it (a SIGINT sent before is handled first: signals are taken lowest number first).
+COUNTS_SIGINTS = """
+import signal, sys, time
+asked = []
+signal.signal(signal.SIGINT, lambda *_: asked.append(1))
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(print(len(asked), flush=True)))
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_queued_experiment_is_asked_to_stop_once_so_it_keeps_its_safe_point(tmp_path):
+    """A second SIGINT would stop training at once, losing the epoch: a second ask (the process
+    that takes over from a killed flow, say) keeps the first ask's time and sends nothing."""
+    root = project_folder(tmp_path)
+    stage = subprocess.Popen(
+        [sys.executable, "-c", COUNTS_SIGINTS], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert stage.stdout.readline() == "ready\n"
+        first = queued.interrupt(root, {"e1": stage.pid}, print)
+        again = queued.interrupt(root, {"e1": stage.pid}, print)
+        assert first == again and list(first) == [stage.pid]
+        assert queued.alive(stage.pid)
+    finally:
+        stage.terminate()
+        out, _ = stage.communicate(timeout=60)
+    assert out == "1\n"
+    assert not queued.alive(stage.pid)
+    kept = json.loads((root / ".dvc" / "tmp" / "visionflow-sweep-stop.json").read_text())
+    assert kept == {str(stage.pid): first[stage.pid]}
+
+
+def test_only_dvcs_queue_workers_in_this_workspace_are_waited_for(tmp_path):
+    here, elsewhere = tmp_path.resolve() / "here", tmp_path.resolve() / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    sleeping = [sys.executable, "-c", "import time; time.sleep(600)"]
+    worker = subprocess.Popen([*sleeping, "queue-worker"], cwd=here)
+    other = subprocess.Popen(sleeping, cwd=here)  # not a queue worker
+    try:
+        assert queued.queue_workers(here) == [worker.pid]
+        assert queued.queue_workers(elsewhere) == []
+    finally:
+        for process in (worker, other):
+            process.kill()
+            process.wait()
+
+
+def guards(root: Path) -> list[int]:
+    """The processes standing by to stop a queued sweep in `root` if its flow dies."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if queued.STOP_ON_DEATH.encode() in cmdline and str(root).encode() in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_a_queued_sweep_that_ends_takes_its_guard_with_it_and_stops_nothing(tmp_path):
+    root = project_folder(tmp_path)
+    with queued.stopped_if_this_process_dies(root, ["e1", "e2"]):
+        [guard] = guards(root)
+    assert not queued.alive(guard)  # ended and reaped, not left to stop the sweep later
+    assert (root / ".dvc" / "tmp" / "visionflow-sweep-guard.log").read_text() == ""
