@@ -78,11 +78,13 @@ def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> 
 
 
 def failure_line(tail: str) -> str:
-    """The line of a failed `dvc exp run` that says why: the stage's `error:` line, or DVC's
-    `ERROR:`, not DVC's sign-off ("Having any troubles?")."""
+    """The line of a failed `dvc exp run` that says why: the stage's own `error:` line, else
+    DVC's `ERROR:` (which follows the stage's and names only the stage), not DVC's sign-off
+    ("Having any troubles?")."""
     lines = [line.strip() for line in tail.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if line.lower().startswith("error:")]
-    return (errors or lines or [""])[-1]
+    stage = [line for line in lines if line.startswith("error:")]
+    dvc = [line for line in lines if line.startswith("ERROR:")]
+    return (stage or dvc or lines or [""])[-1]
 
 
 def experiment_result(name: str, summary: dict, hint: str = "") -> dict | State:

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from uuid import uuid4
 
@@ -100,6 +101,8 @@ def test_a_failed_experiment_is_told_by_its_error_line_not_dvcs_sign_off():
     assert sweep.failure_line(stage + sign_off) == "error: train.lr must be a number, got 'fast'"
     dvc = "ERROR: failed to reproduce 'train': failed to run: python -m pipeline.train, exited 1"
     assert sweep.failure_line(f"epoch 1\n{dvc}\n{sign_off}") == dvc
+    both = f"{stage}{dvc}\n{sign_off}"  # the stage's reason, not DVC's line naming the stage
+    assert sweep.failure_line(both) == "error: train.lr must be a number, got 'fast'"
     assert sweep.failure_line("Killed\n  \n") == "Killed"  # no error line: the last one
     assert sweep.failure_line("") == ""
 
@@ -380,7 +383,17 @@ def test_only_dvcs_queue_workers_in_this_workspace_are_waited_for(tmp_path):
 
 
 def guards(root: Path) -> list[int]:
-    """The processes standing by to stop a queued sweep in `root` if its flow dies."""
+    """The processes standing by to stop a queued sweep in `root` if its flow dies, once one
+    shows its command line (a process just started may still show its parent's for a moment)."""
+    for _ in range(6000):  # the event: the guard's command line; the bound only ends a hang
+        found = running_guards(root)
+        if found:
+            return found
+        time.sleep(0.01)
+    return []
+
+
+def running_guards(root: Path) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
