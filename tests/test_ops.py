@@ -5,6 +5,7 @@ pipeline runs; these pin what each function promises on a tiny DVC project of tw
 
 import fcntl
 import json
+import logging
 import math
 import os
 import queue
@@ -39,6 +40,18 @@ stages:
       - hi.txt:
           cache: false
 """
+
+
+@pytest.fixture(autouse=True)
+def dvc_logs_to_the_test():
+    """DVC's logger without the handlers an earlier test in this process may have left on it
+    (DVC's CLI, run in process, binds one to the stream pytest captured then, closed since):
+    its records go to pytest's own handler."""
+    dvc_logger = logging.getLogger("dvc")
+    handlers = dvc_logger.handlers[:]
+    dvc_logger.handlers.clear()
+    yield
+    dvc_logger.handlers[:] = handlers
 
 
 def dvc_project(root: Path) -> Path:
