@@ -17,7 +17,7 @@ from pipeline import GateError
 from visionflow import faults
 from visionflow.data import dataset
 from visionflow.errors import DataError, Unavailable
-from visionflow.params import Train
+from visionflow.params import Train, recipe_values
 from visionflow.train import from_torchvision, health, loading
 from visionflow.train.engine import (
     Step,
@@ -211,6 +211,8 @@ def model_metadata(
             "dropout": train.dropout,
             "seed": seed,
             "hflip": train.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
+            "label_smoothing": train.label_smoothing,
+            "recipe": recipe_values(train.model_dump()),  # the keys the fine-tuning recipe set
         },
     }
 
