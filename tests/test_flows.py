@@ -475,6 +475,22 @@ def test_a_sweep_refuses_negative_workers_and_an_override_without_a_value_before
     assert dvc_clean(project)
 
 
+def test_a_bad_schedule_or_settle_is_one_line_before_anything_is_served(tmp_path):
+    """`--serve --interval 0` (or -5, or a bad --cron) ended in Prefect's validation traceback
+    once serving began; `--watch --settle -1` was taken."""
+    for args, named in (
+        (["--serve", "--interval", "0"], "--interval 0: seconds between runs, above 0"),
+        (["--serve", "--interval", "-5"], "--interval -5: seconds between runs, above 0"),
+        (["--serve", "--cron", "bogus"], "--cron 'bogus' is not a cron schedule"),
+        (["--watch", "--settle", "-1"], "--settle -1: quiet seconds, 0 or more"),
+    ):
+        command = [sys.executable, "-m", "orchestration.reproduce", str(tmp_path), *args]
+        env = {**os.environ, "PYTHONPATH": python_path(ROOT)}  # refused before a server is asked
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and named in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
 def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancelled(
     project, tmp_path
 ):
