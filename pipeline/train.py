@@ -117,11 +117,6 @@ def main() -> None:
     )
     model_meta = model_metadata(train, params.seed, data, norm_mean, norm_std, network)
     model_meta["train"]["lr_found"] = found is not None  # train.lr: auto
-    if filled := model_meta["train"]["recipe"]:  # what train.recipe changed from params.yaml's
-        values = ", ".join(f"train.{key} {value}" for key, value in filled.items())
-        log(
-            f"train: the fine-tuning recipe sets {values} (train.recipe: scratch keeps the defaults)"
-        )
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
     monitor = health.Monitor(health.Limits(**train.health.model_dump()), data.meta.classes, log)

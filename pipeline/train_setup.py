@@ -161,6 +161,11 @@ def network_for(train: Train, data: Data, log) -> dict:
             f"train: note: {train.model}'s weights saw {pre['interpolation']} resizes, the cache "
             f"{data.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
         )
+    if filled := recipe_values(train.model_dump()):  # what train.recipe changed from params.yaml's
+        values = ", ".join(f"train.{key} {value}" for key, value in filled.items())
+        log(
+            f"train: the fine-tuning recipe sets {values} (train.recipe: scratch keeps the defaults)"
+        )
     size = input_size(train.model, data.image_size, train.pretrained)
     return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
 
