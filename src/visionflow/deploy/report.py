@@ -61,8 +61,8 @@ def training_line(meta: dict) -> str:
         return "Training values: unknown (a model.pt saved before they were recorded)."
     epochs = f"{train_values['epochs']} epoch" + ("s" if train_values["epochs"] != 1 else "")
     found = " (train.lr auto: the range test's suggestion)" if train_values.get("lr_found") else ""
-    smoothing = ""  # not in a model.pt saved before it was recorded
-    if "label_smoothing" in train_values:
+    smoothing = ""  # none (or a model.pt saved before it was recorded)
+    if train_values.get("label_smoothing"):
         by = (
             " (the fine-tuning recipe's)"
             if "label_smoothing" in train_values.get("recipe", {})
