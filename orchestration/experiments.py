@@ -68,6 +68,9 @@ def experiments(
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
     logger = get_run_logger()
+    bad = input_problems(overrides or [], workers, timeout_s, lost_after_s)
+    if bad:  # a deployment's run too: no experiment queued that could never start or succeed
+        return Failed(message="; ".join(bad))
     root = find_root(Path(workdir))
     prefix = f"sweep-{str(runtime.flow_run.id or 'local')[:8]}"
     if (runtime.flow_run.run_count or 1) > 1:  # a retry: the first try's names are taken
@@ -97,6 +100,28 @@ def experiments(
     if failed:
         return Failed(message=f"experiments {', '.join(failed)} did not succeed (see their logs)")
     return rows
+
+
+def input_problems(
+    overrides: list[list[str]], workers: int, timeout_s: float, lost_after_s: float
+) -> list[str]:
+    """What is wrong with a sweep's inputs, one line each: `workers` below 0 queued the
+    experiments and started no DVC worker (`dvc queue start --jobs -1` starts none), so the sweep
+    waited out the whole timeout; an override without `key=` ran an experiment bound to fail (DVC's `-S` also takes
+    `file:key=value`, `+key=value`, `~key`)."""
+    problems = [
+        f"override {item!r} is not key=value (train.lr=1e-3)"
+        for sets in overrides
+        for item in sets
+        if not re.fullmatch(r"~[^=]+(=.*)?|\+{0,2}[^=\s]+=.*", item, re.DOTALL)  # DVC's -S forms
+    ]
+    if workers < 0:
+        problems.append(f"workers is {workers}: 0 runs them in turn, N > 0 N at a time")
+    if not timeout_s > 0:
+        problems.append(f"timeout is {timeout_s} s: it must be above 0")
+    if not lost_after_s > 0:
+        problems.append(f"lost after is {lost_after_s} s: it must be above 0")
+    return problems
 
 
 def raise_keyboard_interrupt(signum, frame) -> None:
@@ -131,12 +156,15 @@ def main() -> None:
         f"as lost and the experiment is marked Crashed ({LOST_AFTER_S:.0f})",
     )
     args = parser.parse_args()
+    # one override per `key=`: a value may hold spaces ("prepare.formats=[PNG, JPEG]")
+    overrides = [re.split(r"\s+(?=[\w.-]+=)", text.strip()) for text in args.experiment]
+    bad = input_problems(overrides, args.workers, args.timeout, args.lost_after)
+    if bad:
+        parser.error("; ".join(bad))
     try:
         root = find_root(Path(args.workdir))
     except NotAProject as error:
         sys.exit(f"error: {error}")
-    # one override per `key=`: a value may hold spaces ("prepare.formats=[PNG, JPEG]")
-    overrides = [re.split(r"\s+(?=[\w.-]+=)", text.strip()) for text in args.experiment]
     for stop in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: what has not ended is stopped
         signal.signal(stop, raise_keyboard_interrupt)
     try:

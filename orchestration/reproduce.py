@@ -243,6 +243,24 @@ def watch(root: Path, settle_s: float = 2.0, deployment: str | None = None) -> N
             print(f"run ended: {state.name}", flush=True)
 
 
+def schedule_problems(interval: float | None, cron: str | None, settle: float) -> list[str]:
+    """What is wrong with --interval, --cron or --settle, one line each: Prefect refused the
+    first two with a validation traceback once serving began; a negative settle was taken."""
+    from prefect.client.schemas.schedules import CronSchedule
+
+    problems = []
+    if interval is not None and not interval > 0:
+        problems.append(f"--interval {interval:g}: seconds between runs, above 0")
+    if cron is not None:
+        try:
+            CronSchedule(cron=cron)
+        except ValueError:
+            problems.append(f"--cron {cron!r} is not a cron schedule (e.g. '0 * * * *')")
+    if not settle >= 0:
+        problems.append(f"--settle {settle:g}: quiet seconds, 0 or more")
+    return problems
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the reproduce flow once, or serve it.")
     parser.add_argument("workdir", nargs="?", default=".", help="the DVC project (default: here)")
@@ -259,6 +277,9 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=2.0, help="with --watch: quiet seconds")
     parser.add_argument("--deployment", help="with --watch: start this deployment instead")
     args = parser.parse_args()
+    bad = schedule_problems(args.interval, args.cron, args.settle)
+    if bad:  # one line, not Prefect's schedule models' validation traceback
+        parser.error("; ".join(bad))
     try:
         root = find_root(Path(args.workdir))
     except NotAProject as error:

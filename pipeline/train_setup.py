@@ -17,7 +17,7 @@ from pipeline import GateError
 from visionflow import faults
 from visionflow.data import dataset
 from visionflow.errors import DataError, Unavailable
-from visionflow.params import Train
+from visionflow.params import Train, recipe_values
 from visionflow.train import from_torchvision, health, loading
 from visionflow.train.engine import (
     Step,
@@ -161,6 +161,11 @@ def network_for(train: Train, data: Data, log) -> dict:
             f"train: note: {train.model}'s weights saw {pre['interpolation']} resizes, the cache "
             f"{data.meta.resize}: set prepare.interpolation: {pre['interpolation']} to match them"
         )
+    if filled := recipe_values(train.model_dump()):  # what train.recipe changed from params.yaml's
+        values = ", ".join(f"train.{key} {value}" for key, value in filled.items())
+        log(
+            f"train: the fine-tuning recipe sets {values} (train.recipe: scratch keeps the defaults)"
+        )
     size = input_size(train.model, data.image_size, train.pretrained)
     return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
 
@@ -211,6 +216,8 @@ def model_metadata(
             "dropout": train.dropout,
             "seed": seed,
             "hflip": train.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
+            "label_smoothing": train.label_smoothing,
+            "recipe": recipe_values(train.model_dump()),  # the keys the fine-tuning recipe set
         },
     }
 

@@ -346,7 +346,8 @@ def stale(project: Path) -> set[str]:
 def test_a_change_in_a_layer_folder_reruns_its_stages_and_bytecode_none(project):
     """Through real `dvc status`: an edit in train/ makes train and the stages after it stale, one
     in deploy/ export alone; the bytecode Python writes into the folders when the stages' modules
-    are imported, and an editor's swap file, make nothing stale (.dvcignore)."""
+    are imported, and an editor's swap, backup and auto-save files, make nothing stale
+    (.dvcignore; emacs's `engine.py~` reran prepare to export before)."""
     for module, expected in [
         ("train/health.py", {"train", "evaluate", "export"}),
         ("deploy/serve.py", {"export"}),
@@ -362,13 +363,20 @@ def test_a_change_in_a_layer_folder_reruns_its_stages_and_bytecode_none(project)
     bytecode = {k: v for k, v in env(project).items() if k != "PYTHONDONTWRITEBYTECODE"}
     subprocess.run([sys.executable, "-c", stages], cwd=project, env=bytecode, check=True)
     assert list((project / "src/visionflow/deploy").glob("__pycache__/*.pyc"))
-    (project / "src/visionflow/train/.engine.py.swp").write_bytes(b"an editor's")
+    editors = [
+        ".engine.py.swp",
+        "engine.py~",
+        "#engine.py#",
+    ]  # vim's swap, emacs's backup, auto-save
+    for name in editors:
+        (project / "src/visionflow/train" / name).write_bytes(b"an editor's")
     try:
         assert stale(project) == set()
     finally:
         for junk in (project / "src").rglob("__pycache__"):
             shutil.rmtree(junk)
-        (project / "src/visionflow/train/.engine.py.swp").unlink()
+        for name in editors:
+            (project / "src/visionflow/train" / name).unlink()
 
 
 # --- 4. the committed dvc.lock matches the committed code ------------------------------------

@@ -451,6 +451,46 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     assert_readable(flow_logs(run), "Running stage 'evaluate'", "train.epochs: Input should be")
 
 
+def test_a_sweep_refuses_negative_workers_and_an_override_without_a_value_before_queueing(
+    project,
+):
+    """`--workers -1` queued the experiments and started no DVC worker (`dvc queue start --jobs
+    -1` starts none): the sweep waited out its hour. `-e train.lr` ran an experiment bound to
+    fail. The CLI refuses both, and so does the flow (a deployment's run has no CLI)."""
+    from orchestration.experiments import experiments
+
+    for args, named in (
+        (["--workers", "-1", "-e", "train.lr=1e-3"], "workers is -1"),
+        (["-e", "train.lr"], "override 'train.lr' is not key=value"),
+        (["--timeout", "0", "-e", "train.lr=1e-3"], "timeout is 0.0 s"),
+    ):
+        result = sh(project, sys.executable, "-m", "orchestration.experiments", *args, check=False)
+        assert result.returncode == 2 and named in result.stderr, (args, result.stderr)
+    state = experiments(str(project), [["evaluate.top_k=2"]], workers=-1, return_state=True)
+    assert (
+        state.is_failed()
+        and state.message == "workers is -1: 0 runs them in turn, N > 0 N at a time"
+    )
+    assert sh(project, "dvc", "queue", "status").stdout.startswith("No experiment tasks")
+    assert dvc_clean(project)
+
+
+def test_a_bad_schedule_or_settle_is_one_line_before_anything_is_served(tmp_path):
+    """`--serve --interval 0` (or -5, or a bad --cron) ended in Prefect's validation traceback
+    once serving began; `--watch --settle -1` was taken."""
+    for args, named in (
+        (["--serve", "--interval", "0"], "--interval 0: seconds between runs, above 0"),
+        (["--serve", "--interval", "-5"], "--interval -5: seconds between runs, above 0"),
+        (["--serve", "--cron", "bogus"], "--cron 'bogus' is not a cron schedule"),
+        (["--watch", "--settle", "-1"], "--settle -1: quiet seconds, 0 or more"),
+    ):
+        command = [sys.executable, "-m", "orchestration.reproduce", str(tmp_path), *args]
+        env = {**os.environ, "PYTHONPATH": python_path(ROOT)}  # refused before a server is asked
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and named in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
 def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancelled(
     project, tmp_path
 ):

@@ -58,13 +58,19 @@ def test_a_rising_or_non_finite_loss_is_divergence():
 def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
     # efficientnet_b0 from scratch on 600 photos: the first steps fell from far above chance,
     # then every epoch stayed at a guess's loss, and no other check fired
-    stuck = [{"train/loss": v} for v in (2.41, 2.31, 2.305)]
+    stuck = [{"train/loss": v, "val/accuracy": 0.1} for v in (2.41, 2.31, 2.305)]
     found = health.at_chance(stuck, math.log(10))
     assert found.check == "at_chance" and found.epoch == 3
     assert "train loss 2.305 at best over 3 epochs, not under the 2.303 of a guess" in found.message
     assert health.at_chance(stuck[:2], math.log(10)) is None  # too early to judge
     learning = [{"train/loss": v} for v in (2.4, 2.1, 1.9)]
     assert health.at_chance(learning, math.log(10)) is None
+    # 2 classes at train.lr 1e-4: the train loss a hair under ln 2 for 3 epochs, but val accuracy
+    # far above a guess's 0.5 (0.93 by epoch 6): learning slowly, not at chance
+    slow = [(0.698, 0.68), (0.692, 0.727), (0.687, 0.75)]
+    slow = [{"train/loss": v, "val/accuracy": a} for v, a in slow]
+    assert health.at_chance(slow, math.log(2)) is None
+    assert health.at_chance([{**h, "val/accuracy": 0.55} for h in slow], math.log(2)).epoch == 3
 
 
 def test_gradients_out_of_range_are_named_by_layer():

@@ -332,7 +332,8 @@ def test_what_dvcignore_keeps_out_of_code_folders_is_no_change_and_no_special_fi
     images.mkdir()
     (code / "__init__.py").write_text("")
     bytecode = code / "__pycache__" / "engine.cpython-311.pyc"
-    assert watching.touched([bytecode, code / ".engine.py.swp"], [code], "created") == (
+    editors = [code / ".engine.py.swp", code / "engine.py~", code / "#engine.py#"]
+    assert watching.touched([bytecode, *editors], [code], "created") == (
         set(),
         set(),
     )

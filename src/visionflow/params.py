@@ -156,6 +156,18 @@ def with_recipe(train: dict) -> dict:
     return {**train, **unset}
 
 
+def recipe_values(train: dict) -> dict:
+    """The recipe's keys that hold the recipe's value in a train section as it runs (`with_recipe`
+    applied): what the model card says the recipe set. Empty under `scratch` or without weights."""
+    scratch = {key: values[0] for key, values in FINETUNE.items()}
+    applied = with_recipe({**train, **scratch})
+    return {
+        key: train[key]
+        for key in FINETUNE
+        if applied[key] != scratch[key] and train.get(key) == applied[key]
+    }
+
+
 class Train(Section):
     # the project's own, any torchvision classifier (the check stage asks torchvision), or an
     # import path package.module:Name

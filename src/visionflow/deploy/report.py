@@ -61,9 +61,17 @@ def training_line(meta: dict) -> str:
         return "Training values: unknown (a model.pt saved before they were recorded)."
     epochs = f"{train_values['epochs']} epoch" + ("s" if train_values["epochs"] != 1 else "")
     found = " (train.lr auto: the range test's suggestion)" if train_values.get("lr_found") else ""
+    smoothing = ""  # none (or a model.pt saved before it was recorded)
+    if train_values.get("label_smoothing"):
+        by = (
+            " (the fine-tuning recipe's)"
+            if "label_smoothing" in train_values.get("recipe", {})
+            else ""
+        )
+        smoothing = f", label smoothing {train_values['label_smoothing']}{by}"
     return (
         f"{epochs}, batch {train_values['batch_size']}, lr {train_values['lr']}{found}, weight decay {train_values['weight_decay']}, "
-        f"dropout {train_values['dropout']}, seed {train_values['seed']}."
+        f"dropout {train_values['dropout']}{smoothing}, seed {train_values['seed']}."
     )
 
 

@@ -168,10 +168,17 @@ KINDS = {
 
 
 def dvc_ignores(path: Path) -> bool:
-    """What .dvcignore keeps out of the code folders stages depend on: Python's bytecode and hidden
-    files (editors' swap and lock files) beside a package's modules."""
-    hidden = path.name.startswith(".") and (path.parent / "__init__.py").exists()
-    return "__pycache__" in path.parts or path.suffix in (".pyc", ".pyo") or hidden
+    """What .dvcignore keeps out of the code folders stages depend on: Python's bytecode, hidden
+    files (editors' swap and lock files) and emacs's backup (`x.py~`) and auto-save (`#x.py#`)
+    files beside a package's modules."""
+    name = path.name
+    auto_save = len(name) > 1 and name.startswith("#") and name.endswith("#")
+    editors = name.startswith(".") or name.endswith("~") or auto_save
+    return (
+        "__pycache__" in path.parts
+        or path.suffix in (".pyc", ".pyo")
+        or (editors and (path.parent / "__init__.py").exists())
+    )
 
 
 def special_files(paths: list[Path]) -> list[str]:
