@@ -11,9 +11,11 @@ and nothing is installed. Then it times in turn:
   - `make test`          the same, with `--full`
   - the yardstick again  (a change in the machine's load shows as two different yardsticks)
 and prints each, the tiers' ratios to the yardstick's mean and their budgets. Record the
-numbers, the date and what else ran on the machine in docs/tests.md.
+numbers, the date and what else ran on the machine in docs/tests.md. `--busy N` keeps N busy
+loops (a core each) running the whole time: #47's "five runs in a row beside two busy loops" is
+`--full --repeat 5 --busy 2` (a failure stops the benchmark, naming its log).
 
-    .venv/bin/python bench/tiers_bench.py [--full] [--repeat N] [--venv PATH] [--keep]
+    .venv/bin/python bench/tiers_bench.py [--full] [--repeat N] [--busy N] [--venv PATH] [--keep]
 """
 
 import argparse
@@ -21,6 +23,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -98,6 +101,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="time `make test` too")
     parser.add_argument("--repeat", type=int, default=1, help="time each tier this many times")
+    parser.add_argument("--busy", type=int, default=0, help="busy loops beside it, a core each")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv", help="the venv to use")
     parser.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     args = parser.parse_args()
@@ -106,9 +110,12 @@ def main() -> None:
         raise SystemExit(f"no venv with dvc at {venv}: run `make setup`, or pass --venv")
     folder = Path(tempfile.mkdtemp(prefix="visionflow-tiers-"))
     targets = ["test-fast", "test"] if args.full else ["test-fast"]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         measure(folder, venv, targets, args.repeat)
     finally:
+        for loop in busy:
+            loop.kill()
         if args.keep:
             print(f"clone kept: {folder / 'clone'}")
         else:

@@ -573,7 +573,7 @@ AT_EPOCH_2 = (
 )
 # ... and the rest of epoch 2 takes a while after the stop (longer than DVC's queue worker took
 # to die when it was interrupted too)
-SLOW_EPOCH_2 = ";train.batch@epoch=2:sleep=5"
+SLOW_EPOCH_2 = ";train.batch@epoch=2:sleep=2"
 
 
 def newest_state(project: Path) -> Path:
@@ -852,7 +852,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
 ):
     """Deployed from one checkout, run by workers whose VISIONFLOW_WORKDIR names their own: the
     working directory is the worker's, read when the run starts (two machines, two paths). A
-    spread sweep of 4 runs on both workers, and both clones see all 4 (`dvc exp pull`). Then
+    spread sweep of 2 runs on both workers, and both clones see both (`dvc exp pull`). Then
     experiments that wait for their checkout live on by their heartbeat; one whose machine
     dies is marked crashed in a minute's stead (--lost-after), its row saying why; a sweep
     stopped with SIGTERM ends Cancelled with its table so far."""
@@ -924,7 +924,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         sh(project, "git", "remote", "remove", "upstream")
         sweep = subprocess.run(
             [sys.executable, "-m", "orchestration.experiments", str(project), "--spread"]
-            + [arg for n in (2, 3, 4, 5) for arg in ("-e", f"sanity.per_class={n}")],
+            + [arg for n in (2, 3) for arg in ("-e", f"sanity.per_class={n}")],
             env=flows_env(),
             capture_output=True,
             text=True,
@@ -933,7 +933,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
         rows = [json.loads(line) for line in sweep.stdout.splitlines()]
         assert [(row["state"], row["sanity.per_class"]) for row in rows] == [
-            ("success", n) for n in (2, 3, 4, 5)
+            ("success", n) for n in (2, 3)
         ]
         host = socket.gethostname()
         assert {row["ran on"] for row in rows} == {f"{host}:{project}", f"{host}:{clone}"}
