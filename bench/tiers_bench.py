@@ -13,9 +13,10 @@ and nothing is installed. Then it times in turn:
 and prints each, the tiers' ratios to the yardstick's mean and their budgets. Record the
 numbers, the date and what else ran on the machine in docs/tests.md. `--busy N` keeps N busy
 loops (a core each) running the whole time: #47's "five runs in a row beside two busy loops" is
-`--full --repeat 5 --busy 2` (a failure stops the benchmark, naming its log).
+`--full-only --repeat 5 --busy 2` (a failure stops the benchmark, naming its log).
 
-    .venv/bin/python bench/tiers_bench.py [--full] [--repeat N] [--busy N] [--venv PATH] [--keep]
+    .venv/bin/python bench/tiers_bench.py [--full | --full-only] [--repeat N] [--busy N]
+        [--venv PATH] [--keep]
 """
 
 import argparse
@@ -100,6 +101,7 @@ def measure(folder: Path, venv: Path, targets: list[str], repeat: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="time `make test` too")
+    parser.add_argument("--full-only", action="store_true", help="time `make test` alone")
     parser.add_argument("--repeat", type=int, default=1, help="time each tier this many times")
     parser.add_argument("--busy", type=int, default=0, help="busy loops beside it, a core each")
     parser.add_argument("--venv", type=Path, default=ROOT / ".venv", help="the venv to use")
@@ -109,7 +111,7 @@ def main() -> None:
     if not (venv / "bin" / "dvc").exists():
         raise SystemExit(f"no venv with dvc at {venv}: run `make setup`, or pass --venv")
     folder = Path(tempfile.mkdtemp(prefix="visionflow-tiers-"))
-    targets = ["test-fast", "test"] if args.full else ["test-fast"]
+    targets = ["test"] if args.full_only else ["test-fast", "test"] if args.full else ["test-fast"]
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         measure(folder, venv, targets, args.repeat)
