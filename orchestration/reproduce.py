@@ -280,6 +280,10 @@ def main() -> None:
     bad = schedule_problems(args.interval, args.cron, args.settle)
     if bad:  # one line, not Prefect's schedule models' validation traceback
         parser.error("; ".join(bad))
+    if (args.interval is not None or args.cron is not None) and not args.serve:
+        parser.error("--interval and --cron schedule the served deployments: add --serve")
+    if args.deployment is not None and not args.watch:
+        parser.error("--deployment names what --watch starts: add --watch")
     try:
         root = find_root(Path(args.workdir))
     except NotAProject as error:

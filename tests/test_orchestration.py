@@ -188,6 +188,9 @@ def test_reproduce_with_if_busy_skip_ends_at_once_while_another_run_holds_it(tmp
     "argv, said",
     [
         (["--if-busy", "never"], "invalid choice: 'never'"),
+        (["--interval", "60"], "schedule the served deployments: add --serve"),
+        (["--cron", "0 * * * *"], "schedule the served deployments: add --serve"),
+        (["--deployment", "reproduce/x"], "names what --watch starts: add --watch"),
         ([], "is not inside a DVC project (no .dvc folder here or above)"),
     ],
 )
