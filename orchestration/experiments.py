@@ -96,9 +96,11 @@ def experiments(
     create_table_artifact(rows, key="experiments", description=f"{prefix}: dvc exp show")
     if outcomes.stopped:
         return stopped_run(outcomes.stopped)
-    failed = [row["experiment"] for row in rows if row["state"] != "success"]
-    if failed:
-        return Failed(message=f"experiments {', '.join(failed)} did not succeed (see their logs)")
+    failed = [row for row in rows if row["state"] != "success"]
+    if failed:  # why each failed where the mode knows it (spread), else where to look
+        why = "; ".join(f"{row['experiment']}: {row['why']}" for row in failed if row.get("why"))
+        names = ", ".join(row["experiment"] for row in failed)
+        return Failed(message=f"experiments {names} did not succeed ({why or 'see their logs'})")
     return rows
 
 

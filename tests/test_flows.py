@@ -963,7 +963,9 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         release()  # the other one runs, and the sweep ends
         out, err = sweep.communicate(timeout=600)
         assert sweep.returncode == 1, err[-3000:]
-        assert err.rstrip().splitlines()[-1].startswith(f"error: experiments {lost.name} did")
+        said = err.rstrip().splitlines()[-1]  # the line says which one failed, and why
+        assert said.startswith(f"error: experiments {lost.name} did"), said
+        assert f"{lost.name}: no heartbeat for 20 s" in said, said
         assert "Traceback" not in err, err[-3000:]  # one line says why, no Prefect traceback
         rows = {row["experiment"]: row for row in map(json.loads, out.splitlines())}
         crashed, [done] = rows.pop(lost.name), rows.values()
