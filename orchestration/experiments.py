@@ -200,6 +200,13 @@ def table_of(state: State) -> list[dict]:
     stopped before its run began)."""
     if state.state_details.flow_run_id is None:
         return []
+    found = published("experiments", state.state_details.flow_run_id)
+    return json.loads(found[-1].data) if found else []
+
+
+def published(key: str, flow_run_id) -> list:
+    """The artifacts `key` that one flow run published, oldest first (a server holds every
+    run's: the key alone finds other sweeps' tables)."""
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
@@ -209,11 +216,11 @@ def table_of(state: State) -> list[dict]:
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
             artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=["experiments"]),
-                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                key=ArtifactFilterKey(any_=[key]),
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
             )
         )
-    return json.loads(found[-1].data) if found else []
+    return sorted(found, key=lambda artifact: artifact.created)
 
 
 if __name__ == "__main__":

@@ -77,22 +77,11 @@ def prefect(*args, timeout=300, **run) -> subprocess.CompletedProcess:
 
 def artifact(key, run_id):
     """The artifact `key` that one flow run published (the server is shared by the workers)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
+    from orchestration.experiments import published
 
-    with get_client(sync_client=True) as client:
-        found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=[key]),
-                flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
-            )
-        )
+    found = published(key, run_id)
     assert found, f"flow run {run_id} published no {key!r} artifact"
-    return sorted(found, key=lambda a: a.created)[-1]
+    return found[-1]
 
 
 # What DVC tells a terminal after it records results: no line a flow's log should carry.
