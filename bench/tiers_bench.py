@@ -34,17 +34,17 @@ YARDSTICK = "caa9cb7"  # the frozen yardstick (issues #38, #47): one full dvc re
 BUDGETS = {"test-fast": 3, "test": 30}  # at most this many yardsticks (issue #47)
 
 
-def timed(cmd: str, cwd: Path, env: dict) -> tuple[float, str]:
-    """Seconds `cmd` (a shell line) took, and its output; a failure stops the benchmark with
-    the output's tail and the whole of it in a log file."""
+def timed(cmd: str, cwd: Path, env: dict) -> tuple[float, str, Path]:
+    """Seconds `cmd` (a shell line) took, and its output, the whole of which is kept in a log
+    file (pytest's seed and slowest tests); a failure stops the benchmark with its tail."""
     start = time.monotonic()
     result = subprocess.run(cmd, shell=True, cwd=cwd, env=env, capture_output=True, text=True)
     took = time.monotonic() - start
+    log = Path(tempfile.mkstemp(prefix="visionflow-tiers-", suffix=".log")[1])
+    log.write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        log = Path(tempfile.mkstemp(prefix="visionflow-tiers-", suffix=".log")[1])
-        log.write_text(result.stdout + result.stderr)
         raise SystemExit(f"{cmd} failed; its whole output is in {log}:\n{result.stdout[-3000:]}")
-    return took, result.stdout
+    return took, result.stdout, log
 
 
 def pytest_of(target: str, clone: Path) -> str:
@@ -80,16 +80,19 @@ def measure(folder: Path, venv: Path, targets: list[str], repeat: int) -> None:
     new_env = {**env, "PYTHONPATH": f"{clone / 'src'}{os.pathsep}{clone}"}
     repro = f"{shlex.quote(str(venv / 'bin/dvc'))} repro --force"
     sticks, tiers = [], {}
-    took, _ = timed(repro, old, old_env)
+    took, *_ = timed(repro, old, old_env)
     sticks.append(took)
     print(f"yardstick, dvc repro --force of {YARDSTICK}: {took:.0f} s", flush=True)
     for _ in range(repeat):
         for target in targets:
             command = pytest_of(target, clone)
-            took, out = timed(command, clone, new_env)
+            took, out, log = timed(command, clone, new_env)
             tiers.setdefault(target, []).append(took)
-            print(f"make {target} ({command}): {took:.0f} s; {out.splitlines()[-1]}", flush=True)
-    took, _ = timed(repro, old, old_env)
+            print(
+                f"make {target} ({command}): {took:.0f} s; {out.splitlines()[-1]}; {log}",
+                flush=True,
+            )
+    took, *_ = timed(repro, old, old_env)
     sticks.append(took)
     print(f"yardstick again: {took:.0f} s", flush=True)
     stick = sum(sticks) / len(sticks)
