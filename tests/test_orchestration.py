@@ -185,39 +185,25 @@ def test_reproduce_with_if_busy_skip_ends_at_once_while_another_run_holds_it(tmp
 
 
 @pytest.mark.parametrize(
-    "argv, said",
+    "command, argv, said",
     [
-        (["--if-busy", "never"], "invalid choice: 'never'"),
-        (["--interval", "60"], "schedule the served deployments: add --serve"),
-        (["--cron", "0 * * * *"], "schedule the served deployments: add --serve"),
-        (["--deployment", "reproduce/x"], "names what --watch starts: add --watch"),
-        ([], "is not inside a DVC project (no .dvc folder here or above)"),
+        (reproduce, ["--if-busy", "never"], "invalid choice: 'never'"),
+        (reproduce, ["--interval", "60"], "schedule the served deployments: add --serve"),
+        (reproduce, ["--cron", "0 * * * *"], "schedule the served deployments: add --serve"),
+        (reproduce, ["--deployment", "reproduce/x"], "names what --watch starts: add --watch"),
+        (reproduce, [], "is not inside a DVC project (no .dvc folder here or above)"),
+        (experiments, [], "the following arguments are required: -e/--experiment"),
+        (experiments, ["-e", "a=1", "--workers", "2", "--spread"], "not allowed with argument"),
+        (experiments, ["-e", "a=1", "--timeout", "soon"], "invalid float value: 'soon'"),
+        (experiments, ["-e", "a=1"], "is not inside a DVC project (no .dvc folder here or above)"),
     ],
 )
-def test_the_reproduce_command_refuses_bad_arguments_in_one_line(
-    tmp_path, monkeypatch, capsys, argv, said
+def test_each_command_refuses_bad_arguments_in_one_line(
+    tmp_path, monkeypatch, capsys, command, argv, said
 ):
-    monkeypatch.setattr(sys, "argv", ["reproduce", str(tmp_path), *argv])
+    monkeypatch.setattr(sys, "argv", [command.__name__, str(tmp_path), *argv])
     with pytest.raises(SystemExit) as ended:
-        reproduce.main()
-    assert said in capsys.readouterr().err + str(ended.value.code)
-
-
-@pytest.mark.parametrize(
-    "argv, said",
-    [
-        ([], "the following arguments are required: -e/--experiment"),
-        (["-e", "train.lr=1e-3", "--workers", "2", "--spread"], "not allowed with argument"),
-        (["-e", "train.lr=1e-3", "--timeout", "soon"], "invalid float value: 'soon'"),
-        (["-e", "train.lr=1e-3"], "is not inside a DVC project (no .dvc folder here or above)"),
-    ],
-)
-def test_the_experiments_command_refuses_bad_arguments_in_one_line(
-    tmp_path, monkeypatch, capsys, argv, said
-):
-    monkeypatch.setattr(sys, "argv", ["experiments", str(tmp_path), *argv])
-    with pytest.raises(SystemExit) as ended:
-        experiments.main()
+        command.main()
     assert said in capsys.readouterr().err + str(ended.value.code)
 
 
