@@ -96,6 +96,7 @@ def input_scale(path: Path) -> float:
     return float(values[first.input[1]])
 
 
+@pytest.mark.longest
 def test_an_int8_miss_fails_plain_dvc_repro_and_promotes_nothing(
     reproduced_base, tmp_path, monkeypatch
 ):

@@ -445,6 +445,7 @@ def test_metrics_are_few_and_describe_the_kept_model(viewed):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_exp_show_after_two_experiments_fits_160_columns(project):
     sh(project, "dvc", "exp", "run", "-S", "train.lr=1e-2", "-S", "train.epochs=3")
     sh(project, "dvc", "exp", "run", "-S", "sanity.per_class=3")  # one more column: check, sanity

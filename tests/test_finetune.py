@@ -41,6 +41,7 @@ def epoch_state(project: Path, epoch: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_plain_dvc(
     reproduced_base, tmp_path
 ):
@@ -256,6 +257,7 @@ class BadGrad(Tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_a_network_of_your_own_is_a_dep_and_gets_its_gradients_checked(reproduced_base, tmp_path):
     project = copy_project(reproduced_base, tmp_path / "project")
     (project / "mynets.py").write_text(NETS)

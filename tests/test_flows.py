@@ -518,6 +518,7 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
     assert (project / "params.yaml").read_text() == params
 
 
+@pytest.mark.longest
 def test_a_queued_sweep_outlives_polls_that_hang_and_reports_only_itself(project, monkeypatch):
     from orchestration.experiments import experiments
     from orchestration.queued import queue_workers
@@ -597,6 +598,7 @@ def test_a_stage_past_its_timeout_checkpoints_its_epoch_and_the_next_run_resumes
     assert "epoch-0002.pt (epoch 2 done)" in rerun.stdout, rerun.stdout
 
 
+@pytest.mark.longest
 def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_marked_crashed(
     project, tmp_path
 ):
@@ -640,6 +642,7 @@ def test_a_sweep_whose_flow_process_is_killed_leaves_nothing_running_and_is_mark
     assert not [p for p in (project / ".dvc/tmp/exps").glob("tmp*") if p.is_dir()]
 
 
+@pytest.mark.longest
 def test_served_deployments_run_on_demand_cancel_cleanly_and_stay_scheduled(project, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -836,6 +839,7 @@ def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
     return {run.name: run for run in runs if run.labels.get(HEARTBEAT, 0) >= beats}
 
 
+@pytest.mark.longest
 def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_clones(
     project, tmp_path, hold
 ):

@@ -66,6 +66,7 @@ def test_a_folder_made_on_macos_gives_nfc_class_names_and_look_alikes_are_warned
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     reproduced_base, tmp_path
 ):

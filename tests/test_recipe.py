@@ -31,6 +31,7 @@ def params_with(train: dict) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_lr_auto_with_onecycle_records_the_rate_and_resumes_after_a_stop_as_uninterrupted(
     reproduced_base, tmp_path
 ):
