@@ -40,11 +40,11 @@ STAGES = ("check", "prepare", "sanity", "train", "evaluate", "export")
 
 def kind(argv: str) -> str:
     words = argv.split()
-    if not words or words[0] == "-c" or "pytest" in words[0]:
-        return "pytest and its workers (tests run in-process)"
-    for stage in STAGES:
-        if f"pipeline/{stage}.py" in words[0]:
+    for stage in STAGES:  # first: a test's project lives under pytest's folder (/tmp/pytest-of-…)
+        if words and words[0].endswith(f"pipeline/{stage}.py"):
             return f"stage {stage}"
+    if not words or words[0] == "-c" or words[0].endswith(("/pytest", "pytest/__main__.py")):
+        return "pytest and its workers (tests run in-process)"
     if "orchestration/" in words[0] or words[0].endswith(("pipeline/flows.py", "experiments.py")):
         return "orchestration (the flows)"
     if words[0].endswith(("/dvc", "dvc/__main__.py")):

@@ -42,7 +42,8 @@ def pytest_collection_modifyitems(items):
     stops the run at collection, naming it. Then the order (after pytest-randomly's shuffle,
     kept within each group): the fast tests, which run while the first worker builds the
     reproduced project; the longest tests, so that each starts early and no
-    worker ends the run on one alone; the rest, which fill the workers to the end."""
+    worker ends the run on one alone; the rest, which fill the workers to the end. (`make test`
+    hands a worker one test at a time, so this order is the order they start in.)"""
     unmarked = [
         f"{item.nodeid} ({', '.join(sorted(SLOW_FIXTURES & set(item.fixturenames)))})"
         for item in items
@@ -58,7 +59,16 @@ def pytest_collection_modifyitems(items):
             return 0
         return 1 if item.get_closest_marker("longest") else 2
 
-    items.sort(key=group)
+    # Among the longest, the Prefect tests wait on a server much of the time: one in every
+    # WORKERS, so that the workers seldom wait side by side while the cores idle.
+    longest = [item for item in items if group(item) == 1]
+    waiting = [item for item in longest if "prefect_server" in item.fixturenames]
+    working = [item for item in longest if item not in waiting]
+    stride = max(2, WORKERS)
+    place = {item.nodeid: stride * k for k, item in enumerate(waiting)}
+    for k, item in enumerate(working):
+        place[item.nodeid] = stride * (k // (stride - 1)) + 1 + k % (stride - 1)
+    items.sort(key=lambda item: (group(item), place.get(item.nodeid, 0)))
 
 
 @pytest.fixture
