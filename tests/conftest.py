@@ -59,16 +59,7 @@ def pytest_collection_modifyitems(items):
             return 0
         return 1 if item.get_closest_marker("longest") else 2
 
-    # Among the longest, the Prefect tests wait on a server much of the time: one in every
-    # WORKERS, so that the workers seldom wait side by side while the cores idle.
-    longest = [item for item in items if group(item) == 1]
-    waiting = [item for item in longest if "prefect_server" in item.fixturenames]
-    working = [item for item in longest if item not in waiting]
-    stride = max(2, WORKERS)
-    place = {item.nodeid: stride * k for k, item in enumerate(waiting)}
-    for k, item in enumerate(working):
-        place[item.nodeid] = stride * (k // (stride - 1)) + 1 + k % (stride - 1)
-    items.sort(key=lambda item: (group(item), place.get(item.nodeid, 0)))
+    items.sort(key=group)
 
 
 @pytest.fixture
