@@ -24,8 +24,9 @@ repro: setup
 		print('test', {k: round(v, 4) for k, v in m.items()})"
 
 # A worker per core and one more, at most 5: each runs DVC, torch and Prefect processes of its
-# own, and waits on them part of the time (measured in docs/tests.md).
-WORKERS := -n $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 5 )))
+# own, and waits on them part of the time (measured in docs/tests.md). Each worker is handed one
+# test at a time, in the order tests/conftest.py sets (the longest early), not a batch of them.
+WORKERS := -n $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 5 ))) --maxschedchunk 1
 
 test: setup
 	$(PY) -m pytest $(WORKERS) --durations=15

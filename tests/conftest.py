@@ -39,7 +39,11 @@ SLOW_FIXTURES = {"reproduced_base", "prefect_server"}
 
 def pytest_collection_modifyitems(items):
     """A test not marked slow that needs a slow fixture (itself, or through another fixture)
-    stops the run at collection, naming it."""
+    stops the run at collection, naming it. Then the order (after pytest-randomly's shuffle,
+    kept within each group): the fast tests, which run while the first worker builds the
+    reproduced project; the longest tests, so that each starts early and no
+    worker ends the run on one alone; the rest, which fill the workers to the end. (`make test`
+    hands a worker one test at a time, so this order is the order they start in.)"""
     unmarked = [
         f"{item.nodeid} ({', '.join(sorted(SLOW_FIXTURES & set(item.fixturenames)))})"
         for item in items
@@ -49,6 +53,13 @@ def pytest_collection_modifyitems(items):
         raise pytest.UsageError(
             "mark these tests slow, or give them a fast fixture: " + "; ".join(unmarked)
         )
+
+    def group(item) -> int:
+        if not item.get_closest_marker("slow"):
+            return 0
+        return 1 if item.get_closest_marker("longest") else 2
+
+    items.sort(key=group)
 
 
 @pytest.fixture

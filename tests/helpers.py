@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -130,9 +131,22 @@ def dvc_clean(project: Path) -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port free on 127.0.0.1, drawn below the kernel's ephemeral range. bind(0) hands out a
+    port of that range, which every outgoing connection draws from too: between the probe's
+    close and the server's bind, another socket may take it (gloo opens many in each DDP run),
+    and a client that retries its connect before the server listens may even connect to
+    itself. A two-node rendezvous on port 41131 hung so in a clean-clone run, its node 0 past
+    300 s. The draw is the system's: pytest-randomly seeds `random` alike in every worker."""
+    range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    lowest = int(range_file.read_text().split()[0]) if range_file.exists() else 32768
+    while True:
+        port = 10000 + secrets.randbelow(lowest - 10000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
