@@ -52,7 +52,8 @@ def test_lr_auto_with_onecycle_records_the_rate_and_resumes_after_a_stop_as_unin
 
     killed = repro(project, "-f", "-s", "train", fault="train.epoch_end@epoch=2:kill")
     assert killed.returncode != 0
-    resumed = assert_resumes_to_the_baseline(project, 2, baseline)  # the rate and schedule too
+    resumed = assert_resumes_to_the_baseline(project, 2, baseline, "train")  # a new model:
+    # its rate and schedule resumed too
     assert f"train.lr auto: {rate:.2e}, the range test's (recorded in " in resumed.stdout
     assert json.loads((project / "results/train/metrics.json").read_text())["lr"] == rate
 
