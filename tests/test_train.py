@@ -696,37 +696,34 @@ def test_every_rank_retries_whatever_part_of_the_step_ran_out_of_memory(tmp_path
     its first optimizer step (after the ranks agreed on the step): both ranks retry the epoch
     at batch 8 x 2 and end with the same weights. (DDP's buffer broadcast in forward, or a
     retry of rank 1 alone after the agreement, left the ranks' collectives unpaired: a hang.)"""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    mp.spawn(retry_on_rank, args=(port, where, tmp_path), nprocs=2)
+    mp.spawn(retry_on_rank, args=(free_port(), where, tmp_path), nprocs=2)
     ends = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
     assert ends[0][:2] == ends[1][:2] == [8, 4], ends  # 64 images a rank: 4 steps of 8 x 2
     assert ends[0][2] == pytest.approx(ends[1][2], abs=1e-9), ends
 
 
-def count_gradient_all_reduces(rank: int, port: int, accumulate: int, out: Path) -> None:
-    """One epoch on a DDP rank of two (gloo) whose gradient all-reduces are counted by a
-    communication hook; writes (all-reduces, optimizer steps) to out/<rank>.json."""
+def count_gradient_all_reduces(rank: int, port: int, out: Path) -> None:
+    """One epoch on a DDP rank of two (gloo) at accumulate 1, then one at accumulate 4, each
+    model's gradient all-reduces counted by a communication hook; writes (all-reduces,
+    optimizer steps) to out/<accumulate>-<rank>.json."""
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
-    model = DistributedDataParallel(fresh_model())
-    calls = []
+    for accumulate in (1, 4):
+        model = DistributedDataParallel(fresh_model())
+        calls = []
 
-    def counted(state, bucket):
-        calls.append(1)
-        done = torch.distributed.all_reduce(bucket.buffer().div_(2), async_op=True)
-        return done.get_future().then(lambda future: future.value()[0])
+        def counted(state, bucket, calls=calls):
+            calls.append(1)
+            done = torch.distributed.all_reduce(bucket.buffer().div_(2), async_op=True)
+            return done.get_future().then(lambda future: future.value()[0])
 
-    model.register_comm_hook(None, counted)
-    optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
-    x, y = toy(128)
-    metrics = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0), rank=rank, world=2), Step(8, accumulate))  # fmt: skip
-    (out / f"{rank}.json").write_text(json.dumps([len(calls), metrics["steps"]]))
+        model.register_comm_hook(None, counted)
+        optimizer = make_optimizer("sgd", model, 0.1, 0, 0, False)
+        x, y = toy(128)
+        metrics = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, torch.Generator().manual_seed(0), rank=rank, world=2), Step(8, accumulate))  # fmt: skip
+        (out / f"{accumulate}-{rank}.json").write_text(json.dumps([len(calls), metrics["steps"]]))
     torch.distributed.destroy_process_group()
 
 
@@ -735,19 +732,13 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
     """64 images per rank, batch 8: 8 micro-batches. With accumulate 4 the gradients are
     all-reduced on the last micro-batch of each step only (no_sync on the others): a quarter of
     the all-reduces of accumulate 1, not as many."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    counts = {}
-    for accumulate in (1, 4):
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
-        out = tmp_path / str(accumulate)
-        out.mkdir()
-        mp.spawn(count_gradient_all_reduces, args=(port, accumulate, out), nprocs=2)
-        counts[accumulate] = [json.loads((out / f"{r}.json").read_text()) for r in (0, 1)]
+    mp.spawn(count_gradient_all_reduces, args=(free_port(), tmp_path), nprocs=2)
+    counts = {
+        accumulate: [json.loads((tmp_path / f"{accumulate}-{r}.json").read_text()) for r in (0, 1)]
+        for accumulate in (1, 4)
+    }
     (plain, plain_steps), (accumulated, steps) = counts[1][0], counts[4][0]
     assert (plain_steps, steps) == (8, 2) and counts[1][1] == counts[1][0]
     per_step = plain // plain_steps  # all-reduces of one backward: one per gradient bucket
@@ -1175,15 +1166,10 @@ def _ranks_evaluate(rank: int, world: int, port: int, out: str) -> None:
 def test_every_rank_evaluates_the_same_model_so_they_decide_together(tmp_path):
     """Under DDP, BatchNorm's running statistics differ per rank; evaluated as they are, plateau
     and early-stop decisions could differ and hang the group. sync_buffers gives every rank rank 0's."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "losses.json"
-    mp.spawn(_ranks_evaluate, args=(2, port, str(out)), nprocs=2)
+    mp.spawn(_ranks_evaluate, args=(2, free_port(), str(out)), nprocs=2)
     unsynced, synced = json.loads(out.read_text())
     assert unsynced[0] != unsynced[1]  # the problem is real
     assert synced[0] == synced[1]
