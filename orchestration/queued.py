@@ -39,13 +39,12 @@ from orchestration.sweep import (
     sweep_table,
 )
 from visionflow.ops import repo, runner
+from visionflow.ops.reaper import family, kill_family
 from visionflow.ops.repo import DvcBusy, StageFailed, dvc
 from visionflow.ops.runner import (
     dvc_command,
     environment,
-    family,
     find_root,
-    kill_family,
     stop_grace_s,
     workspace_lock,
 )

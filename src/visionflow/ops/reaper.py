@@ -1,5 +1,6 @@
-"""The reaper beside each `dvc` group that `runner.start_group` starts, run as a script (not
-imported): `python reaper.py GROUP GRACE_S OUTPUT_FD`.
+"""The reaper beside each `dvc` group that `runner.start_group` starts, run as a script:
+`python reaper.py GROUP GRACE_S OUTPUT_FD`. One starts beside every run, so it imports the
+standard library alone; the runner and the queued sweep import its `family` and `kill_family`.
 
 It waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
 however it ends). A line "stop" means the runner has asked the group to stop (the grace period
@@ -32,16 +33,6 @@ def main() -> None:
     threading.Thread(
         target=lambda: [None for _ in iter(lambda: os.read(output, 65536), b"")], daemon=True
     ).start()
-    try:
-        from visionflow.ops.runner import family, kill_family
-    except Exception:  # the group alone, then
-
-        def family(group: int) -> set[int]:
-            return set()
-
-        def kill_family(group: int) -> None:
-            pass
-
     # torchrun's ranks, each in a session of its own, noted while the group can still name
     # them: once it is empty they are orphans no sweep of it finds
     seen = {pid: started(pid) for pid in family(group)}
@@ -61,6 +52,52 @@ def main() -> None:
             time.sleep(0.05)
     except (ProcessLookupError, PermissionError):
         kill_seen(seen)  # the group is gone: what it started may not be
+
+
+def family(leader: int, group: bool = True) -> set[int]:
+    """The live processes of `leader`'s process group (or `leader` alone) and every process
+    descended from them, whatever group or session it is in (torchrun starts each rank with
+    `setsid`): read from /proc before a kill, since the ranks of a killed launcher are
+    reparented out of reach."""
+    parents, found = {}, set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if fields[0] != "Z":  # a zombie is dead already
+            parents[int(entry)] = int(fields[1])
+            if (int(fields[2]) if group else int(entry)) == leader:
+                found.add(int(entry))
+    children: dict[int, list[int]] = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def kill_family(leader: int, group: bool = True) -> bool:
+    """SIGKILL `family(leader, group)`, looking again until none is left (a process may fork as
+    it is killed); True when there was anything to kill."""
+    found = family(leader, group)
+    for _ in range(10):
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        again = family(leader, group)
+        if not again - found:
+            break
+        found |= again
+    return bool(found)
 
 
 def started(pid: int) -> str | None:

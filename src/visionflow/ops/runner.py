@@ -43,6 +43,7 @@ from pathlib import Path
 from visionflow import faults
 from visionflow.errors import NotAProject, Timeout
 from visionflow.ops.project import dvc_root, outs_of, pipeline, preflight
+from visionflow.ops.reaper import kill_family
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
@@ -111,52 +112,6 @@ def stop_grace_s() -> float:
     if not seconds >= 0:  # nan too
         raise ValueError(f"VISIONFLOW_STOP_GRACE_S={value!r} is not a number of seconds >= 0")
     return seconds
-
-
-def family(leader: int, group: bool = True) -> set[int]:
-    """The live processes of `leader`'s process group (or `leader` alone) and every process
-    descended from them, whatever group or session it is in (torchrun starts each rank with
-    `setsid`): read from /proc before a kill, since the ranks of a killed launcher are
-    reparented out of reach."""
-    parents, found = {}, set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        if fields[0] != "Z":  # a zombie is dead already
-            parents[int(entry)] = int(fields[1])
-            if (int(fields[2]) if group else int(entry)) == leader:
-                found.add(int(entry))
-    children: dict[int, list[int]] = {}
-    for pid, parent in parents.items():
-        children.setdefault(parent, []).append(pid)
-    todo = list(found)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def kill_family(leader: int, group: bool = True) -> bool:
-    """SIGKILL `family(leader, group)`, looking again until none is left (a process may fork as
-    it is killed); True when there was anything to kill."""
-    found = family(leader, group)
-    for _ in range(10):
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        again = family(leader, group)
-        if not again - found:
-            break
-        found |= again
-    return bool(found)
 
 
 class Group:
