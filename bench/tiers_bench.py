@@ -115,7 +115,8 @@ def main() -> None:
         raise SystemExit(f"no venv with dvc at {venv}: run `make setup`, or pass --venv")
     folder = Path(tempfile.mkdtemp(prefix="visionflow-tiers-"))
     targets = ["test"] if args.full_only else ["test-fast", "test"] if args.full else ["test-fast"]
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"  # ends with us
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(args.busy)]
     try:
         measure(folder, venv, targets, args.repeat)
     finally:
