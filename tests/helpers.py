@@ -133,7 +133,7 @@ def dvc_clean(project: Path, *targets: str) -> bool:
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1, drawn below the kernel's ephemeral range. bind(0) hands out a
+    """A free port, drawn below the kernel's ephemeral range. bind(0) hands out a
     port of that range, which every outgoing connection draws from too: between the probe's
     close and the server's bind, another socket may take it (gloo opens many in each DDP run),
     and a client that retries its connect before the server listens may even connect to
@@ -142,13 +142,13 @@ def free_port() -> int:
     range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
     lowest = int(range_file.read_text().split()[0]) if range_file.exists() else 32768
     while True:
-        port = 10000 + secrets.randbelow(lowest - 10000)
-        with socket.socket() as probe:
+        port = 10000 + secrets.randbelow(lowest - 10000) if lowest > 11000 else 0  # else: the
+        with socket.socket() as probe:  # kernel's pick, on a machine with no room below it
             try:
-                probe.bind(("127.0.0.1", port))
+                probe.bind(("", port))  # every address: torch's store binds them all
             except OSError:
                 continue
-            return port
+            return probe.getsockname()[1]
 
 
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -39,7 +39,6 @@ from tests.helpers import (
     live_metrics,
     note_in_params,
     params_recorded,
-    python_path,
     ran,
     read_until,
     repro,
@@ -554,7 +553,6 @@ def test_the_reaper_kills_what_the_group_started_in_a_session_of_its_own_once_it
     """The runner dies; the group ends on the reaper's SIGINT but leaves a process in a session
     of its own (as torchrun's ranks are). Before, the reaper found the group empty and swept
     nothing: the process kept running."""
-    from tests.helpers import ROOT
     from visionflow.ops.runner import REAPER
 
     leader = subprocess.Popen(
@@ -573,7 +571,6 @@ def test_the_reaper_kills_what_the_group_started_in_a_session_of_its_own_once_it
     output, keep = os.pipe()  # the group's output, which the reaper drains
     reaper = subprocess.Popen(
         [sys.executable, str(REAPER), str(leader.pid), "300", str(output)],
-        env={**os.environ, "PYTHONPATH": python_path(ROOT / "src")},
         stdin=subprocess.PIPE,
         pass_fds=(output,),
     )

@@ -177,11 +177,8 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
         start_new_session=True,
     )
     grace_s, output = stop_grace_s(), process.stdout.fileno()
-    source = str(Path(__file__).resolve().parents[2])  # src/: the reaper imports `kill_family`
-    python_path = os.pathsep.join(filter(None, (source, os.environ.get("PYTHONPATH"))))
-    reaper = subprocess.Popen(
+    reaper = subprocess.Popen(  # the standard library alone: no PYTHONPATH of ours
         [sys.executable, str(REAPER), str(process.pid), str(grace_s), str(output)],
-        env={**os.environ, "PYTHONPATH": python_path},
         stdin=subprocess.PIPE,
         pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone
         start_new_session=True,  # not killed with this process's group
