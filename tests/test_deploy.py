@@ -143,20 +143,7 @@ def test_an_int8_miss_fails_plain_dvc_repro_and_promotes_nothing(
     restored = sh(project, "dvc", "repro")
     assert ran(restored) == ["check"] and "Stage 'export' is cached" in restored.stdout
     assert not (project / "results/export.miss.json").exists()  # it stayed beside the export
-    write_params(project, {"export": {"int8_max_accuracy_drop": 0.5}})  # not run before: runs
-    passed = sh(project, "dvc", "repro")
-    assert ran(passed) == ["check", "export"]
-    assert not (project / "results/export.miss.json").exists()
-    assert "is not writable" not in passed.stderr  # torch warned on every export
-    assert "top-1 agreement" in passed.stdout and "(at least 0.9)  ok" in passed.stdout
-    gate = json.loads((project / "results/export/int8.json").read_text())
-    if not all(gate["faster_than_fp32"].values()):  # as on the 2-core machines here
-        assert (
-            "export: note: model.int8.onnx is slower than model.onnx on this machine"
-            in passed.stdout
-        )
-        card = (project / "results/export/MODEL_CARD.md").read_text()
-        assert "INT8 ran slower than fp32" in card
+    # (a passing export's own lines: tests/test_export.py, the same commit exported again)
 
 
 def test_a_model_onnx_runtime_cannot_quantize_keeps_its_proven_fp32_formats(

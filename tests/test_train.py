@@ -642,10 +642,10 @@ class OutOfMemoryOnRank1(nn.Module):
         return self.inner(x)
 
 
-def retry_on_rank(rank: int, port: int, where: str, out: Path) -> None:
-    """One epoch of the stage's Trainer (auto_batch, 2 gloo ranks, a BatchNorm model), rank 1
-    out of memory `where` (the first forward, or the first optimizer step); writes what each
-    rank ended with to out/<rank>.json."""
+def retry_on_rank(rank: int, port: int, out: Path) -> None:
+    """On 2 gloo ranks, one epoch of the stage's Trainer (auto_batch, a BatchNorm model) with
+    rank 1 out of memory in its first forward, then one with rank 1 out of memory in its first
+    optimizer step; writes what each rank ended with to out/<where>-<rank>.json."""
     import datetime
 
     from visionflow.train import engine, health
@@ -654,34 +654,36 @@ def retry_on_rank(rank: int, port: int, where: str, out: Path) -> None:
     os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     timeout = datetime.timedelta(seconds=60)  # a hang fails the test, not the suite
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2, timeout=timeout)
-    torch.manual_seed(0)
-    inner = build_model("small_resnet", 1, 2, 8)
-    model = OutOfMemoryOnRank1(inner, rank) if where == "forward" else inner
-    if where == "step" and rank == 1:
-        real, calls = engine.optimizer_step, []
+    real, calls = engine.optimizer_step, []
 
-        def optimizer_step(*args):
-            calls.append(1)
-            if len(calls) == 1:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected in the step)")
-            return real(*args)
+    def optimizer_step(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the step)")
+        return real(*args)
 
-        engine.optimizer_step = optimizer_step
-    optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    shuffle, draws = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2 + rank)
-    step = Step(16, agree_on_memory=True)
-    trainer = Trainer(
-        model, stepping(model, 2, False), optimizer, None, scaler, shuffle, draws, step,
-        {"crop_padding": 0}, auto_batch=True, rank=rank, world=2,
-    )  # fmt: skip
-    limits = health.Limits(**{**params_defaults()["train"]["health"]})
-    x, y = toy(128)
-    metrics = trainer.epoch(x, y, MEAN, STD, 1, health.Monitor(limits, ["a", "b"], lambda _: None))
-    weights = sum(p.double().sum().item() for p in inner.parameters())
-    (out / f"{rank}.json").write_text(
-        json.dumps([trainer.step.batch_size, metrics["steps"], weights])
-    )
+    for where in ("forward", "step"):
+        torch.manual_seed(0)
+        inner = build_model("small_resnet", 1, 2, 8)
+        model = OutOfMemoryOnRank1(inner, rank) if where == "forward" else inner
+        if where == "step" and rank == 1:
+            engine.optimizer_step = optimizer_step
+        optimizer = make_optimizer("sgd", model, 0.05, 0, 0, False)
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        shuffle, draws = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2 + rank)
+        step = Step(16, agree_on_memory=True)
+        trainer = Trainer(
+            model, stepping(model, 2, False), optimizer, None, scaler, shuffle, draws, step,
+            {"crop_padding": 0}, auto_batch=True, rank=rank, world=2,
+        )  # fmt: skip
+        limits = health.Limits(**{**params_defaults()["train"]["health"]})
+        x, y = toy(128)
+        monitor = health.Monitor(limits, ["a", "b"], lambda _: None)
+        metrics = trainer.epoch(x, y, MEAN, STD, 1, monitor)
+        weights = sum(p.double().sum().item() for p in inner.parameters())
+        (out / f"{where}-{rank}.json").write_text(
+            json.dumps([trainer.step.batch_size, metrics["steps"], weights])
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -690,18 +692,19 @@ def params_defaults() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["forward", "step"])
-def test_every_rank_retries_whatever_part_of_the_step_ran_out_of_memory(tmp_path, where):
+def test_every_rank_retries_whatever_part_of_the_step_ran_out_of_memory(tmp_path):
     """Rank 1 of 2 runs out of memory inside DDP's first forward of a model with BatchNorm, or in
     its first optimizer step (after the ranks agreed on the step): both ranks retry the epoch
     at batch 8 x 2 and end with the same weights. (DDP's buffer broadcast in forward, or a
-    retry of rank 1 alone after the agreement, left the ranks' collectives unpaired: a hang.)"""
+    retry of rank 1 alone after the agreement, left the ranks' collectives unpaired: a hang.)
+    Both cases in one process group: a spawn costs two processes' imports."""
     import torch.multiprocessing as mp
 
-    mp.spawn(retry_on_rank, args=(free_port(), where, tmp_path), nprocs=2)
-    ends = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]
-    assert ends[0][:2] == ends[1][:2] == [8, 4], ends  # 64 images a rank: 4 steps of 8 x 2
-    assert ends[0][2] == pytest.approx(ends[1][2], abs=1e-9), ends
+    mp.spawn(retry_on_rank, args=(free_port(), tmp_path), nprocs=2)
+    for where in ("forward", "step"):
+        ends = [json.loads((tmp_path / f"{where}-{r}.json").read_text()) for r in (0, 1)]
+        assert ends[0][:2] == ends[1][:2] == [8, 4], (where, ends)  # 64 images a rank: 4 x 8 x 2
+        assert ends[0][2] == pytest.approx(ends[1][2], abs=1e-9), (where, ends)
 
 
 def count_gradient_all_reduces(rank: int, port: int, out: Path) -> None:
