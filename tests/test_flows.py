@@ -419,22 +419,25 @@ def test_experiments_in_turn_each_start_from_the_baseline_and_leave_the_workspac
     from orchestration.experiments import experiments
 
     params = (project / "params.yaml").read_text()
-    # no training: sanity alone reruns (evaluate.top_k reran evaluate and export too)
-    overrides = [["sanity.per_class=2"], ["train.epochs=0"], ["sanity.per_class=3"]]
+    overrides = [["evaluate.top_k=2"], ["train.epochs=0"], ["sanity.per_class=3"]]  # no training:
     state = experiments(str(project), overrides, return_state=True)
     with pytest.raises(Exception, match=r"experiments sweep-\w+-2 did not succeed"):
         state.result()  # check refuses the second one, and the third one still runs
     run = state.state_details.flow_run_id
     rows = json.loads(artifact("experiments", run).data)
     assert [row["state"] for row in rows] == ["success", "failed", "success"]
-    keys = ("sanity.per_class", "train.epochs")  # the failed one's too
-    assert [tuple(row[key] for key in keys) for row in rows] == [(2, None), (None, 0), (3, None)]
+    keys = ("evaluate.top_k", "train.epochs", "sanity.per_class")  # the failed one's too
+    assert [tuple(row[key] for key in keys) for row in rows] == [
+        (2, None, None),
+        (None, 0, None),
+        (None, None, 3),
+    ]
     assert rows[1]["accuracy"] is None and all(0 <= rows[i]["accuracy"] <= 1 for i in (0, 2))
     # as `dvc exp show` shows them, 5 significant digits: 0.62222, not 0.6222222222222222
     assert all(rows[i]["accuracy"] == float(f"{rows[i]['accuracy']:.5g}") for i in (0, 2)), rows
     assert (project / "params.yaml").read_text() == params and dvc_clean(project)
     assert_one_task_per_experiment(run, rows)
-    assert_readable(flow_logs(run), "Running stage 'sanity'", "train.epochs: Input should be")
+    assert_readable(flow_logs(run), "Running stage 'evaluate'", "train.epochs: Input should be")
 
 
 def test_a_sweep_refuses_negative_workers_and_an_override_without_a_value_before_queueing(
