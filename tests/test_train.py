@@ -662,6 +662,8 @@ def retry_on_rank(rank: int, port: int, out: Path) -> None:
             raise torch.OutOfMemoryError("CUDA out of memory (injected in the step)")
         return real(*args)
 
+    limits = health.Limits(**{**params_defaults()["train"]["health"]})
+    x, y = toy(128)
     for where in ("forward", "step"):
         torch.manual_seed(0)
         inner = build_model("small_resnet", 1, 2, 8)
@@ -676,8 +678,6 @@ def retry_on_rank(rank: int, port: int, out: Path) -> None:
             model, stepping(model, 2, False), optimizer, None, scaler, shuffle, draws, step,
             {"crop_padding": 0}, auto_batch=True, rank=rank, world=2,
         )  # fmt: skip
-        limits = health.Limits(**{**params_defaults()["train"]["health"]})
-        x, y = toy(128)
         monitor = health.Monitor(limits, ["a", "b"], lambda _: None)
         metrics = trainer.epoch(x, y, MEAN, STD, 1, monitor)
         weights = sum(p.double().sum().item() for p in inner.parameters())
