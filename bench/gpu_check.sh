@@ -4,6 +4,7 @@
 # bare machine (the NVIDIA PyTorch image: no DVC, DVCLive, pydantic) it first installs the wheels
 # that bench/gpu_wheels.sh downloaded into .whl/, each one the machine lacks, into $GPU_SITE
 # (default /tmp/site) with `pip install --no-index --no-deps --target`. Logs go to OUT.
+# WHEELS names another folder of wheels; GPU_SMOKE_DEVICE=cpu runs the smokes where no GPU is.
 #
 #     bench/gpu_check.sh [OUT]      # default gpu-check/
 set -euo pipefail
@@ -11,12 +12,13 @@ cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
 py=${PYTHON:-python3}
 site=${GPU_SITE:-/tmp/site}
+wheels=${WHEELS:-.whl}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if compgen -G "$wheels/*.whl" >/dev/null; then
     normal() { tr 'A-Z_.' 'a-z--'; }  # a distribution's name as pip compares them
     have=$("$py" -m pip list --format=freeze 2>/dev/null | cut -d= -f1 | normal)
     missing=()
-    for wheel in .whl/*.whl; do
+    for wheel in "$wheels"/*.whl; do
         name=$(basename "$wheel" | cut -d- -f1 | normal)
         grep -qx "$name" <<<"$have" || missing+=("$wheel")
     done
@@ -29,8 +31,12 @@ fi
 # the checkout's code first; the tests pass PYTHONPATH on to the processes they start
 export PYTHONPATH="$PWD/src:$PWD:$PYTHONPATH"
 if ! command -v python >/dev/null; then  # dvc.yaml's stages run `python`
-    mkdir -p /tmp/gpu-bin && ln -sf "$(command -v "$py")" /tmp/gpu-bin/python
-    export PATH="/tmp/gpu-bin:$PATH"
+    # a script, not a link: a venv's interpreter reached through a link elsewhere loses the venv
+    # (in a new folder: writing through an old link there would overwrite the interpreter)
+    bin=$(mktemp -d)
+    printf '#!/bin/sh\nexec %q "$@"\n' "$(command -v "$py")" >"$bin/python"
+    chmod +x "$bin/python"
+    export PATH="$bin:$PATH"
 fi
 export DVC_NO_ANALYTICS=1
 "$py" -c "import torch; print(torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO GPU')" | tee "$out/device.txt"

@@ -6,19 +6,23 @@
 # each one only when the image lacks it (so the image's own builds are never shadowed).
 #
 #     bench/gpu_wheels.sh [VENV_PIP]      # default .venv/bin/pip
+#
+# WHEELS (default .whl) and PY_VERSION (default 3.12, the image's) serve bench/gpu_bare_try.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=${1:-.venv/bin/pip}
+wheels=${WHEELS:-.whl}
 # DVC and DVCLive with what they import (the list that ran `dvc repro` on an H200: DESIGN.md),
-# pygit2 for `dvc metrics show`, onnxscript and onnx-ir for the dynamo ONNX export, and the few
-# small ones the stages and tests import that such an image may lack.
+# pygit2 (and its cffi, which the image lacks) for `dvc metrics show`, onnxscript and onnx-ir
+# for the dynamo ONNX export, and the few small ones the stages and tests import that such an
+# image may lack.
 packages=(
     annotated-types atpublic configobj diskcache dpath dulwich dvc dvc-data dvc-http dvc-objects
     dvc-render dvc-studio-client dvclive flatten-dict flufl.lock funcy orjson platformdirs
     pydantic pydantic_core pydot pygtrie ruamel.yaml scmrepo shtab sqltrie typing-inspection
     voluptuous wcwidth zc.lockfile
     pygit2 onnxscript onnx-ir safetensors tqdm pathspec tabulate rich Pygments markdown-it-py mdurl
-    colorama attrs fsspec
+    colorama attrs fsspec cffi
 )
 frozen=$("$pip" freeze)
 pins=()
@@ -26,8 +30,9 @@ for name in "${packages[@]}"; do
     pin=$(grep -i -m1 "^${name//./\\.}==" <<<"$frozen") || { echo "not in the venv: $name" >&2; exit 1; }
     pins+=("$pin")
 done
-mkdir -p .whl
-"$pip" download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+mkdir -p "$wheels"
+"$pip" download --quiet --no-deps --only-binary=:all: --python-version "${PY_VERSION:-3.12}" \
+    --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "${pins[@]}"
-echo "$(ls .whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1)"
+    --platform manylinux2014_x86_64 -d "$wheels" "${pins[@]}"
+echo "$(ls "$wheels" | wc -l) wheels in $wheels/, $(du -sh "$wheels" | cut -f1)"
