@@ -11,11 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-/tmp/gpu-bare}
 pin() { .venv/bin/pip freeze | grep -i -m1 "^$1=="; }
+# torch as this venv has it (another version is gigabytes); the ONNX stack as the image had it
+# (KINDS.md, 2026-11); numpy's 2.5 there needs Python 3.12
 image=(
-    "$(pin torch)" "$(pin torchvision)" onnx onnx-ir onnxruntime onnxscript numpy pillow pytest
-    pytest-xdist pyyaml psutil scikit-learn matplotlib rich tqdm tabulate pathspec fsspec attrs
-    colorama pygments markdown-it-py mdurl safetensors requests typer click packaging networkx
-    filelock jinja2
+    "$(pin torch)" "$(pin torchvision)" onnx==1.23.1 onnx-ir==1.0.0 onnxruntime==1.30.0
+    onnxscript==0.7.2 numpy pillow pytest pytest-xdist pyyaml psutil scikit-learn matplotlib rich
+    tqdm tabulate pathspec fsspec attrs colorama pygments markdown-it-py mdurl safetensors requests
+    typer click packaging networkx filelock jinja2
 )
 rm -rf "$dir" && python3 -m venv "$dir/venv"
 "$dir/venv/bin/pip" install -q "${image[@]}"

@@ -119,7 +119,10 @@ def main() -> None:
     model_meta["train"]["lr_found"] = found is not None  # train.lr: auto
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
-    monitor = health.Monitor(health.Limits(**train.health.model_dump()), data.meta.classes, log)
+    counts = torch.bincount(data.y_train.cpu(), minlength=len(data.meta.classes)).tolist()
+    chance = health.guess([n / sum(counts) for n in counts], train.label_smoothing)
+    limits = health.Limits(**train.health.model_dump())
+    monitor = health.Monitor(limits, data.meta.classes, log, chance)
     checked_network(train, model, data, monitor)
     progress = resume(trainer, monitor, folder, run, args.out, train.epochs, log)
     if rank == 0:

@@ -58,19 +58,58 @@ def test_a_rising_or_non_finite_loss_is_divergence():
 def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
     # efficientnet_b0 from scratch on 600 photos: the first steps fell from far above chance,
     # then every epoch stayed at a guess's loss, and no other check fired
+    ten, two = health.guess([0.1] * 10), health.guess([0.5, 0.5])
+    assert (ten.loss, ten.accuracy, ten.floor) == (pytest.approx(math.log(10)), 0.1, 0.0)
     stuck = [{"train/loss": v, "val/accuracy": 0.1} for v in (2.41, 2.31, 2.305)]
-    found = health.at_chance(stuck, math.log(10))
+    found = health.at_chance(stuck, ten)
     assert found.check == "at_chance" and found.epoch == 3
     assert "train loss 2.305 at best over 3 epochs, not under the 2.303 of a guess" in found.message
-    assert health.at_chance(stuck[:2], math.log(10)) is None  # too early to judge
+    assert health.at_chance(stuck[:2], ten) is None  # too early to judge
     learning = [{"train/loss": v} for v in (2.4, 2.1, 1.9)]
-    assert health.at_chance(learning, math.log(10)) is None
+    assert health.at_chance(learning, ten) is None
     # 2 classes at train.lr 1e-4: the train loss a hair under ln 2 for 3 epochs, but val accuracy
     # far above a guess's 0.5 (0.93 by epoch 6): learning slowly, not at chance
     slow = [(0.698, 0.68), (0.692, 0.727), (0.687, 0.75)]
     slow = [{"train/loss": v, "val/accuracy": a} for v, a in slow]
-    assert health.at_chance(slow, math.log(2)) is None
-    assert health.at_chance([{**h, "val/accuracy": 0.55} for h in slow], math.log(2)).epoch == 3
+    assert health.at_chance(slow, two) is None
+    assert health.at_chance([{**h, "val/accuracy": 0.55} for h in slow], two).epoch == 3
+
+
+def test_a_network_that_learned_only_the_class_shares_is_at_chance():
+    # 90/10 labels: always saying the big class scores a loss of 0.325, far under ln 2, and 0.9
+    # accuracy, far above 1/2: a network that learned nothing else was never flagged
+    skewed = health.guess([0.9, 0.1])
+    assert skewed.loss == pytest.approx(0.3251, abs=1e-4) and skewed.accuracy == 0.9
+    prior_only = [{"train/loss": v, "val/accuracy": 0.9} for v in (0.36, 0.33, 0.326)]
+    found = health.at_chance(prior_only, skewed)
+    assert found.check == "at_chance" and "not under the 0.325 of a guess" in found.message
+    assert "val accuracy 0.90, this network's best 0.90" in found.message
+    learned = [{**h, "val/accuracy": 0.97} for h in prior_only]  # above 0.9 + 0.1 / 5
+    assert health.at_chance(learned, skewed) is None
+    # heavy label smoothing: a perfect network's loss (1.876 at 0.6 for 10 classes) sits near a
+    # guess's ln 10, so falling 3% of the way between them is what learning looks like
+    smooth, ten = health.guess([0.1] * 10, smoothing=0.6), health.guess([0.1] * 10)
+    assert smooth.loss == pytest.approx(math.log(10)) and smooth.floor == pytest.approx(1.876, 1e-3)
+    near = [{"train/loss": v, "val/accuracy": 0.15} for v in (2.4, 2.3, 2.27)]
+    assert health.at_chance(near, smooth) is None  # 2.27 is 7.7% of the way down
+    assert health.at_chance(near, ten).epoch == 3  # without smoothing: 1.4% of the way to 0
+
+
+def test_the_monitor_judges_chance_by_the_guess_it_is_given():
+    """The stage gives its monitor the guess of its own training labels' class shares."""
+    said = []
+    monitor = health.Monitor(limits(), ["big", "small"], said.append, health.guess([0.9, 0.1]))
+    metrics = {"data_seconds": 0.0, "seconds": 1.0, "first_losses": [], "first_labels": {}}
+    metrics["layer_grad_norms"] = {"w": 1.0}
+    epoch = {"train/loss": 0.33, "val/loss": 0.33, "val/accuracy": 0.9}
+    for n in (1, 2, 3):
+        monitor.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
+    assert [f.check for f in monitor.findings] == ["at_chance"]
+    assert any("not under the 0.325 of a guess" in line for line in said)
+    balanced = health.Monitor(limits(), ["big", "small"], said.append)  # ln 2 and 0.5: learning
+    for n in (1, 2, 3):
+        balanced.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
+    assert balanced.findings == []
 
 
 def test_gradients_out_of_range_are_named_by_layer():
@@ -329,6 +368,8 @@ def test_out_of_memory_is_reported_and_auto_batch_retries_once(caches, tmp_path)
 
 @pytest.mark.slow
 def test_a_slow_loader_is_reported_as_data_bound(caches, tmp_path):
-    code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, "train.batch:sleep=0.05")
+    # 0.1 s per batch: at 0.05 a machine slowed 15x by other work (39 steps took 3 s of compute)
+    # waited only 40% of the epoch; the sleep is idle time, not CPU the suite pays for
+    code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, "train.batch:sleep=0.1")
     assert code == 0 and only(report) == ["data_bound"], log
     assert report["data_wait_fraction"] > 0.5 and "health: data-bound" in log

@@ -195,27 +195,55 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
     )
 
 
-def at_chance(history: list[dict], chance: float, epochs: int = 3) -> Finding | None:
-    """The train loss at or above chance level in every epoch so far, `epochs` of them at least:
-    the network does no better than a guess, even where its first steps fell (a loss that
-    starts far above chance falls to it and stays). Not while the val accuracy is clearly above
-    a guess's (1/classes, plus a fifth of the way to 1): 2 classes at train.lr 1e-4 kept the
-    train loss at 0.687 for 3 epochs while val accuracy rose to 0.75 (0.93 at epoch 6)."""
+def entropy(shares: list[float]) -> float:
+    return -sum(p * math.log(p) for p in shares if p > 0)
+
+
+@dataclass(frozen=True)
+class Guess:
+    """What a network that learned nothing but the class shares scores, and the best loss there is."""
+
+    loss: float  # its train loss: the entropy of the class shares, smoothed as the targets are
+    accuracy: float  # its accuracy: the largest class's share
+    floor: float  # a perfect network's train loss: 0, or the smoothed targets' own entropy
+
+
+def guess(shares: list[float], smoothing: float = 0.0) -> Guess:
+    """The Guess for training labels in these class shares, under train.label_smoothing. With
+    balanced classes and no smoothing: ln(classes), 1/classes and 0."""
+    k, eps = len(shares), smoothing
+    top = 1 - eps + eps / k  # a smoothed target: this on its class, eps/k on each other
+    return Guess(
+        loss=entropy([(1 - eps) * p + eps / k for p in shares]),
+        accuracy=max(shares),
+        floor=entropy([top, *[eps / k] * (k - 1)]),
+    )
+
+
+def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | None:
+    """The train loss at a guess's in every epoch so far, `epochs` of them at least (not 3% of the
+    way from it to a perfect network's): the network does no better than guessing the class shares,
+    even where its first steps fell (a loss that starts far above chance falls to it and stays).
+    A guess of imbalanced classes scores under ln(classes): 90/10 labels give 0.325, and 0.9
+    accuracy. Not while the val accuracy is clearly above a guess's (plus a fifth of the way to
+    1): 2 classes at train.lr 1e-4 kept the train loss at 0.687 for 3 epochs while val accuracy
+    rose to 0.75 (0.93 at epoch 6)."""
     losses = [h["train/loss"] for h in history]
-    if len(losses) < epochs or min(losses) < 0.97 * chance:
+    if len(losses) < epochs or min(losses) < chance.loss - 0.03 * (chance.loss - chance.floor):
         return None
-    guess = math.exp(-chance)  # 1 / classes
-    if max(h.get("val/accuracy", 0.0) for h in history) > guess + (1 - guess) / 5:
+    best = max(h.get("val/accuracy", 0.0) for h in history)
+    if best > chance.accuracy + (1 - chance.accuracy) / 5:
         return None  # learning: its train loss is still near a guess's, its predictions are not
     return Finding(
         "at_chance",
         len(losses),
         f"at chance level: train loss {min(losses):.3f} at best over {len(losses)} epochs, not "
-        f"under the {chance:.3f} of a guess (ln of the class count); the network learns nothing "
-        "yet. Check, in this order: the labels (sanity's grid); train.lr (`visionflow lr-find`); "
-        "a network this large from scratch on little data: train.pretrained or a smaller "
-        "train.model",
-        {"train_loss": losses, "chance_loss": chance},
+        f"under the {chance.loss:.3f} of a guess (one that knows only the class shares: val "
+        f"accuracy {chance.accuracy:.2f}, this network's best {best:.2f}); the network learns "
+        "nothing yet. Check, in this order: the labels (sanity's grid); train.lr (`visionflow "
+        "lr-find`); a network this large from scratch on little data: train.pretrained or a "
+        "smaller train.model",
+        {"train_loss": losses, "chance_loss": chance.loss, "chance_accuracy": chance.accuracy},
     )
 
 
@@ -288,8 +316,9 @@ class Limits:
 class Monitor:
     """Runs the checks as training goes; reports each finding once, as it is found."""
 
-    def __init__(self, config: Limits, classes: list[str], log=print):
+    def __init__(self, config: Limits, classes: list[str], log=print, chance: Guess | None = None):
         self.config, self.classes, self.log = config, classes, log
+        self.chance = chance or guess([1 / len(classes)] * len(classes))  # the stage's: its labels
         self.findings: list[Finding] = []
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
@@ -330,7 +359,7 @@ class Monitor:
         self.add(gradients(epoch, norms, c.max_grad_norm, c.min_grad_norm, frozen))
         self.add(diverging(history, math.log(len(self.classes))))
         if "loss_not_falling" not in {f.check for f in self.findings}:  # that one says it
-            self.add(at_chance(history, math.log(len(self.classes))))
+            self.add(at_chance(history, self.chance))
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:
