@@ -37,6 +37,7 @@ from pipeline.train_setup import (
     load_data,
     model_for,
     model_metadata,
+    monitor_for,
     starting,
     trainer_for,
     verify_once,
@@ -119,10 +120,7 @@ def main() -> None:
     model_meta["train"]["lr_found"] = found is not None  # train.lr: auto
 
     # --- resume: the state of this fingerprint only, in its own folder ------------------------
-    counts = torch.bincount(data.y_train.cpu(), minlength=len(data.meta.classes)).tolist()
-    chance = health.guess([n / sum(counts) for n in counts], train.label_smoothing)
-    limits = health.Limits(**train.health.model_dump())
-    monitor = health.Monitor(limits, data.meta.classes, log, chance)
+    monitor = monitor_for(train, data, log)
     checked_network(train, model, data, monitor)
     progress = resume(trainer, monitor, folder, run, args.out, train.epochs, log)
     if rank == 0:

@@ -170,6 +170,14 @@ def network_for(train: Train, data: Data, log) -> dict:
     return {"input_size": size, "mean": pre["mean"], "std": pre["std"], "weights": pre["weights"]}
 
 
+def monitor_for(train: Train, data: Data, log) -> health.Monitor:
+    """The health checks, judging chance by a guess of the training labels' class shares."""
+    counts = torch.bincount(data.y_train.cpu(), minlength=len(data.meta.classes)).tolist()
+    chance = health.guess([n / sum(counts) for n in counts], train.label_smoothing)
+    limits = health.Limits(**train.health.model_dump())
+    return health.Monitor(limits, data.meta.classes, log, chance)
+
+
 def checked_network(train: Train, model: nn.Module, data: Data, monitor: health.Monitor) -> None:
     """A network of your own gets the checks a new model needs: its output shape (build_model's
     dummy forward) and its gradients against finite differences, which go into health.json."""

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -95,10 +96,19 @@ def test_a_network_that_learned_only_the_class_shares_is_at_chance():
     assert health.at_chance(near, ten).epoch == 3  # without smoothing: 1.4% of the way to 0
 
 
-def test_the_monitor_judges_chance_by_the_guess_it_is_given():
-    """The stage gives its monitor the guess of its own training labels' class shares."""
-    said = []
-    monitor = health.Monitor(limits(), ["big", "small"], said.append, health.guess([0.9, 0.1]))
+def test_the_stage_judges_chance_by_its_own_labels_class_shares():
+    """The train stage's monitor guesses from its training labels: 90/10 labels, and a network
+    that learned only those shares (loss 0.33, val accuracy 0.9), are at chance."""
+    import torch
+
+    from pipeline.train_setup import Data, monitor_for
+    from visionflow.params import load_params
+
+    said, shipped = [], load_params(ROOT / "params.yaml").train
+    labels = torch.tensor([0] * 90 + [1] * 10)
+    data = Data(None, labels, None, None, SimpleNamespace(classes=["big", "small"]))
+    monitor = monitor_for(shipped.model_copy(update={"label_smoothing": 0.0}), data, said.append)
+    assert monitor.chance.accuracy == 0.9 and monitor.chance.loss == pytest.approx(0.3251, 1e-3)
     metrics = {"data_seconds": 0.0, "seconds": 1.0, "first_losses": [], "first_labels": {}}
     metrics["layer_grad_norms"] = {"w": 1.0}
     epoch = {"train/loss": 0.33, "val/loss": 0.33, "val/accuracy": 0.9}
@@ -106,10 +116,11 @@ def test_the_monitor_judges_chance_by_the_guess_it_is_given():
         monitor.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
     assert [f.check for f in monitor.findings] == ["at_chance"]
     assert any("not under the 0.325 of a guess" in line for line in said)
-    balanced = health.Monitor(limits(), ["big", "small"], said.append)  # ln 2 and 0.5: learning
+    balanced = Data(None, torch.tensor([0, 1] * 50), None, None, data.meta)
+    learning = monitor_for(shipped, balanced, said.append)  # ln 2 and 0.5: 0.9 is learning
     for n in (1, 2, 3):
-        balanced.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
-    assert balanced.findings == []
+        learning.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
+    assert learning.findings == []
 
 
 def test_gradients_out_of_range_are_named_by_layer():
