@@ -173,7 +173,7 @@ def network_for(train: Train, data: Data, log) -> dict:
 def monitor_for(train: Train, data: Data, log) -> health.Monitor:
     """The health checks, judging chance by a guess of the training labels' class shares."""
     counts = torch.bincount(data.y_train.cpu(), minlength=len(data.meta.classes)).tolist()
-    chance = health.guess([n / sum(counts) for n in counts], train.label_smoothing)
+    chance = health.guess([n / (sum(counts) or 1) for n in counts], train.label_smoothing)
     limits = health.Limits(**train.health.model_dump())
     return health.Monitor(limits, data.meta.classes, log, chance)
 
