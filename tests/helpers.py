@@ -132,23 +132,35 @@ def dvc_clean(project: Path, *targets: str) -> bool:
         return repo.status(targets=named or None, with_deps=True) == {}
 
 
+GIVEN: set[int] = set()  # the ports free_port gave in this process: never one twice
+
+
 def free_port() -> int:
     """A free port, drawn below the kernel's ephemeral range. bind(0) hands out a
     port of that range, which every outgoing connection draws from too: between the probe's
     close and the server's bind, another socket may take it (gloo opens many in each DDP run),
     and a client that retries its connect before the server listens may even connect to
     itself. A two-node rendezvous on port 41131 hung so in a clean-clone run, its node 0 past
-    300 s. The draw is the system's: pytest-randomly seeds `random` alike in every worker."""
+    300 s. The draw is the system's: pytest-randomly seeds `random` alike in every worker.
+    Each xdist worker draws from its own slice of the range, so two tests starting servers at
+    once never draw the same port (they could, 1 in 22,768 per pair, from one shared range)."""
     range_file = Path("/proc/sys/net/ipv4/ip_local_port_range")
     lowest = int(range_file.read_text().split()[0]) if range_file.exists() else 32768
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (lowest - 10000) // workers
+    start = 10000 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")) * width
     while True:
-        port = 10000 + secrets.randbelow(lowest - 10000) if lowest > 11000 else 0  # else: the
-        with socket.socket() as probe:  # kernel's pick, on a machine with no room below it
+        port = start + secrets.randbelow(width) if width > 1000 else 0  # else: the kernel's
+        if port in GIVEN:  # pick, on a machine with no room below its range
+            continue
+        with socket.socket() as probe:
             try:
                 probe.bind(("", port))  # every address: torch's store binds them all
             except OSError:
                 continue
-            return probe.getsockname()[1]
+            port = probe.getsockname()[1]
+            GIVEN.add(port)
+            return port
 
 
 def sh(cwd: Path, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
