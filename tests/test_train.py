@@ -43,6 +43,7 @@ from visionflow.train.engine import (
 )
 from visionflow.train.loading import normalise, to_unit
 from visionflow.train.models import build_model
+from visionflow.train.training import time_line
 
 
 def toy(n=64, seed=0):
@@ -162,6 +163,22 @@ def test_an_fp16_overflow_is_a_skipped_step_not_an_exploding_gradient(name):
         assert (
             health.gradients(epoch, norms, limits["max_grad_norm"], limits["min_grad_norm"]) is None
         )
+
+
+def test_the_warm_up_counts_the_images_its_steps_had_and_the_line_never_goes_negative():
+    """272 images at batch 64: five steps, the last of 16 images, all of them the warm-up. The
+    warm-up counted 5 x 64 = 320 images, and the line read "then -308819 img/s"."""
+    x, y = toy(272)
+    model = fresh_model()
+    optimizer = make_optimizer("sgd", model, 1e-2, 0, 0.9, False)
+    g = torch.Generator().manual_seed(0)
+    short = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, g), Step(64))
+    assert short["warmup_images"] == short["images"] == 272
+    line = time_line(short, {"training": short["seconds"]}, warmup=True)
+    assert "(its first 5 steps" in line and "warming up; the epoch had no others)" in line
+    longer = train_one_epoch(model, optimizer, Split(*toy(400), MEAN, STD, g), Step(64))
+    assert (longer["warmup_images"], longer["images"]) == (320, 400)
+    assert re.search(r"warming up; then \d+ img/s\)", time_line(longer, {}, warmup=True))
 
 
 def test_overfitting_a_small_batch_drives_the_loss_to_zero():

@@ -368,23 +368,23 @@ class EpochStats:
         """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
         is left. The wait for each counts as data time, shown as progress in a terminal. (An
         out-of-memory while a batch is sliced, a small share of a step's memory, is raised.)"""
-        group, done = [], 0
+        group, done, images = [], 0, 0
         for batch in self.timed(batches):
             group.append(batch)
             if len(group) == accumulate:
                 yield group
-                group, done = [], done + 1
-                if done == WARMUP_STEPS:
-                    self.warmed_up(batch[1].device)
+                done, images = done + 1, images + sum(len(y) for _, y in group)
+                group = []
+                if done == WARMUP_STEPS:  # their images as they came: a last step may be short
+                    self.warmed_up(batch[1].device, images)
         if group:
             yield group
 
-    def warmed_up(self, device: torch.device) -> None:
+    def warmed_up(self, device: torch.device, images: int) -> None:
         """The time of the first steps: the epoch's one sync besides its end's, so that the
         clock reads the GPU's work, not how far ahead the host has queued it."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        images = WARMUP_STEPS * self.step.accumulate * self.step.batch_size
         self.warmup = (time.perf_counter() - self.started, images)
 
     def timed(self, batches: Iterable) -> Iterator:

@@ -350,11 +350,11 @@ def time_line(train: dict, laps: dict[str, float], warmup: bool) -> str:
     rate of the steps after them."""
     trained = f"training {laps.get('training', train['seconds']):.2f}"
     warm_s, warm_images = train["warmup_seconds"], train["warmup_images"]
+    rest = train["images"] - warm_images  # those of the steps after the first ones
     if warmup and warm_images:
-        steady = (train["images"] - warm_images) / max(train["seconds"] - warm_s, 1e-9)
-        trained += (
-            f" (its first {WARMUP_STEPS} steps {warm_s:.2f}, warming up; then {steady:.0f} img/s)"
-        )
+        seconds = max(train["seconds"] - warm_s, 1e-9)
+        then = f"then {rest / seconds:.0f} img/s" if rest > 0 else "the epoch had no others"
+        trained += f" (its first {WARMUP_STEPS} steps {warm_s:.2f}, warming up; {then})"
     besides = ", ".join(f"{part} {s:.2f}" for part, s in laps.items() if part != "training")
     return f"           seconds: {trained}; besides training: {besides}"
 
