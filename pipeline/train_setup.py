@@ -95,8 +95,13 @@ def load_data(cache: Path, train: Train, device: torch.device) -> Data:
     x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
     x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
     if train.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
-        subset = train.overfit_batches * train.batch_size
-        x_train, y_train = x_train[:subset], y_train[:subset]
+        n = len(y_train)
+        subset = min(train.overfit_batches * train.batch_size, n)
+        # spread over the split: a folder's cache is in class order, so its first images are
+        # often of one class, which a constant fits
+        every = torch.from_numpy(np.arange(subset) * n // subset)
+        x_train = x_train[every] if torch.is_tensor(x_train) else x_train[every.numpy()]
+        y_train = y_train[every]
         x_val, y_val = x_train, y_train
     return Data(x_train, y_train, x_val, y_val, dataset.read_cache_meta(cache))
 
@@ -173,7 +178,10 @@ def network_for(train: Train, data: Data, log) -> dict:
 def monitor_for(train: Train, data: Data, log) -> health.Monitor:
     """The health checks, judging chance by a guess of the training labels' class shares."""
     counts = torch.bincount(data.y_train.cpu(), minlength=len(data.meta.classes)).tolist()
-    chance = health.guess([n / (sum(counts) or 1) for n in counts], train.label_smoothing)
+    top = counts.index(max(counts))  # the guess says this class, on val as on train
+    right = (data.y_val.cpu() == top).float().mean().item() if len(data.y_val) else None
+    shares = [n / (sum(counts) or 1) for n in counts]
+    chance = health.guess(shares, train.label_smoothing, right)
     limits = health.Limits(**train.health.model_dump())
     return health.Monitor(limits, data.meta.classes, log, chance)
 

@@ -64,7 +64,10 @@ def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
     stuck = [{"train/loss": v, "val/accuracy": 0.1} for v in (2.41, 2.31, 2.305)]
     found = health.at_chance(stuck, ten)
     assert found.check == "at_chance" and found.epoch == 3
-    assert "train loss 2.305 at best over 3 epochs, not under the 2.303 of a guess" in found.message
+    assert (
+        "train loss 2.305 at best over 3 epochs, not 3% of the way from a guess's 2.303 to a "
+        "perfect network's 0.000" in found.message
+    )
     assert health.at_chance(stuck[:2], ten) is None  # too early to judge
     learning = [{"train/loss": v} for v in (2.4, 2.1, 1.9)]
     assert health.at_chance(learning, ten) is None
@@ -83,10 +86,20 @@ def test_a_network_that_learned_only_the_class_shares_is_at_chance():
     assert skewed.loss == pytest.approx(0.3251, abs=1e-4) and skewed.accuracy == 0.9
     prior_only = [{"train/loss": v, "val/accuracy": 0.9} for v in (0.36, 0.33, 0.326)]
     found = health.at_chance(prior_only, skewed)
-    assert found.check == "at_chance" and "not under the 0.325 of a guess" in found.message
+    assert found.check == "at_chance" and "from a guess's 0.325 to a perfect" in found.message
     assert "val accuracy 0.90, this network's best 0.90" in found.message
+    assert found.evidence["under"] == pytest.approx(0.97 * skewed.loss)
     learned = [{**h, "val/accuracy": 0.97} for h in prior_only]  # above 0.9 + 0.1 / 5
     assert health.at_chance(learned, skewed) is None
+    # a val split with no image of the small class: the guess scores 1.0 there, so 1.0 is no escape
+    assert health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], skewed) is None
+    all_big = health.guess([0.9, 0.1], accuracy=1.0)
+    assert health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], all_big).epoch == 3
+    # one class in training (train.overfit_batches on a class-sorted cache): a guess is perfect,
+    # nothing to judge; with smoothing too (the guess is then the smoothed target itself)
+    for eps in (0.0, 0.1):
+        one = health.guess([1.0, 0.0], smoothing=eps)
+        assert health.at_chance([{"train/loss": 0.5, "val/accuracy": 1.0}] * 3, one) is None
     # heavy label smoothing: a perfect network's loss (1.876 at 0.6 for 10 classes) sits near a
     # guess's ln 10, so falling 3% of the way between them is what learning looks like
     smooth, ten = health.guess([0.1] * 10, smoothing=0.6), health.guess([0.1] * 10)
@@ -96,30 +109,35 @@ def test_a_network_that_learned_only_the_class_shares_is_at_chance():
     assert health.at_chance(near, ten).epoch == 3  # without smoothing: 1.4% of the way to 0
 
 
-def test_the_stage_judges_chance_by_its_own_labels_class_shares():
-    """The train stage's monitor guesses from its training labels: 90/10 labels, and a network
-    that learned only those shares (loss 0.33, val accuracy 0.9), are at chance."""
+def test_the_stage_judges_chance_by_its_own_labels_and_clears_it_once_the_network_learns():
+    """The train stage's monitor guesses from its training labels (90/10), scored on its val
+    labels (all of the big class: a guess gets 1.0 there). A network that learned only the shares
+    is at chance; when it learns later, the finding goes and the log says so."""
     import torch
 
     from pipeline.train_setup import Data, monitor_for
     from visionflow.params import load_params
 
     said, shipped = [], load_params(ROOT / "params.yaml").train
-    labels = torch.tensor([0] * 90 + [1] * 10)
-    data = Data(None, labels, None, None, SimpleNamespace(classes=["big", "small"]))
+    labels, val = torch.tensor([0] * 90 + [1] * 10), torch.zeros(20, dtype=torch.long)
+    data = Data(None, labels, None, val, SimpleNamespace(classes=["big", "small"]))
     monitor = monitor_for(shipped.model_copy(update={"label_smoothing": 0.0}), data, said.append)
-    assert monitor.chance.accuracy == 0.9 and monitor.chance.loss == pytest.approx(0.3251, 1e-3)
+    assert monitor.chance.accuracy == 1.0 and monitor.chance.loss == pytest.approx(0.3251, 1e-3)
     metrics = {"data_seconds": 0.0, "seconds": 1.0, "first_losses": [], "first_labels": {}}
     metrics["layer_grad_norms"] = {"w": 1.0}
-    epoch = {"train/loss": 0.33, "val/loss": 0.33, "val/accuracy": 0.9}
+    history = [{"train/loss": 0.33, "val/loss": 0.33, "val/accuracy": 1.0}] * 3
     for n in (1, 2, 3):
-        monitor.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
+        monitor.epoch(n, metrics, history[:n], 1e-3, mapped=False)
     assert [f.check for f in monitor.findings] == ["at_chance"]
-    assert any("not under the 0.325 of a guess" in line for line in said)
-    balanced = Data(None, torch.tensor([0, 1] * 50), None, None, data.meta)
+    assert any("from a guess's 0.325 to a perfect network's 0.000" in line for line in said)
+    history.append({"train/loss": 0.05, "val/loss": 0.05, "val/accuracy": 1.0})
+    monitor.epoch(4, metrics, history, 1e-3, mapped=False)
+    assert monitor.findings == [] and monitor.report()["healthy"] is True
+    assert said[-1].startswith("health: no longer at chance level at epoch 4: train loss 0.050")
+    balanced = Data(None, torch.tensor([0, 1] * 50), None, torch.tensor([0, 1] * 10), data.meta)
     learning = monitor_for(shipped, balanced, said.append)  # ln 2 and 0.5: 0.9 is learning
     for n in (1, 2, 3):
-        learning.epoch(n, metrics, [epoch] * n, 1e-3, mapped=False)
+        learning.epoch(n, metrics, [{**history[0], "val/accuracy": 0.9}] * n, 1e-3, mapped=False)
     assert learning.findings == []
 
 

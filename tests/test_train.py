@@ -25,7 +25,8 @@ import yaml
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.helpers import ROOT, free_port, python_path, write_params
+from tests.helpers import ROOT, digits_cache, free_port, python_path, write_params
+from visionflow import faults
 from visionflow.data import dataset, sources
 from visionflow.train import checkpoint, health, loading
 from visionflow.train.augment import augment
@@ -165,20 +166,58 @@ def test_an_fp16_overflow_is_a_skipped_step_not_an_exploding_gradient(name):
         )
 
 
-def test_the_warm_up_counts_the_images_its_steps_had_and_the_line_never_goes_negative():
+def test_the_warm_up_counts_the_images_its_steps_had_and_the_line_never_goes_negative(
+    monkeypatch,
+):
     """272 images at batch 64: five steps, the last of 16 images, all of them the warm-up. The
     warm-up counted 5 x 64 = 320 images, and the line read "then -308819 img/s"."""
     x, y = toy(272)
     model = fresh_model()
     optimizer = make_optimizer("sgd", model, 1e-2, 0, 0.9, False)
     g = torch.Generator().manual_seed(0)
-    short = train_one_epoch(model, optimizer, Split(x, y, MEAN, STD, g), Step(64))
-    assert short["warmup_images"] == short["images"] == 272
+
+    def epoch(n: int, step: Step) -> dict:
+        return train_one_epoch(model, optimizer, Split(*toy(n), MEAN, STD, g), step)
+
+    short = epoch(272, Step(64))
+    assert short["warmup_images"] == short["fed_images"] == short["images"] == 272
     line = time_line(short, {"training": short["seconds"]}, warmup=True)
     assert "(its first 5 steps" in line and "warming up; the epoch had no others)" in line
-    longer = train_one_epoch(model, optimizer, Split(*toy(400), MEAN, STD, g), Step(64))
-    assert (longer["warmup_images"], longer["images"]) == (320, 400)
+    # the fifth step a short last one of accumulated micro-batches: still the warm-up's end
+    accumulated = epoch(272, Step(16, accumulate=4))
+    assert accumulated["warmup_images"] == 272 and "no others" in time_line(accumulated, {}, True)
+    longer = epoch(400, Step(64))
+    assert (longer["warmup_images"], longer["fed_images"]) == (320, 400)
     assert re.search(r"warming up; then \d+ img/s\)", time_line(longer, {}, warmup=True))
+    # a step skipped in the warm-up (a NaN loss): its images are not trained on, but were fed
+    monkeypatch.setattr(faults, "FAULTS", faults.parse("train.loss@step=1:nan"))
+    monkeypatch.setattr(faults, "ACTIVE", True)
+    skipped = epoch(340, Step(64))
+    assert skipped["skipped_steps"] == 1 and skipped["images"] == 340 - 64
+    assert (skipped["warmup_images"], skipped["fed_images"]) == (320, 340)
+    assert re.search(r"warming up; then \d+ img/s\)", time_line(skipped, {}, warmup=True))
+
+
+def test_overfit_batches_takes_images_of_every_class_from_a_folders_class_ordered_cache(
+    image_folder, tmp_path
+):
+    """A folder's cache is in class order: the first 6 images were all 'blue', which a constant
+    fits, so overfitting them proved nothing. The subset is spread over the split."""
+    from pipeline.train_setup import load_data
+    from visionflow.params import load_params
+
+    for note in image_folder.rglob("notes.txt"):
+        note.unlink()  # the fixture's stray file, which the cache's build rejects
+    cache = digits_cache(tmp_path / "cache", sources.load_source("imagefolder", image_folder))
+    train = load_params(ROOT / "params.yaml").train
+    whole = load_data(cache, train, torch.device("cpu"))
+    assert whole.y_train.tolist() == sorted(whole.y_train.tolist())  # in class order
+    change = {"overfit_batches": 1, "batch_size": 6}
+    data = load_data(cache, train.model_copy(update=change), torch.device("cpu"))
+    assert len(data.y_train) == 6 and set(data.y_train.tolist()) == {0, 1, 2}
+    assert torch.equal(data.x_val, data.x_train) and torch.equal(data.y_val, data.y_train)
+    every = torch.tensor([i * len(whole.y_train) // 6 for i in range(6)])
+    assert torch.equal(data.x_train, whole.x_train[every])  # the same images on every run
 
 
 def test_overfitting_a_small_batch_drives_the_loss_to_zero():

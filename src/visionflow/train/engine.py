@@ -359,6 +359,7 @@ class EpochStats:
         self.finite: torch.Tensor | None = None  # the step's losses so far, all finite
         self.data_seconds, self.started = 0.0, time.perf_counter()
         self.warmup = (0.0, 0)  # seconds and this rank's images of the first WARMUP_STEPS steps
+        self.fed_steps = self.fed_images = 0  # steps and this rank's images so far, skipped too
 
     @property
     def where(self) -> str:
@@ -368,24 +369,31 @@ class EpochStats:
         """The micro-batches of each optimizer step: `accumulate` of them, the last step's what
         is left. The wait for each counts as data time, shown as progress in a terminal. (An
         out-of-memory while a batch is sliced, a small share of a step's memory, is raised.)"""
-        group, done, images = [], 0, 0
+        group = []
         for batch in self.timed(batches):
             group.append(batch)
             if len(group) == accumulate:
                 yield group
-                done, images = done + 1, images + sum(len(y) for _, y in group)
+                self.fed(group)
                 group = []
-                if done == WARMUP_STEPS:  # their images as they came: a last step may be short
-                    self.warmed_up(batch[1].device, images)
         if group:
             yield group
+            self.fed(group)
 
-    def warmed_up(self, device: torch.device, images: int) -> None:
+    def fed(self, group: list) -> None:
+        """After each step, taken or skipped: its images (as they came: a last step may be
+        short); the WARMUP_STEPS-th ends the warm-up."""
+        self.fed_steps += 1
+        self.fed_images += sum(len(y) for _, y in group)
+        if self.fed_steps == WARMUP_STEPS:
+            self.warmed_up(group[-1][1].device)
+
+    def warmed_up(self, device: torch.device) -> None:
         """The time of the first steps: the epoch's one sync besides its end's, so that the
         clock reads the GPU's work, not how far ahead the host has queued it."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        self.warmup = (time.perf_counter() - self.started, images)
+        self.warmup = (time.perf_counter() - self.started, self.fed_images)
 
     def timed(self, batches: Iterable) -> Iterator:
         total = math.ceil(self.images / self.step.batch_size)  # micro-batches in the epoch
@@ -486,7 +494,8 @@ class EpochStats:
             "data_seconds": self.data_seconds,
             "seconds": time.perf_counter() - self.started,
             "warmup_seconds": self.warmup[0],
-            "warmup_images": self.warmup[1] * self.world,  # every rank's, as `images`
+            "warmup_images": self.warmup[1] * self.world,  # every rank's
+            "fed_images": self.fed_images * self.world,  # the steps' images, skipped ones too
             "out_of_memory": bool(out_of_memory),
         }
 

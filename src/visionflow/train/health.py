@@ -196,7 +196,7 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
 
 
 def entropy(shares: list[float]) -> float:
-    return -sum(p * math.log(p) for p in shares if p > 0)
+    return sum(-p * math.log(p) for p in shares if p > 0)  # 0.0 for one class, not -0.0
 
 
 @dataclass(frozen=True)
@@ -204,18 +204,19 @@ class Guess:
     """What a network that learned nothing but the class shares scores, and the best loss there is."""
 
     loss: float  # its train loss: the entropy of the class shares, smoothed as the targets are
-    accuracy: float  # its accuracy: the largest class's share
+    accuracy: float  # its val accuracy: always the largest train class, as often as val has it
     floor: float  # a perfect network's train loss: 0, or the smoothed targets' own entropy
 
 
-def guess(shares: list[float], smoothing: float = 0.0) -> Guess:
-    """The Guess for training labels in these class shares, under train.label_smoothing. With
+def guess(shares: list[float], smoothing: float = 0.0, accuracy: float | None = None) -> Guess:
+    """The Guess for training labels in these class shares, under train.label_smoothing; its val
+    accuracy is `accuracy`, or the largest share where val's classes are spread as train's. With
     balanced classes and no smoothing: ln(classes), 1/classes and 0."""
     k, eps = len(shares), smoothing
     top = 1 - eps + eps / k  # a smoothed target: this on its class, eps/k on each other
     return Guess(
         loss=entropy([(1 - eps) * p + eps / k for p in shares]),
-        accuracy=max(shares),
+        accuracy=max(shares) if accuracy is None else accuracy,
         floor=entropy([top, *[eps / k] * (k - 1)]),
     )
 
@@ -227,9 +228,10 @@ def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | 
     A guess of imbalanced classes scores under ln(classes): 90/10 labels give 0.325, and 0.9
     accuracy. Not while the val accuracy is clearly above a guess's (plus a fifth of the way to
     1): 2 classes at train.lr 1e-4 kept the train loss at 0.687 for 3 epochs while val accuracy
-    rose to 0.75 (0.93 at epoch 6)."""
+    rose to 0.75 (0.93 at epoch 6). Nothing to judge where a guess is perfect (one class)."""
     losses = [h["train/loss"] for h in history]
-    if len(losses) < epochs or min(losses) < chance.loss - 0.03 * (chance.loss - chance.floor):
+    bar = chance.loss - 0.03 * (chance.loss - chance.floor)
+    if len(losses) < epochs or min(losses) < bar or chance.loss - chance.floor < 1e-6:
         return None
     best = max(h.get("val/accuracy", 0.0) for h in history)
     if best > chance.accuracy + (1 - chance.accuracy) / 5:
@@ -237,13 +239,19 @@ def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | 
     return Finding(
         "at_chance",
         len(losses),
-        f"at chance level: train loss {min(losses):.3f} at best over {len(losses)} epochs, not "
-        f"under the {chance.loss:.3f} of a guess (one that knows only the class shares: val "
-        f"accuracy {chance.accuracy:.2f}, this network's best {best:.2f}); the network learns "
-        "nothing yet. Check, in this order: the labels (sanity's grid); train.lr (`visionflow "
-        "lr-find`); a network this large from scratch on little data: train.pretrained or a "
-        "smaller train.model",
-        {"train_loss": losses, "chance_loss": chance.loss, "chance_accuracy": chance.accuracy},
+        f"at chance level: train loss {min(losses):.3f} at best over {len(losses)} epochs, not 3% "
+        f"of the way from a guess's {chance.loss:.3f} to a perfect network's {chance.floor:.3f} "
+        f"(the guess knows only the class shares: val accuracy {chance.accuracy:.2f}, this "
+        f"network's best {best:.2f}); the network learns nothing yet. Check, in this order: the "
+        "labels (sanity's grid); train.lr (`visionflow lr-find`); a network this large from "
+        "scratch on little data: train.pretrained or a smaller train.model",
+        {
+            "train_loss": losses,
+            "chance_loss": chance.loss,
+            "perfect_loss": chance.floor,
+            "under": bar,
+            "chance_accuracy": chance.accuracy,
+        },
     )
 
 
@@ -359,7 +367,17 @@ class Monitor:
         self.add(gradients(epoch, norms, c.max_grad_norm, c.min_grad_norm, frozen))
         self.add(diverging(history, math.log(len(self.classes))))
         if "loss_not_falling" not in {f.check for f in self.findings}:  # that one says it
-            self.add(at_chance(history, self.chance))
+            stuck = at_chance(history, self.chance)
+            self.add(stuck)
+            if stuck is None and "at_chance" in {f.check for f in self.findings}:  # it learns now
+                self.findings = [f for f in self.findings if f.check != "at_chance"]
+                loss = min(h["train/loss"] for h in history)
+                best = max(h.get("val/accuracy", 0.0) for h in history)
+                self.log(
+                    f"health: no longer at chance level at epoch {epoch}: train loss {loss:.3f}, "
+                    f"val accuracy {best:.2f} (a guess's {self.chance.loss:.3f}, "
+                    f"{self.chance.accuracy:.2f})"
+                )
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:

@@ -350,7 +350,7 @@ def time_line(train: dict, laps: dict[str, float], warmup: bool) -> str:
     rate of the steps after them."""
     trained = f"training {laps.get('training', train['seconds']):.2f}"
     warm_s, warm_images = train["warmup_seconds"], train["warmup_images"]
-    rest = train["images"] - warm_images  # those of the steps after the first ones
+    rest = train["fed_images"] - warm_images  # those of the steps after the first ones
     if warmup and warm_images:
         seconds = max(train["seconds"] - warm_s, 1e-9)
         then = f"then {rest / seconds:.0f} img/s" if rest > 0 else "the epoch had no others"
