@@ -38,6 +38,7 @@ from pipeline.train_setup import (
     model_for,
     model_metadata,
     monitor_for,
+    overfit_settings,
     starting,
     trainer_for,
     verify_once,
@@ -99,7 +100,7 @@ def failed(args, train: Train, monitor: health.Monitor, rank: int, error, epoch:
 def main() -> None:
     args = parse_args()
     params = load_params()
-    train = params.train
+    train = overfit_settings(params.train)
 
     # --- params, data, model, and what steps it ---------------------------------------------
     rank, world = start_distributed(train.device)

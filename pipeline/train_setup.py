@@ -17,7 +17,7 @@ from pipeline import GateError
 from visionflow import faults
 from visionflow.data import dataset
 from visionflow.errors import DataError, Unavailable
-from visionflow.params import Train, recipe_values
+from visionflow.params import Augment, Train, recipe_values
 from visionflow.train import from_torchvision, health, loading
 from visionflow.train.engine import (
     Step,
@@ -88,6 +88,32 @@ def verify_once(cache: Path, rank: int, world: int) -> None:
         raise DataError(problem)
 
 
+OVERFIT = {  # train.overfit_batches: each of these keeps the loss of a few batches off 0
+    "dropout": 0.0,
+    "label_smoothing": 0.0,
+    "weight_decay": 0.0,
+    "augment": Augment(crop_padding=0, hflip=False, rotation=0.0, color_jitter=0.0),
+}
+
+
+def overfit_settings(train: Train) -> Train:
+    """With train.overfit_batches the run is to fit its few batches exactly (digits' 128 images
+    stayed at train loss 1.2-1.4 for 20 epochs with augmentation and dropout on, and fell to 0.14
+    without): no augmentation, dropout, label smoothing or weight decay then."""
+    return train.model_copy(update=OVERFIT) if train.overfit_batches else train
+
+
+def each_class_in_turn(labels: np.ndarray) -> np.ndarray:
+    """The indices of `labels`, each class's first, then each class's second, and so on: the first
+    N hold every class where N allows (a folder's cache is in class order, and its first images,
+    all of one class, are fitted by a constant)."""
+    rank = np.zeros(len(labels), dtype=np.int64)  # how many of its class come before it
+    for c in np.unique(labels):
+        at = np.flatnonzero(labels == c)
+        rank[at] = np.arange(len(at))
+    return np.lexsort((labels, rank))
+
+
 def load_data(cache: Path, train: Train, device: torch.device) -> Data:
     max_bytes = (
         train.max_memory_gb * 2**30
@@ -95,11 +121,8 @@ def load_data(cache: Path, train: Train, device: torch.device) -> Data:
     x_train, y_train = loading.load_for_training(cache, "train", device, max_bytes)
     x_val, y_val = loading.load_for_training(cache, "val", device, max_bytes)
     if train.overfit_batches:  # a fixed small subset, scored on itself: the loss must go to ~0
-        n = len(y_train)
-        subset = min(train.overfit_batches * train.batch_size, n)
-        # spread over the split: a folder's cache is in class order, so its first images are
-        # often of one class, which a constant fits
-        every = torch.from_numpy(np.arange(subset) * n // subset)
+        every = torch.from_numpy(each_class_in_turn(y_train.cpu().numpy()))
+        every = every[: train.overfit_batches * train.batch_size].sort().values
         x_train = x_train[every] if torch.is_tensor(x_train) else x_train[every.numpy()]
         y_train = y_train[every]
         x_val, y_val = x_train, y_train
@@ -331,12 +354,17 @@ def starting(train: Train, trainer: Trainer, data: Data, device: torch.device) -
     dtype, channels_last, reason = speed_settings(
         train.amp, train.channels_last, train.model, device
     )
+    overfit = (
+        f"\ntrain: overfit_batches {train.overfit_batches}: {len(data.y_train)} images, each "
+        "class in turn, scored on themselves, with no augmentation, dropout, label smoothing or "
+        "weight decay: the loss should reach about 0"
+    )
     return (
         f"train: {train.model} on {device} x {trainer.world}, "
         f"{len(data.y_train)} train ({'memory-mapped' if data.mapped else 'on the device'}) / "
         f"{len(data.y_val)} val images, {parameters} parameters\n"
         f"train: amp {str(dtype).removeprefix('torch.') if dtype else 'off'}, channels_last "
-        f"{str(channels_last).lower()} ({reason})"
+        f"{str(channels_last).lower()} ({reason}){overfit if train.overfit_batches else ''}"
     )
 
 

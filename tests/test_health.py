@@ -42,6 +42,16 @@ def test_a_flat_loss_names_the_checklist_and_the_label_evidence():
     assert "90% of the first 100 labels are class '3': is the data shuffled" in skewed.message
     falling = [2.3 - 0.03 * i for i in range(50)]
     assert health.first_steps(falling, spread, CLASSES, 1e-3, 0.05) is None
+    # a first step skipped for a NaN loss is no measure: it read "loss not falling: nan -> 0.002"
+    skipped = health.first_steps([math.nan, *falling[1:]], spread, CLASSES, 1e-3, 0.05)
+    assert skipped is None
+    # label smoothing 0.9 on 2 classes: no loss goes under 0.688, so 0.693 -> 0.689 is most of
+    # the way there, not a 0.6% fall
+    smooth = health.guess([0.5, 0.5], smoothing=0.9)
+    near = [0.693 - 0.0001 * i for i in range(50)]
+    assert health.first_steps(near, {0: 50, 1: 50}, ["a", "b"], 1e-3, 0.05, smooth) is None
+    flat = health.first_steps([0.693] * 50, {0: 50, 1: 50}, ["a", "b"], 1e-3, 0.05, smooth)
+    assert "(+0.0% of the way to 0.688, label smoothing's least, under" in flat.message
 
 
 def test_a_rising_or_non_finite_loss_is_divergence():

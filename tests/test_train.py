@@ -198,12 +198,12 @@ def test_the_warm_up_counts_the_images_its_steps_had_and_the_line_never_goes_neg
     assert re.search(r"warming up; then \d+ img/s\)", time_line(skipped, {}, warmup=True))
 
 
-def test_overfit_batches_takes_images_of_every_class_from_a_folders_class_ordered_cache(
+def test_overfit_batches_takes_every_class_in_turn_from_a_folders_class_ordered_cache(
     image_folder, tmp_path
 ):
     """A folder's cache is in class order: the first 6 images were all 'blue', which a constant
-    fits, so overfitting them proved nothing. The subset is spread over the split."""
-    from pipeline.train_setup import load_data
+    fits, so overfitting them proved nothing. The subset takes each class's images in turn."""
+    from pipeline.train_setup import each_class_in_turn, load_data, overfit_settings
     from visionflow.params import load_params
 
     for note in image_folder.rglob("notes.txt"):
@@ -214,10 +214,19 @@ def test_overfit_batches_takes_images_of_every_class_from_a_folders_class_ordere
     assert whole.y_train.tolist() == sorted(whole.y_train.tolist())  # in class order
     change = {"overfit_batches": 1, "batch_size": 6}
     data = load_data(cache, train.model_copy(update=change), torch.device("cpu"))
-    assert len(data.y_train) == 6 and set(data.y_train.tolist()) == {0, 1, 2}
+    assert data.y_train.tolist() == [0, 0, 1, 1, 2, 2]  # each class's first two
     assert torch.equal(data.x_val, data.x_train) and torch.equal(data.y_val, data.y_train)
-    every = torch.tensor([i * len(whole.y_train) // 6 for i in range(6)])
-    assert torch.equal(data.x_train, whole.x_train[every])  # the same images on every run
+    starts = [whole.y_train.tolist().index(c) for c in (0, 1, 2)]
+    firsts = torch.tensor(sorted([*starts, *(i + 1 for i in starts)]))
+    assert torch.equal(data.x_train, whole.x_train[firsts])  # the same images on every run
+    # and nothing that keeps the loss of a few batches off 0 (digits' 128 stayed at 1.2-1.4)
+    fitting = overfit_settings(train.model_copy(update=change))
+    assert (fitting.dropout, fitting.label_smoothing, fitting.weight_decay) == (0, 0, 0)
+    assert fitting.augment.crop_padding == 0 and fitting.augment.rotation == 0
+    assert overfit_settings(train) is train  # a normal run keeps its settings
+    # a class under 1/N of the split still gets its turn: 217 of one class and 27 of another
+    labels = np.array([0] * 217 + [1] * 27)
+    assert sorted(labels[each_class_in_turn(labels)[:8]].tolist()) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_overfitting_a_small_batch_drives_the_loss_to_zero():
@@ -837,9 +846,16 @@ def test_two_nodes_resume_from_rank_0s_checkpoint_and_end_as_an_uninterrupted_ru
     A SIGTERM that reaches the first machine alone stops every rank at the epoch's end. A node
     whose cache is corrupted, or whose data differs, stops every rank in one line."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
+    digits = sources.load_source("digits", None)  # 200 of them: not overfit_batches, which
+    few = digits._replace(  # turns augmentation and dropout off
+        images=digits.images[:200], labels=digits.labels[:200], names=digits.names[:200]
+    )
+    split = {"val_fraction": 0.15, "test_fraction": 0.2, "seed": 0}
+    dataset.build_cache(few, tmp_path / "small", dataset.Decode(8, "grayscale"), **split)
     for node in nodes:
-        shutil.copytree(workdir, node)
-    tiny = {"batch_size": 16, "overfit_batches": 8}  # 128 images: 4 steps of 16 per rank
+        shutil.copytree(workdir, node, ignore=shutil.ignore_patterns("prepared"))
+        shutil.copytree(tmp_path / "small", node / "prepared")
+    tiny = {"batch_size": 16}  # 200 digits, 136 to train: 5 steps of up to 16 per rank
 
     def every_node(epochs: int) -> None:
         for node in nodes:

@@ -56,19 +56,56 @@ def data_bound(
     )
 
 
-def loss_drop(losses: list[float]) -> tuple[float, float, float]:
-    """Mean loss of the first and last fifth of `losses`, and the share it fell between them."""
+def entropy(shares: list[float]) -> float:
+    return sum(-p * math.log(p) for p in shares if p > 0)  # 0.0 for one class, not -0.0
+
+
+@dataclass(frozen=True)
+class Guess:
+    """What a network that learned nothing but the class shares scores, and the best loss there is."""
+
+    loss: float  # its train loss: the entropy of the class shares, smoothed as the targets are
+    accuracy: float  # its val accuracy: always the largest train class, as often as val has it
+    floor: float  # a perfect network's train loss: 0, or the smoothed targets' own entropy
+
+
+def guess(shares: list[float], smoothing: float = 0.0, accuracy: float | None = None) -> Guess:
+    """The Guess for training labels in these class shares, under train.label_smoothing; its val
+    accuracy is `accuracy`, or the largest share where val's classes are spread as train's. With
+    balanced classes and no smoothing: ln(classes), 1/classes and 0."""
+    k, eps = len(shares), smoothing
+    top = 1 - eps + eps / k  # a smoothed target: this on its class, eps/k on each other
+    return Guess(
+        loss=entropy([(1 - eps) * p + eps / k for p in shares]),
+        accuracy=max(shares) if accuracy is None else accuracy,
+        floor=entropy([top, *[eps / k] * (k - 1)]),
+    )
+
+
+def loss_drop(losses: list[float], floor: float = 0.0) -> tuple[float, float, float]:
+    """Mean loss of the first and last fifth of `losses`, and the share of the way it fell
+    between them towards `floor` (the least loss there is: 0, or more under label smoothing).
+    A step skipped for a NaN loss is no measure: only finite losses count, but a last fifth
+    with none is NaN (diverging)."""
     k = max(1, len(losses) // 5)
-    first, last = fmean(losses[:k]), fmean(losses[-k:])
-    return first, last, (first - last) / first if first > 0 else 0.0
+    head = [v for v in losses[:k] if math.isfinite(v)]
+    tail = [v for v in losses[-k:] if math.isfinite(v)]
+    first, last = (fmean(part) if part else math.nan for part in (head, tail))
+    return first, last, (first - last) / (first - floor) if first > floor else 0.0
 
 
 def first_steps(
-    losses: list[float], labels: dict, classes: list[str], lr: float, min_drop: float
+    losses: list[float],
+    labels: dict,
+    classes: list[str],
+    lr: float,
+    min_drop: float,
+    guessed: Guess | None = None,  # the stage's (Monitor.chance); else balanced classes
 ) -> Finding | None:
     """The loss over the first steps: rising (diverging) or not falling (with the checklist)."""
-    first, last, drop = loss_drop(losses)
-    chance = math.log(len(classes))
+    guessed = guessed or guess([1 / len(classes)] * len(classes))
+    first, last, drop = loss_drop(losses, guessed.floor)
+    chance = guessed.loss
     total = sum(labels.values()) or 1
     top_label, top_count = max(labels.items(), key=lambda item: item[1], default=(0, 0))
     evidence = {
@@ -92,6 +129,9 @@ def first_steps(
     if drop >= min_drop:
         return None
     share = top_count / total
+    towards = (
+        f" of the way to {guessed.floor:.3f}, label smoothing's least" if guessed.floor else ""
+    )
     labels_line = (
         f"{share:.0%} of the first {total} labels are class '{classes[int(top_label)]}': is the "
         "data shuffled, are the classes balanced?"
@@ -103,7 +143,7 @@ def first_steps(
         1,
         (
             f"loss not falling: {first:.3f} -> {last:.3f} over the first {len(losses)} steps "
-            f"({drop:+.1%}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
+            f"({drop:+.1%}{towards}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
             f"{len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and labels: do "
             f"the images in results/sanity/labels.png match their labels? {labels_line}; "
             "(2) preprocessing: mean/std in results/sanity/scan.json; (3) output shapes and loss: one "
@@ -192,32 +232,6 @@ def diverging(history: list[dict], chance: float) -> Finding | None:
         "the learning rate is likely too high: divide train.lr by 10, or set "
         "train.grad_clip",
         {"train_loss": loss, "chance_loss": chance},
-    )
-
-
-def entropy(shares: list[float]) -> float:
-    return sum(-p * math.log(p) for p in shares if p > 0)  # 0.0 for one class, not -0.0
-
-
-@dataclass(frozen=True)
-class Guess:
-    """What a network that learned nothing but the class shares scores, and the best loss there is."""
-
-    loss: float  # its train loss: the entropy of the class shares, smoothed as the targets are
-    accuracy: float  # its val accuracy: always the largest train class, as often as val has it
-    floor: float  # a perfect network's train loss: 0, or the smoothed targets' own entropy
-
-
-def guess(shares: list[float], smoothing: float = 0.0, accuracy: float | None = None) -> Guess:
-    """The Guess for training labels in these class shares, under train.label_smoothing; its val
-    accuracy is `accuracy`, or the largest share where val's classes are spread as train's. With
-    balanced classes and no smoothing: ln(classes), 1/classes and 0."""
-    k, eps = len(shares), smoothing
-    top = 1 - eps + eps / k  # a smoothed target: this on its class, eps/k on each other
-    return Guess(
-        loss=entropy([(1 - eps) * p + eps / k for p in shares]),
-        accuracy=max(shares) if accuracy is None else accuracy,
-        floor=entropy([top, *[eps / k] * (k - 1)]),
     )
 
 
@@ -362,7 +376,10 @@ class Monitor:
         for label, n in metrics["first_labels"].items():
             self.labels[label] = self.labels.get(label, 0) + n
         if wanted and not self.steps_wanted():  # a run shorter than first_steps is not judged
-            self.add(first_steps(self.losses, self.labels, self.classes, lr, c.min_loss_drop))
+            found = first_steps(
+                self.losses, self.labels, self.classes, lr, c.min_loss_drop, self.chance
+            )
+            self.add(found)
         norms = metrics["layer_grad_norms"]
         self.add(gradients(epoch, norms, c.max_grad_norm, c.min_grad_norm, frozen))
         self.add(diverging(history, math.log(len(self.classes))))
@@ -373,17 +390,19 @@ class Monitor:
                 self.findings = [f for f in self.findings if f.check != "at_chance"]
                 loss = min(h["train/loss"] for h in history)
                 best = max(h.get("val/accuracy", 0.0) for h in history)
+                guessed = self.chance.accuracy + (1 - self.chance.accuracy) / 5
+                memorising = "" if best > guessed else ": memorising the training images?"
                 self.log(
-                    f"health: no longer at chance level at epoch {epoch}: train loss {loss:.3f}, "
-                    f"val accuracy {best:.2f} (a guess's {self.chance.loss:.3f}, "
-                    f"{self.chance.accuracy:.2f})"
+                    f"health: no longer at chance level at epoch {epoch}: train loss {loss:.3f} "
+                    f"(a guess's {self.chance.loss:.3f}), val accuracy {best:.2f} (a guess's "
+                    f"{self.chance.accuracy:.2f}){memorising}"
                 )
         self.add(overfitting(history, c.overfit_epochs))
 
     def report(self) -> dict:
         """health.json: flat numbers first; `healthy` and `findings` also go to the train metrics."""
         found = {f.check for f in self.findings}
-        drop = loss_drop(self.losses)[2] if len(self.losses) >= 4 else 0.0
+        drop = loss_drop(self.losses, self.chance.floor)[2] if len(self.losses) >= 4 else 0.0
         overfit = next((f.epoch for f in self.findings if f.check == "overfitting"), 0)
         return {
             "healthy": not self.findings,
