@@ -62,7 +62,7 @@ def entropy(shares: list[float]) -> float:
 
 @dataclass(frozen=True)
 class Guess:
-    """What a network that learned nothing but the class shares scores, and the best loss there is."""
+    """What a network that learned only the class shares scores, and the best loss there is."""
 
     loss: float  # its train loss: the entropy of the class shares, smoothed as the targets are
     accuracy: float  # its val accuracy: always the largest train class, as often as val has it
@@ -143,12 +143,13 @@ def first_steps(
         1,
         (
             f"loss not falling: {first:.3f} -> {last:.3f} over the first {len(losses)} steps "
-            f"({drop:+.1%}{towards}, under train.health.min_loss_drop {min_drop:.0%}); chance level for "
-            f"{len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and labels: do "
-            f"the images in results/sanity/labels.png match their labels? {labels_line}; "
-            "(2) preprocessing: mean/std in results/sanity/scan.json; (3) output shapes and loss: one "
-            f"logit per class ({len(classes)}); (4) learning rate: train.lr {lr:g}, try 10x up and "
-            "down; (5) optimiser: train.optimizer; (6) the architecture, last"
+            f"({drop:+.1%}{towards}, under train.health.min_loss_drop {min_drop:.0%}); chance "
+            f"level for {len(classes)} classes is {chance:.3f}. Check, in this order: (1) data and "
+            "labels: do the images in results/sanity/labels.png match their labels? "
+            f"{labels_line}; (2) preprocessing: mean/std in results/sanity/scan.json; (3) output "
+            f"shapes and loss: one logit per class ({len(classes)}); (4) learning rate: train.lr "
+            f"{lr:g}, try 10x up and down; (5) optimiser: train.optimizer; (6) the architecture, "
+            "last"
         ),
         evidence,
     )
@@ -340,7 +341,7 @@ class Monitor:
 
     def __init__(self, config: Limits, classes: list[str], log=print, chance: Guess | None = None):
         self.config, self.classes, self.log = config, classes, log
-        self.chance = chance or guess([1 / len(classes)] * len(classes))  # the stage's: its labels
+        self.chance = chance or guess([1 / len(classes)] * len(classes))  # the stage's: labels
         self.findings: list[Finding] = []
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
