@@ -354,10 +354,12 @@ def starting(train: Train, trainer: Trainer, data: Data, device: torch.device) -
     dtype, channels_last, reason = speed_settings(
         train.amp, train.channels_last, train.model, device
     )
+    asked = train.overfit_batches * train.batch_size
+    short = f" (all there are, not the {asked} asked)" if len(data.y_train) < asked else ""
     overfit = (
-        f"\ntrain: overfit_batches {train.overfit_batches}: {len(data.y_train)} images, each "
-        "class in turn, scored on themselves, with no augmentation, dropout, label smoothing or "
-        "weight decay: the loss should reach about 0"
+        f"\ntrain: overfit_batches {train.overfit_batches}: {len(data.y_train)} images{short}, "
+        "each class in turn, scored on themselves, with no augmentation, dropout, label smoothing "
+        "or weight decay: the loss should reach about 0"
     )
     return (
         f"train: {train.model} on {device} x {trainer.world}, "

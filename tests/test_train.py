@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -203,7 +204,7 @@ def test_overfit_batches_takes_every_class_in_turn_from_a_folders_class_ordered_
 ):
     """A folder's cache is in class order: the first 6 images were all 'blue', which a constant
     fits, so overfitting them proved nothing. The subset takes each class's images in turn."""
-    from pipeline.train_setup import each_class_in_turn, load_data, overfit_settings
+    from pipeline.train_setup import each_class_in_turn, load_data, overfit_settings, starting
     from visionflow.params import load_params
 
     for note in image_folder.rglob("notes.txt"):
@@ -224,6 +225,11 @@ def test_overfit_batches_takes_every_class_in_turn_from_a_folders_class_ordered_
     assert (fitting.dropout, fitting.label_smoothing, fitting.weight_decay) == (0, 0, 0)
     assert fitting.augment.crop_padding == 0 and fitting.augment.rotation == 0
     assert overfit_settings(train) is train  # a normal run keeps its settings
+    more = overfit_settings(train.model_copy(update={"overfit_batches": 100, "batch_size": 6}))
+    trainer = SimpleNamespace(model=nn.Linear(1, 1), world=1)
+    line = starting(more, trainer, load_data(cache, more, torch.device("cpu")), torch.device("cpu"))
+    n = len(whole.y_train)
+    assert f"overfit_batches 100: {n} images (all there are, not the 600 asked), each" in line
     # a class under 1/N of the split still gets its turn: 217 of one class and 27 of another
     labels = np.array([0] * 217 + [1] * 27)
     assert sorted(labels[each_class_in_turn(labels)[:8]].tolist()) == [0, 0, 0, 0, 1, 1, 1, 1]
