@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-/tmp/gpu-bare}
-pin() { .venv/bin/pip freeze | grep -i -m1 "^$1=="; }
+frozen=$(.venv/bin/pip freeze)
+pin() { grep -i -m1 "^$1==" <<<"$frozen"; }
 # torch as this venv has it (another version is gigabytes); the ONNX stack as the image had it
 # (KINDS.md, 2026-11); numpy's 2.5 there needs Python 3.12
 image=(

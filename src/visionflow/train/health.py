@@ -68,6 +68,16 @@ class Guess:
     accuracy: float  # its val accuracy: always the largest train class, as often as val has it
     floor: float  # a perfect network's train loss: 0, or the smoothed targets' own entropy
 
+    @property
+    def under(self) -> float:
+        """A train loss under this is better than a guess's: 3% of the way down to the floor."""
+        return self.loss - 0.03 * (self.loss - self.floor)
+
+    @property
+    def above(self) -> float:
+        """A val accuracy above this is clearly a guess's beaten: a fifth of the way up to 1."""
+        return self.accuracy + (1 - self.accuracy) / 5
+
 
 def guess(shares: list[float], smoothing: float = 0.0, accuracy: float | None = None) -> Guess:
     """The Guess for training labels in these class shares, under train.label_smoothing; its val
@@ -245,11 +255,10 @@ def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | 
     1): 2 classes at train.lr 1e-4 kept the train loss at 0.687 for 3 epochs while val accuracy
     rose to 0.75 (0.93 at epoch 6). Nothing to judge where a guess is perfect (one class)."""
     losses = [h["train/loss"] for h in history]
-    bar = chance.loss - 0.03 * (chance.loss - chance.floor)
-    if len(losses) < epochs or min(losses) < bar or chance.loss - chance.floor < 1e-6:
+    if len(losses) < epochs or min(losses) < chance.under or chance.loss - chance.floor < 1e-6:
         return None
     best = max(h.get("val/accuracy", 0.0) for h in history)
-    if best > chance.accuracy + (1 - chance.accuracy) / 5:
+    if best > chance.above:
         return None  # learning: its train loss is still near a guess's, its predictions are not
     return Finding(
         "at_chance",
@@ -264,7 +273,7 @@ def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | 
             "train_loss": losses,
             "chance_loss": chance.loss,
             "perfect_loss": chance.floor,
-            "under": bar,
+            "under": chance.under,
             "chance_accuracy": chance.accuracy,
         },
     )
@@ -391,8 +400,7 @@ class Monitor:
                 self.findings = [f for f in self.findings if f.check != "at_chance"]
                 loss = min(h["train/loss"] for h in history)
                 best = max(h.get("val/accuracy", 0.0) for h in history)
-                guessed = self.chance.accuracy + (1 - self.chance.accuracy) / 5
-                memorising = "" if best > guessed else ": memorising the training images?"
+                memorising = "" if best > self.chance.above else ": memorising the training images?"
                 self.log(
                     f"health: no longer at chance level at epoch {epoch}: train loss {loss:.3f} "
                     f"(a guess's {self.chance.loss:.3f}), val accuracy {best:.2f} (a guess's "
