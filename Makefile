@@ -36,9 +36,9 @@ test-fast: setup
 
 # On a machine with CUDA: the tests marked gpu and a GPU smoke of the pipeline (dvc repro, resume,
 # a resnet18 fine-tune, export, predict), no venv needed; where DVC is not installed, run
-# bench/gpu_wheels.sh beforehand on a machine with the venv (docs/benchmarks.md, "The GPU check")
+# tools/gpu_wheels.sh beforehand on a machine with the venv (docs/benchmarks.md, "The GPU check")
 test-gpu:
-	bench/gpu_check.sh
+	tools/gpu_check.sh
 
 # The manual (docs/, mkdocs.yml) into site/; --strict fails on a broken link or a page left out
 # of the nav. After changing params, rewrite its reference: $(PY) docs/make_reference.py

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Tries the GPU check's bare-machine path here, where no GPU is: a venv holding only the packages
 # of the NVIDIA PyTorch image that the project touches (no DVC, DVCLive, pydantic or cffi: KINDS.md
-# in the device library lists the image), this Python's build of bench/gpu_wheels.sh's list, and
-# bench/gpu_check.sh with its smokes on the CPU. A package the list lacks shows here as the
+# in the device library lists the image), this Python's build of tools/gpu_wheels.sh's list, and
+# tools/gpu_check.sh with its smokes on the CPU. A package the list lacks shows here as the
 # ImportError it would be on the GPU machine. About 3 minutes (the venv's torch comes from pip's
 # cache); everything goes under DIR, never into the checkout's .whl/.
 #
-#     bench/gpu_bare_try.sh [DIR]      # default /tmp/gpu-bare
+#     tools/gpu_bare_try.sh [DIR]      # default /tmp/gpu-bare
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-/tmp/gpu-bare}
@@ -26,7 +26,7 @@ rm -rf "$dir" && python3 -m venv "$dir/venv"
 "$dir/venv/bin/pip" uninstall -q -y pydantic pydantic_core annotated-types typing-inspection \
     cffi pycparser dvc dvclive pygit2 2>/dev/null || true
 version=$("$dir/venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-WHEELS="$dir/wheels" PY_VERSION="$version" bench/gpu_wheels.sh
+WHEELS="$dir/wheels" PY_VERSION="$version" tools/gpu_wheels.sh
 # a plain PATH: nothing of the project's venv may stand in for what the wheels must bring
 env -u VIRTUAL_ENV -u PYTHONPATH PATH=/usr/local/bin:/usr/bin:/bin PYTHON="$dir/venv/bin/python" \
-    WHEELS="$dir/wheels" GPU_SITE="$dir/site" GPU_SMOKE_DEVICE=cpu bench/gpu_check.sh "$dir/out"
+    WHEELS="$dir/wheels" GPU_SITE="$dir/site" GPU_SMOKE_DEVICE=cpu tools/gpu_check.sh "$dir/out"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check (#44, `make test-gpu`): every test marked `gpu`, then a GPU smoke of the pipeline
-# through its plain commands (bench/gpu_smoke.py), on a machine with CUDA, from this checkout. On a
+# through its plain commands (tools/gpu_smoke.py), on a machine with CUDA, from this checkout. On a
 # bare machine (the NVIDIA PyTorch image: no DVC, DVCLive, pydantic) it first installs the wheels
-# that bench/gpu_wheels.sh downloaded into .whl/, each one the machine lacks, into $GPU_SITE
+# that tools/gpu_wheels.sh downloaded into .whl/, each one the machine lacks, into $GPU_SITE
 # (default /tmp/site) with `pip install --no-index --no-deps --target`. Logs go to OUT.
 # WHEELS names another folder of wheels; GPU_SMOKE_DEVICE=cpu runs the smokes where no GPU is.
 #
-#     bench/gpu_check.sh [OUT]      # default gpu-check/
+#     tools/gpu_check.sh [OUT]      # default gpu-check/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
@@ -45,6 +45,6 @@ status=0
 mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 "$py" -m pytest -p no:randomly -p no:cacheprovider -m gpu -rs -q "${files[@]}" 2>&1 |
     tee "$out/pytest-gpu.log" || status=1
-"$py" bench/gpu_smoke.py --device "${GPU_SMOKE_DEVICE:-cuda}" --out "$out" || status=1
+"$py" tools/gpu_smoke.py --device "${GPU_SMOKE_DEVICE:-cuda}" --out "$out" || status=1
 echo "gpu check: $([ $status = 0 ] && echo passed || echo FAILED) (logs in $out/)"
 exit $status

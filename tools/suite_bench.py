@@ -11,9 +11,9 @@ times in turn:
 and prints them, the suite's ratio to the yardstick (budget: 30x, issue #47), and the slowest
 tests (the table in docs/tests.md). The yardstick runs in a worktree of the clone at caa9cb7 with
 the clone's .venv (PYTHONPATH at the worktree's own src/): only the code differs, not the
-packages. bench/tiers_bench.py times both tiers against it with an existing venv.
+packages. tools/tiers_bench.py times both tiers against it with an existing venv.
 
-    .venv/bin/python bench/suite_bench.py [--keep]
+    .venv/bin/python tools/suite_bench.py [--keep]
 """
 
 import argparse

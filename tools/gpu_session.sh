@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Everything #44 asks of a GPU in one run (docs/benchmarks.md says how long), from this checkout and
-# the wheels of bench/gpu_wheels.sh (.whl/, carried with the checkout): the GPU check (`make
+# the wheels of tools/gpu_wheels.sh (.whl/, carried with the checkout): the GPU check (`make
 # test-gpu`), then the benchmarks, each under its own time limit so that one that overruns leaves
 # the others their time. Everything goes under OUT (default $OUT, else gpu-session/); the numbers
 # land in OUT/summary.md, to copy, dated, into docs/benchmarks.md.
 #
-#     bench/gpu_session.sh [OUT]
+#     tools/gpu_session.sh [OUT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-session}}
@@ -22,7 +22,7 @@ step() {  # step SECONDS NAME COMMAND...: its output to OUT/NAME.txt and the sum
 }
 echo "# GPU session $(date -u +%F), $(git rev-parse --short HEAD 2>/dev/null)" >"$summary"
 # 1. the check; it installs the wheels the machine lacks into /tmp/site
-step 300 check bench/gpu_check.sh "$out/check"
+step 300 check tools/gpu_check.sh "$out/check"
 export PYTHONPATH="$PWD/src:$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 "$py" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" >>"$summary"
 # 2. the stage against the hand-written loop: ResNet-50, 224 px from 256, bf16, channels_last, batch 256

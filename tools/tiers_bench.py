@@ -15,7 +15,7 @@ numbers, the date and what else ran on the machine in docs/tests.md. `--busy N` 
 loops (a core each) running the whole time: #47's "five runs in a row beside two busy loops" is
 `--full-only --repeat 5 --busy 2` (a failure stops the benchmark, naming its log).
 
-    .venv/bin/python bench/tiers_bench.py [--full | --full-only] [--repeat N] [--busy N]
+    .venv/bin/python tools/tiers_bench.py [--full | --full-only] [--repeat N] [--busy N]
         [--venv PATH] [--keep]
 """
 

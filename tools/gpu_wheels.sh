@@ -2,12 +2,12 @@
 # Downloads here, into .whl/ (ignored by git), the wheels the GPU check needs beyond what the NVIDIA
 # PyTorch image has (Python 3.12, torch, torchvision, onnx, onnxruntime, numpy, PIL, pytest, yaml,
 # psutil, sklearn, matplotlib; no DVC, DVCLive or pydantic), at the versions of this project's
-# venv. bench/gpu_check.sh installs them there with `pip install --no-index --no-deps --target`,
+# venv. tools/gpu_check.sh installs them there with `pip install --no-index --no-deps --target`,
 # each one only when the image lacks it (so the image's own builds are never shadowed).
 #
-#     bench/gpu_wheels.sh [VENV_PIP]      # default .venv/bin/pip
+#     tools/gpu_wheels.sh [VENV_PIP]      # default .venv/bin/pip
 #
-# WHEELS (default .whl) and PY_VERSION (default 3.12, the image's) serve bench/gpu_bare_try.sh.
+# WHEELS (default .whl) and PY_VERSION (default 3.12, the image's) serve tools/gpu_bare_try.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=${1:-.venv/bin/pip}

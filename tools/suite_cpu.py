@@ -9,7 +9,7 @@ workers), by test file and the costliest tests. The hook is removed when the run
 Not counted: processes that end by a signal or `os._exit` (killed stages, multiprocessing
 children) and the Prefect server (a daemon): the total printed is below `time`'s.
 
-    .venv/bin/python bench/suite_cpu.py [PYTEST ARGS...]
+    .venv/bin/python tools/suite_cpu.py [PYTEST ARGS...]
 """
 
 import collections
