@@ -25,7 +25,7 @@ from pathlib import Path
 
 from visionflow import faults
 from visionflow.data.files import file_hash, file_stats
-from visionflow.errors import DataError, DiskFull
+from visionflow.errors import DataError, DiskFull, GateError, Interrupted
 from visionflow.ops import project
 from visionflow.ops.project import fill, param_changes
 from visionflow.params import ParamsError, read_yaml
@@ -52,14 +52,6 @@ if stage_started():
     signal.signal(signal.SIGTERM, stopped_while_starting)
     if faults.ACTIVE:
         faults.fault("stage.import", stage=stage_started())
-
-
-class GateError(RuntimeError):
-    """A stage's check failed; the message carries the numbers."""
-
-
-class Interrupted(RuntimeError):
-    """Ctrl-C or SIGTERM stopped the stage at a safe point; the message says what was kept."""
 
 
 STAGED: list[tuple[Path, Path]] = []  # (staging folder, final folder) of this process

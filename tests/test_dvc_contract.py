@@ -225,7 +225,7 @@ LAYERS = ("data", "train", "deploy")  # the layers a stage may depend on as a fo
 # folder, the stages before it name the files they borrow, so a change in train/ never reruns
 # prepare and one in deploy/ never reruns train. ops/ is never a folder dep: an edit to the
 # runner or the sweeps reruns no stage.
-WORKS_IN = {"data": "prepare", "train": "train", "deploy": "export"}
+WORKS_IN = {"data": "prepare", "fit": "train", "train": "train", "deploy": "export"}
 
 
 def stage_deps(stage: str) -> list[str]:

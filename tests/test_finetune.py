@@ -412,7 +412,7 @@ def test_a_weights_name_resumes_only_the_weights_it_names_today(tmp_path, monkey
     """A weights name is fingerprinted by the file torchvision resolves it to: DEFAULT is
     IMAGENET1K_V2 for resnet50 today, and a torchvision release that points it elsewhere must
     not resume checkpoints fine-tuned from the old weights."""
-    from pipeline.lifecycle import run_of
+    from visionflow.fit.resume import run_of
     from visionflow.params import parse_params
 
     monkeypatch.chdir(tmp_path)
@@ -421,7 +421,7 @@ def test_a_weights_name_resumes_only_the_weights_it_names_today(tmp_path, monkey
 
     def weights_of(pretrained: str) -> str | None:
         train = {**raw["train"], "model": "resnet50", "pretrained": pretrained}
-        return run_of(parse_params({**raw, "train": train}), tmp_path)["hashes"][
+        return run_of(parse_params({**raw, "train": train}), tmp_path, "code")["hashes"][
             "pretrained weights"
         ]
 

@@ -125,7 +125,7 @@ def test_the_stage_judges_chance_by_its_own_labels_and_clears_it_once_the_networ
     is at chance; when it learns later, the finding goes and the log says so."""
     import torch
 
-    from pipeline.train_setup import Data, monitor_for
+    from visionflow.fit.setup import Data, monitor_for
     from visionflow.params import load_params
 
     said, shipped = [], load_params(ROOT / "params.yaml").train
@@ -303,7 +303,7 @@ def test_a_run_shorter_than_first_steps_says_its_loss_was_not_judged():
 
 
 def test_degenerate_batches_are_told_with_their_numbers():
-    from pipeline.train import degenerate_batches
+    from visionflow.fit.setup import degenerate_batches
 
     assert degenerate_batches(1221, 128, 1) == []
     (big,) = degenerate_batches(40, 64, 1)

@@ -3,6 +3,7 @@ new module is covered by where it lives:
 
     visionflow/data     image files to pixels, sources, the cache: torch-free
     visionflow/train    the model side: takes values, never the params models, the stages or ops
+    visionflow/fit      one training run from the params: the model side's values and its state
     visionflow/deploy   export, inference, serving: the model side's values and files
     visionflow/ops      DVC and processes: torch-free, never the model side
     visionflow/         errors and faults (below all), params (the file), cli (on top)
@@ -27,6 +28,7 @@ SRC = ROOT / "src"
 MAY_IMPORT = {
     "data": {"data", "errors", "faults"},
     "train": {"train", "data", "errors", "faults"},
+    "fit": {"fit", "train", "data", "ops", "errors", "faults", "params"},
     "deploy": {"deploy", "train", "data", "errors", "faults"},
     "ops": {"ops", "data", "errors", "faults", "params"},
 }

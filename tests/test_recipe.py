@@ -86,7 +86,7 @@ class Broken(nn.Module):
 
 
 def test_a_range_test_that_finds_no_rate_is_one_line_naming_the_key():
-    from pipeline.lr_find import no_rate
+    from visionflow.fit.lr_auto import no_rate
     from visionflow.params import parse_params
     from visionflow.train.engine import Split, Step
     from visionflow.train.lr_find import range_test, valley
@@ -129,7 +129,7 @@ def test_onecycle_steps_per_optimizer_step_and_not_per_epoch():
 
 
 def test_rates_per_layer_group_fall_geometrically_from_the_head_and_cover_the_backbone_once():
-    from pipeline.train_setup import parameter_groups
+    from visionflow.fit.setup import parameter_groups
     from visionflow.params import ParamsError, parse_params
     from visionflow.train import zoo
 

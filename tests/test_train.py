@@ -204,7 +204,7 @@ def test_overfit_batches_takes_every_class_in_turn_from_a_folders_class_ordered_
 ):
     """A folder's cache is in class order: the first 6 images were all 'blue', which a constant
     fits, so overfitting them proved nothing. The subset takes each class's images in turn."""
-    from pipeline.train_setup import each_class_in_turn, load_data, overfit_settings, starting
+    from visionflow.fit.setup import each_class_in_turn, load_data, overfit_settings, starting
     from visionflow.params import load_params
 
     for note in image_folder.rglob("notes.txt"):
@@ -1260,7 +1260,7 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
     """`train.deterministic` switches torch to deterministic kernels; without `train.compile`
     the switch does not import torch's compiler (1.5 s of every train start, before)."""
     probe = (
-        "import sys, torch\nfrom pipeline.train import seed_everything\n"
+        "import sys, torch\nfrom visionflow.train.training import seed_everything\n"
         "seed_everything(0, True, compiled=False)\n"
         "print(torch.are_deterministic_algorithms_enabled(), 'torch._inductor' in sys.modules)"
     )
@@ -1275,7 +1275,7 @@ def test_deterministic_kernels_are_on_without_importing_the_compiler():
 def test_a_resumed_run_draws_the_dropout_an_uninterrupted_one_draws(device):
     """Dropout draws from the device's generator (on a GPU, CUDA's): the checkpoint carries it.
     The trainer is the stage's own (`trainer_for`, from params.yaml)."""
-    from pipeline.train_setup import trainer_for
+    from visionflow.fit.setup import trainer_for
     from visionflow.params import load_params
 
     t = load_params(ROOT / "params.yaml").train

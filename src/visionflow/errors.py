@@ -77,3 +77,11 @@ class OutOfMemory(RuntimeError):
 
 class NonFiniteLoss(RuntimeError):
     """Too many non-finite losses in a row; the message names the epoch and step."""
+
+
+class GateError(RuntimeError):
+    """A stage's check failed; the message carries the numbers."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM stopped the stage at a safe point; the message says what was kept."""

@@ -355,7 +355,7 @@ class Monitor:
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
         self.data_wait = 0.0
-        self.model_check: dict = {}  # a network of your own: its gradient check (pipeline/train_setup.py)
+        self.model_check: dict = {}  # a network of your own: its gradient check (fit/setup.py)
 
     def steps_wanted(self) -> int:
         return max(0, self.config.first_steps - len(self.losses))

@@ -1,7 +1,7 @@
 """What the train stage keeps between epochs: the Trainer (what a step changes, saved and restored
 whole), the Progress of the run, the stop a signal asks for, and the per-epoch record.
 
-Takes values, never the params models: the stage (pipeline/train.py) builds these from
+Takes values, never the params models: the run (fit/run.py, fit/setup.py) builds these from
 `train.*` and owns the folders. The step itself is `engine.train_one_epoch`.
 """
 
@@ -30,7 +30,8 @@ from visionflow import faults
 from visionflow.errors import OutOfMemory
 from visionflow.train import health
 from visionflow.train.augment import augment
-from visionflow.train.engine import WARMUP_STEPS, Split, Step, per_step, train_one_epoch
+from visionflow.train.engine import Split, Step, per_step, train_one_epoch
+from visionflow.train.stats import WARMUP_STEPS
 
 
 def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:

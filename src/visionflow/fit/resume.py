@@ -20,7 +20,7 @@ Where each step lives:
   (`pipeline.check_cache_room`).
 - published: the staging folders move into place (`pipeline.publish`), then the
   `when_published` actions run: train marks its state folder with the md5 of the model.pt it
-  published (`mark_published`, PUBLISHED_FILE).
+  published (`Run.mark_published`, `mark_published` here, PUBLISHED_FILE).
 - recorded: DVC hashed the outputs into dvc.lock and its cache; the next train run asks
   (`recorded`).
 - pruned: other configurations' state folders beyond the newest few (`checkpoint.prune`, called
@@ -28,7 +28,8 @@ Where each step lives:
 
 Training's resumable state lives in `<checkpoints>/<fingerprint>/`, the fingerprint a hash of
 `run_of` (the seed, the train params, and the content of the data, the stage's code and the
-pretrained weights); `state_to_resume` decides what a run starts from, `resume` applies it.
+pretrained weights); `state_to_resume` decides what a run starts from, `resume` applies it, and
+`save_epoch` writes what it reads.
 """
 
 import json
@@ -37,28 +38,29 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from pipeline import GateError, code_digest
 from visionflow.data.dataset import write_json
 from visionflow.data.files import file_hash
+from visionflow.errors import GateError
 from visionflow.ops import project
 from visionflow.train import checkpoint
 from visionflow.train.training import Progress
 from visionflow.train.zoo import is_weights_name, weights_enum
 
 
-def run_of(params, cache: Path) -> dict:
+def run_of(params, cache: Path, code: str) -> dict:
     """What a resumable checkpoint must match (its folder is named by the hash of this, and its
-    run.json keeps it): the seed, train params, and the content of the data, the stage's code and
-    the pretrained file. train.epochs is left out but for the cosine and one-cycle schedules,
-    whose learning rate depends on it: under the others a longer run's first epochs are a shorter
-    run's, so a larger budget resumes a finished run. train.lr `auto` is kept as it is: the rate
-    the range test found is recorded in the folder (pipeline/lr_find.py) and reused on resume."""
+    run.json keeps it): the seed, train params, and the content of the data, the stage's code
+    (`code`: a digest of it, `pipeline.code_digest`) and the pretrained file. train.epochs is left
+    out but for the cosine and one-cycle schedules, whose learning rate depends on it: under the
+    others a longer run's first epochs are a shorter run's, so a larger budget resumes a finished
+    run. train.lr `auto` is kept as it is: the rate
+    the range test found is recorded in the folder (fit/lr_auto.py) and reused on resume."""
     train = params.train
     budgeted = train.scheduler in ("cosine", "onecycle")
     train_values = train.model_dump(exclude=set() if budgeted else {"epochs"})
     hashes = {
         "data": file_hash(cache / "manifest.json"),
-        "code": code_digest("train"),
+        "code": code,
         "pretrained weights": weights_content(train.model, train.pretrained),
     }
     return {"seed": params.seed, "train": train_values, "hashes": hashes}
@@ -215,7 +217,7 @@ def save_epoch(trainer, progress, monitor, folder: Path, epoch: int, epochs: int
             **trainer.state(),
             "rng_of_ranks": rngs,
             "epoch": epoch,
-            "fingerprint": folder.name,  # the folder is named by it (`main`)
+            "fingerprint": folder.name,  # the folder is named by it (`Run`)
             "epochs": epochs,  # the budget: a larger one extends this run
             "best": progress.best,
             "stale": progress.stale,

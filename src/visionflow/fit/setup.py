@@ -1,6 +1,6 @@
-"""What the train stage builds before its loop, from params.yaml and the cache: the device, the
-data (verified once), the model (a torchvision classifier with its weights' preprocessing, or a
-network of your own with its checks), what model.pt says about it, and what steps it."""
+"""What a run builds before its loop, from train.* and the cache: the device, the data (verified
+once), the model (a torchvision classifier with its weights' preprocessing, or a network of your
+own with its checks), what model.pt says about it, and what steps it (`trainer_for`)."""
 
 import json
 import math
@@ -13,10 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import GateError
 from visionflow import faults
 from visionflow.data import dataset
-from visionflow.errors import DataError, Unavailable
+from visionflow.errors import DataError, GateError, Unavailable
 from visionflow.params import Augment, Train, recipe_values
 from visionflow.train import from_torchvision, health, loading
 from visionflow.train.engine import (
