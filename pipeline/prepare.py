@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 from pipeline import run, staged
-from visionflow.data import archive, dataset, sources
+from visionflow.data import archive, dataset, pool, sources
 from visionflow.data.decode import fit_kept
 from visionflow.errors import DataError
 from visionflow.params import Params, load_params
@@ -79,7 +79,7 @@ def build(params: Params, out: Path) -> dict:
             val_fraction=p.val_fraction,
             test_fraction=p.test_fraction,
             seed=params.seed,
-            workers=p.workers or dataset.cores(),  # 0: one per core this process may use
+            workers=p.workers or pool.cores(),  # 0: one per core this process may use
             max_bad_fraction=p.max_bad_fraction,
             min_per_class=p.min_per_class,
             dedupe=p.dedupe,

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from tests.helpers import ROOT, python_path, solid, write_params
-from visionflow.data import archive, dataset, sources, splits
+from visionflow.data import archive, dataset, pool, sources, splits
 from visionflow.train import loading
 
 RGB8 = dataset.Decode(8, "rgb")
@@ -269,7 +269,7 @@ def test_progress_outside_a_terminal_is_a_plain_line_now_and_then(image_folder, 
     build(sources.load_source("imagefolder", image_folder), tmp_path / "out")
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("decode")]
     assert "\r" not in "".join(lines) and lines  # the end, and a line every 5 s before it
-    progress = dataset.ProgressBar(24, every=0)  # a line at every step: each says count, rate, left
+    progress = pool.ProgressBar(24, every=0)  # a line at every step: each says count, rate, left
     for _ in range(3):
         progress(8)
     lines = lines[:-1] + [line for line in capsys.readouterr().err.splitlines()]
@@ -566,22 +566,18 @@ def test_the_decode_pools_stop_does_without_the_executors_private_attributes(
 
     class Bare(concurrent.futures.ProcessPoolExecutor):  # the private names hidden
         def __getattribute__(self, name):
-            if name in ("_processes", "_result_queue") and sys._getframe(1).f_globals is vars(
-                dataset
-            ):
+            if name in ("_processes", "_result_queue") and sys._getframe(1).f_globals is vars(pool):
                 raise AttributeError(name)
             return super().__getattribute__(name)
 
-    monkeypatch.setattr(dataset, "ProcessPoolExecutor", Bare)
+    monkeypatch.setattr(pool, "ProcessPoolExecutor", Bare)
     source = sources.load_source("imagefolder", image_folder)
     scratch = tmp_path / "decoded"
     scratch.write_bytes(bytes(len(source.images) * 8 * 8 * 3))
-    results = dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), workers=2)
+    results = pool._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), workers=2)
     next(results)
     results.close()  # a stop while the pool works: `_stop` ends it
-    assert (
-        len(list(dataset._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), 2))) > 0
-    )
+    assert len(list(pool._decode_in_pool(scratch, source.images, dataset.Decode(8, "rgb"), 2))) > 0
 
 
 def test_file_stats_skip_hidden_files_caches_and_broken_links(tmp_path):

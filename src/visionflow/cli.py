@@ -148,7 +148,7 @@ def progress_for(total: int, batch: int):
     a batch whose results go to a file or a pipe (in a terminal, the results are the progress)."""
     if total <= batch or sys.stdout.isatty():
         return lambda n: None
-    from visionflow.data.dataset import ProgressBar
+    from visionflow.data.pool import ProgressBar
 
     return ProgressBar(total, what="predict")
 
