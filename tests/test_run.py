@@ -1,0 +1,212 @@
+"""The central promise of a training run, in-process and in seconds: stopped after any epoch and
+resumed, a run ends with exactly the state of an uninterrupted one. Every piece of resumable
+state is compared (weights, optimizer, scheduler, GradScaler, every generator, the epochs'
+records, the best epoch, the early-stop count, the health monitor's findings and first losses),
+and so are the outputs (model.pt, metrics.json, health.json), for every schedule and with
+`train.lr: auto`, frozen epochs (a stop on each side of the boundary), accumulation, label
+smoothing and early stop, pairwise.
+
+Each run is the train stage's own `Run` (visionflow.fit.run), on a real digits cache; the stop
+is the stage's own fault point after an epoch's checkpoint (`train.epoch_end`), as a kill there
+would leave it. docs/tests.md lists which test fails when a restore is broken on purpose.
+"""
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.helpers import ROOT, digits_cache, merge
+from visionflow import faults
+from visionflow.fit.run import Run
+from visionflow.params import parse_params
+from visionflow.train import checkpoint
+
+# what an epoch's wall clock decides: never compared
+TIMINGS = {"train/images_per_s", "epoch_seconds", "peak_memory_mb", "data_wait_fraction"}
+TIMINGS |= {"data_wait"}  # the health monitor's largest share of an epoch spent waiting
+
+BASE = {
+    "train": {
+        "epochs": 4,
+        "batch_size": 128,  # 8 steps an epoch on digits' 1,000-odd training images
+        "lr_patience": 0,  # plateau: a rate that moves within 4 epochs
+        "lr_step": 1,
+        "amp": "off",
+        "health": {"first_steps": 12, "data_bound": 1.0},  # first losses span epochs 1 and 2
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return digits_cache(tmp_path_factory.mktemp("run") / "prepared")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """Pretrained weights in torchvision's layout (any weights: the resume is what is tested)."""
+    from torchvision.models import get_model
+
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("weights") / "mnv3.pth"
+    torch.save(get_model("mobilenet_v3_small").state_dict(), path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def handlers():
+    """A run's StopRequest takes SIGINT and SIGTERM; the test's process gets them back."""
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in kept.items():
+        signal.signal(s, handler)
+
+
+def params(**train):
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    return parse_params(merge(raw, merge(BASE, {"train": train})))
+
+
+def train(p, cache: Path, root: Path, stop_after: int | None = None) -> Run:
+    """The train stage's run in this process, its outputs in root/out and state in root/state;
+    with `stop_after`, killed after that epoch's checkpoint (a FaultInjected), then run again."""
+    plan = f"train.epoch_end@epoch={stop_after}:raise" if stop_after else ""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(faults, "FAULTS", faults.parse(plan))
+        patch.setattr(faults, "ACTIVE", bool(plan))
+        run = Run(p, cache, root / "out", root / "state", code="tests")
+        run.resume()
+        (root / "out").mkdir(parents=True, exist_ok=True)
+        if stop_after:
+            with pytest.raises(faults.FaultInjected):
+                run.fit(root / "out")
+            return train(p, cache, root)
+        run.fit(root / "out")
+    run.write_outputs(root / "out")
+    return run
+
+
+def state(run: Run) -> dict:
+    """The last checkpoint of the run's state folder: every piece of resumable state."""
+    found, _ = checkpoint.load_latest(run.folder, run.folder.name, "cpu")
+    assert found is not None
+    return found
+
+
+def differences(a, b, where: str = "") -> list[str]:
+    """Where `a` and `b` differ (tensors bit for bit, floats exactly; timings skipped)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = (a.keys() | b.keys()) - TIMINGS
+        return [
+            d
+            for k in sorted(keys, key=str)
+            for d in differences(a.get(k), b.get(k), f"{where}/{k}")
+        ]
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{where}[{i}]")
+        ]
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        same = a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def outputs(run: Run) -> dict:
+    out = run.out
+    return {
+        "model.pt": torch.load(out / "model.pt", weights_only=True),
+        "metrics.json": json.loads((out / "metrics.json").read_text()),
+        "health.json": json.loads((out / "health.json").read_text()),
+    }
+
+
+def assert_resumes_exactly(p, cache: Path, tmp_path: Path, stop_after: int) -> Run:
+    whole = train(p, cache, tmp_path / "whole")
+    resumed = train(p, cache, tmp_path / "resumed", stop_after=stop_after)
+    assert resumed.progress.start == stop_after + 1  # it did resume, from the stop's epoch
+    kept = state(whole)
+    assert sorted(kept) == sorted(state(resumed))
+    found = differences(kept, state(resumed)) + differences(outputs(whole), outputs(resumed))
+    assert not found, found
+    return whole
+
+
+CASES = {  # train.* beyond BASE, and the epoch after which the run is killed
+    "plateau, accumulate, smoothing": ({"accumulate": 2, "label_smoothing": 0.1}, 1),
+    "cosine, early stop": ({"scheduler": "cosine", "early_stop": 1, "epochs": 5}, 2),
+    "step, lr auto, accumulate": ({"scheduler": "step", "lr": "auto", "accumulate": 3}, 2),
+    "onecycle, lr auto, smoothing": (
+        {"scheduler": "onecycle", "lr": "auto", "label_smoothing": 0.2},
+        3,
+    ),
+    "none, early stop, smoothing": (
+        {"scheduler": "none", "early_stop": 2, "label_smoothing": 0.1},
+        1,
+    ),
+    "step, fp16 scaler, accumulate": ({"scheduler": "step", "amp": "fp16", "accumulate": 2}, 2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_stopped_after_an_epoch_resumes_to_exactly_the_uninterrupted_state(
+    case, cache, tmp_path
+):
+    change, stop_after = CASES[case]
+    whole = assert_resumes_exactly(params(**change), cache, tmp_path, stop_after)
+    history = state(whole)["history"]
+    if change.get("early_stop") == 1:  # the case reaches its early stop, or tests nothing of it
+        assert len(history) < 5, history
+    if change.get("lr") == "auto":
+        assert whole.found is not None and whole.train.lr == whole.found["suggestion"]
+
+
+@pytest.mark.parametrize("stop_after", [2, 3])  # the last frozen epoch, the first unfrozen one
+def test_a_fine_tuning_run_resumes_exactly_on_either_side_of_its_frozen_epochs(
+    stop_after, cache, weights, tmp_path
+):
+    change = {
+        "model": "mobilenet_v3_small",
+        "pretrained": str(weights),
+        "freeze_epochs": 2,
+        "scheduler": "onecycle" if stop_after == 2 else "plateau",
+        "backbone_lr_factor": 0.5,
+        "group_lr_factor": 0.5,
+    }
+    whole = assert_resumes_exactly(params(**change), cache, tmp_path, stop_after)
+    records = state(whole)["history"]
+    assert [r["lr_backbone"] == 0 for r in records] == [True, True, False, False]
+
+
+def test_a_raised_epoch_budget_extends_a_finished_run_where_the_schedule_allows(
+    cache, tmp_path, capsys
+):
+    """plateau: the first 3 epochs of a 5-epoch run are a 3-epoch run's, so the finished run
+    goes on to the uninterrupted 5-epoch state; cosine's rate follows the budget: it starts
+    again, and says why."""
+    shorter = train(params(epochs=3), cache, tmp_path / "extended")
+    shorter.mark_published()
+    extended = train(params(epochs=5), cache, tmp_path / "extended")
+    assert "extending the finished 3-epoch run to 5 epochs" in capsys.readouterr().out
+    whole = train(params(epochs=5), cache, tmp_path / "whole")
+    found = differences(state(whole), state(extended)) + differences(
+        outputs(whole), outputs(extended)
+    )
+    assert not found, found
+
+    train(params(epochs=3, scheduler="cosine"), cache, tmp_path / "cosine").mark_published()
+    capsys.readouterr()
+    longer = train(params(epochs=5, scheduler="cosine"), cache, tmp_path / "cosine")
+    said = capsys.readouterr().out
+    assert "starting fresh" in said and "train.epochs" in said, said
+    assert "the cosine and one-cycle schedules' rates depend on it" in said, said
+    assert [r["lr"] for r in state(longer)["history"]][0] == 1e-3  # a fresh schedule
