@@ -142,18 +142,18 @@ def assert_resumes_exactly(p, cache: Path, tmp_path: Path, stop_after: int) -> R
 
 
 CASES = {  # train.* beyond BASE, and the epoch after which the run is killed
-    "plateau, accumulate, smoothing": ({"accumulate": 2, "label_smoothing": 0.1}, 1),
-    "cosine, early stop": ({"scheduler": "cosine", "early_stop": 1, "epochs": 5}, 2),
-    "step, lr auto, accumulate": ({"scheduler": "step", "lr": "auto", "accumulate": 3}, 2),
-    "onecycle, lr auto, smoothing": (
+    "plateau-accumulate-smoothing": ({"accumulate": 2, "label_smoothing": 0.1}, 1),
+    "cosine-early_stop": ({"scheduler": "cosine", "early_stop": 1, "epochs": 5}, 2),
+    "step-lr_auto-accumulate": ({"scheduler": "step", "lr": "auto", "accumulate": 3}, 2),
+    "onecycle-lr_auto-smoothing": (
         {"scheduler": "onecycle", "lr": "auto", "label_smoothing": 0.2},
         3,
     ),
-    "none, early stop, smoothing": (
+    "none-early_stop-smoothing": (
         {"scheduler": "none", "early_stop": 2, "label_smoothing": 0.1},
         1,
     ),
-    "step, fp16 scaler, accumulate": ({"scheduler": "step", "amp": "fp16", "accumulate": 2}, 2),
+    "step-fp16_scaler-accumulate": ({"scheduler": "step", "amp": "fp16", "accumulate": 2}, 2),
 }
 
 

@@ -2,7 +2,7 @@
 short run whose rate rises exponentially, step by step, until the loss diverges; the suggested
 rate lies in the loss's longest downhill stretch (fastai's `valley`).
 
-Takes values (a model, its optimizer, a split): `pipeline/lr_find.py` builds them from
+Takes values (a model, its optimizer, a split): `fit/lr_auto.py` builds them from
 train.* as the train stage does, and runs this on a copy of the model.
 """
 
