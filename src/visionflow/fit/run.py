@@ -49,7 +49,6 @@ from visionflow.train.training import (
     start_distributed,
     time_line,
 )
-from visionflow.train.zoo import FineTune
 
 
 class Run:
@@ -133,31 +132,20 @@ class Run:
                         f"train: early stop, no better val accuracy for {progress.stale} epochs"
                     )
                     break
-                if isinstance(self.model, FineTune) and train.freeze_epochs:
-                    self.trainer.freeze(epoch <= train.freeze_epochs)  # the head alone, then all
+                self.trainer.begin_epoch(epoch)  # fine-tuning: the new head alone, then all
                 laps = Laps()  # where the epoch's time goes, said under its line
                 try:
                     train_metrics, record = self.train_and_validate(epoch, laps)
                 except (OutOfMemory, NonFiniteLoss) as error:
                     raise self.failed(error, epoch) from None
                 improved = progress.update(epoch, record)
-                frozen = isinstance(self.model, FineTune) and self.model.frozen
+                trainer, data = self.trainer, self.data
                 self.monitor.epoch(
-                    epoch,
-                    train_metrics,
-                    progress.history,
-                    self.trainer.lr,
-                    self.data.mapped,
-                    frozen,
+                    epoch, train_metrics, progress.history, trainer.lr, data.mapped, trainer.frozen
                 )
                 laps("health")
                 self.keep(epoch, record, improved, live, laps)
-                best, phase = (
-                    "  (best)" if improved else "",
-                    " (frozen: head only)" if frozen else "",
-                )
-                self.log(f"epoch {epoch:3d}/{train.epochs}{phase}  {epoch_line(record)}{best}")
-                self.log(time_line(train_metrics, laps.seconds, warmup=epoch == progress.start))
+                self.say_epoch(epoch, record, train_metrics, laps, improved)
                 self.stop_if_asked(epoch)
         end_distributed(self.world)
 
@@ -175,7 +163,7 @@ class Run:
         step_scheduler(trainer.scheduler, val_metrics["loss"])
         record = epoch_record(train_metrics, val_metrics, lr, seconds, peak_memory_mb(mean.device))
         if backbone_lr is not None:  # fine-tuning: the backbone's own rate (backbone_lr_factor)
-            record["lr_backbone"] = 0.0 if getattr(trainer.model, "frozen", False) else backbone_lr
+            record["lr_backbone"] = 0.0 if trainer.frozen else backbone_lr
         laps("validation")
         return train_metrics, record
 
@@ -202,6 +190,14 @@ class Run:
         laps("checkpoint")
         if faults.ACTIVE:
             faults.fault("train.epoch_end", epoch=epoch)
+
+    def say_epoch(self, epoch: int, record: dict, metrics: dict, laps: Laps, improved: bool):
+        """The epoch's line, and under it where its time went."""
+        best = "  (best)" if improved else ""
+        phase = " (frozen: head only)" if self.trainer.frozen else ""
+        self.log(f"epoch {epoch:3d}/{self.train.epochs}{phase}  {epoch_line(record)}{best}")
+        warmup = epoch == self.progress.start  # this process's first epoch
+        self.log(time_line(metrics, laps.seconds, warmup=warmup))
 
     def stop_if_asked(self, epoch: int) -> None:
         """Interrupted when any rank was asked to stop (every rank agrees at each epoch's end)."""

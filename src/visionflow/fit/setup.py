@@ -344,6 +344,7 @@ def trainer_for(
         rank,
         world,
         compiled=train.compile,
+        freeze_epochs=train.freeze_epochs if isinstance(model, FineTune) else 0,
     )
 
 

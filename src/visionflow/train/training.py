@@ -125,6 +125,7 @@ class Trainer:
     world: int = 1
     retried: bool = False  # auto_batch retries once per run
     compiled: bool = False  # train.compile: `net` is compiled
+    freeze_epochs: int = 0  # fine-tuning (zoo.FineTune): the new head alone for these epochs
 
     @property
     def lr(self) -> float:
@@ -135,6 +136,16 @@ class Trainer:
     def backbone_lr(self) -> float | None:
         groups = self.optimizer.param_groups
         return groups[1]["lr"] if len(groups) > 1 else None
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the backbone is frozen (the new head alone trains)."""
+        return getattr(self.model, "frozen", False)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The epoch's phase: with `freeze_epochs`, the new head alone, then the whole network."""
+        if self.freeze_epochs:
+            self.freeze(epoch <= self.freeze_epochs)
 
     def freeze(self, frozen: bool) -> None:
         """Fine-tuning (zoo.FineTune): train the new head alone (the backbone's weights kept; its
