@@ -210,3 +210,19 @@ def test_a_raised_epoch_budget_extends_a_finished_run_where_the_schedule_allows(
     assert "starting fresh" in said and "train.epochs" in said, said
     assert "the cosine and one-cycle schedules' rates depend on it" in said, said
     assert [r["lr"] for r in state(longer)["history"]][0] == 1e-3  # a fresh schedule
+
+
+def test_lr_find_plots_the_range_test_whose_rate_lr_auto_trains_with(cache, tmp_path, monkeypatch):
+    """`visionflow lr-find` (python -m pipeline.lr_find) and `train.lr: auto` run the same range
+    test: the rate it suggests is the rate the run trains with, and the plot is written."""
+    import pipeline.lr_find
+
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(merge(raw, BASE)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lr_find", "--data", str(cache), "--out", "found"])
+    pipeline.lr_find.main()
+    suggested = json.loads((tmp_path / "found/lr_find.json").read_text())["suggestion"]
+    assert (tmp_path / "found/lr_find.png").stat().st_size > 0
+    auto = Run(params(lr="auto"), cache, tmp_path / "out", tmp_path / "state", code="tests")
+    assert auto.train.lr == suggested and auto.found["suggestion"] == suggested

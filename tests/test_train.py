@@ -172,6 +172,9 @@ def test_the_warm_up_counts_the_images_its_steps_had_and_the_line_never_goes_neg
 ):
     """272 images at batch 64: five steps, the last of 16 images, all of them the warm-up. The
     warm-up counted 5 x 64 = 320 images, and the line read "then -308819 img/s"."""
+    from visionflow.train.stats import WARMUP_STEPS
+
+    assert WARMUP_STEPS == 5  # the steps the cases below count on
     x, y = toy(272)
     model = fresh_model()
     optimizer = make_optimizer("sgd", model, 1e-2, 0, 0.9, False)
