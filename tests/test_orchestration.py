@@ -3,15 +3,18 @@ run. What each module decides on its own (a sweep's table and its rounding, whic
 stop leaves `not run`, when a spread experiment counts as lost, which checkout may take part in
 a spread sweep, which stage is retried, what the command lines refuse) is pinned here on tiny
 real inputs: git repositories in `tmp_path`, DVC's own answers, real processes and signals. The
-slow tests (test_flows) drive the same code through real flow runs against a Prefect server.
+slow tests (test_flows) drive the same code through real flow runs against a Prefect server; the
+two marked slow here do so for the spread heartbeat alone (seconds each, the session's server).
 
 Flows and tasks are called through `.fn` only where that path asks no server; the run logger is
 Prefect's own null logger there (`disable_run_logger`)."""
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from uuid import uuid4
@@ -244,6 +247,74 @@ def test_a_spread_experiment_is_lost_only_when_its_heartbeat_stops_for_lost_afte
     assert beats["e3"][0] == 5 and run.state.is_running()
 
 
+LOST_AFTER_S = 4.0  # the sweep's --lost-after here; a loaded machine can hold a beat 1-2 s
+EVERY_S = LOST_AFTER_S / 20  # more beats per window than the sweep's BEATS: no late one counts
+
+
+def parents_look(client, run_id, beats: dict) -> FlowRun:
+    """What the sweep does with a running child each time it looks (`wait_for_children`): read
+    the flow run from the server, and mark it Crashed when its heartbeat is silent."""
+    run = client.read_flow_run(run_id)
+    if run.state and run.state.is_running():
+        spread.crash_if_silent(client, run.name, run, beats, LOST_AFTER_S)
+    return run
+
+
+@pytest.mark.slow  # the session's Prefect server (the fast tier starts none: docs/tests.md)
+def test_a_spread_experiments_heartbeat_keeps_it_alive_on_the_server_until_it_stops(
+    prefect_server,
+):
+    """The experiment's own `heartbeat` in a real flow run counts its label up on the server;
+    the sweep, judging by that count alone, calls it alive for longer than `lost_after_s`
+    while it beats, and lost (Crashed, saying where it ran) once the beats stop while the run
+    still runs (a worker cut off from the API, its thread dead)."""
+    from prefect import flow, runtime
+    from prefect.client.orchestration import get_client
+
+    started, stop_beating, finish = queue.Queue(), threading.Event(), threading.Event()
+
+    @flow(name="beating-experiment", flow_run_name="beating-{where}")
+    def beating(where: str) -> None:
+        started.put(runtime.flow_run.id)
+        with spread.heartbeat(where, EVERY_S):
+            stop_beating.wait(300)
+        finish.wait(300)  # running, silent
+
+    where = f"a-worker:{uuid4().hex[:8]}"
+    experiment = threading.Thread(target=beating, args=(where,), kwargs={"return_state": True})
+    experiment.start()
+    try:
+        run_id, beats, counts = started.get(timeout=120), {}, set()
+        with get_client(sync_client=True) as client:
+            deadline = time.monotonic() + 120  # an upper bound only: nothing here is timed
+            watched_from = None  # alive twice lost_after_s on the sweep's clock: by its beats
+            while watched_from is None or time.monotonic() - watched_from <= 2 * LOST_AFTER_S:
+                assert time.monotonic() < deadline, f"beats seen while watched: {sorted(counts)}"
+                run = parents_look(client, run_id, beats)
+                assert not run.state.is_final(), f"lost while it beat: {run.state.message}"
+                if run.state.is_running():
+                    watched_from = watched_from or time.monotonic()
+                    counts.add(run.labels.get(spread.HEARTBEAT))
+                time.sleep(EVERY_S)
+            assert len(counts - {None}) > 2, sorted(counts)  # the count moved, on the server
+            assert run.labels[spread.RAN_ON] == where
+            stop_beating.set()
+            deadline = time.monotonic() + 120
+            while not run.state.is_final():
+                assert time.monotonic() < deadline, f"still alive, beats {beats}"
+                run = parents_look(client, run_id, beats)
+                time.sleep(EVERY_S)
+            crashed = client.read_flow_run(run_id).state
+        assert crashed.is_crashed(), crashed
+        assert crashed.message == (
+            f"no heartbeat for {LOST_AFTER_S:.0f} s: its worker or machine was lost ({where})"
+        )
+    finally:
+        stop_beating.set()
+        finish.set()
+        experiment.join(60)
+
+
 def test_a_spread_sweeps_table_says_where_each_ran_and_why_one_did_not_succeed(tmp_path):
     where = {spread.RAN_ON: "worker-2:/srv/checkout"}
     done = a_flow_run(Completed(message="e1 ran on worker-2:/srv/checkout"), **where)
@@ -308,6 +379,64 @@ def test_a_checkout_without_the_remotes_or_the_pushed_commit_cannot_start_a_spre
     )
     sh(checkout, "git", "push", "-q", "origin", "HEAD:refs/heads/main")
     assert spread.spread_problem(checkout, "origin") is None
+
+
+def test_a_commit_pushed_to_another_remote_is_not_on_the_named_one_for_a_spread_sweep(checkout):
+    """The workers clone the named remote: a commit that only another remote of this checkout
+    has (its remote-tracking branch here says so) would be refused by every one of them."""
+    with_dvc_remote(checkout)
+    sh(checkout.parent, "git", "init", "-q", "--bare", "fork.git")
+    sh(checkout, "git", "remote", "add", "fork", str(checkout.parent / "fork.git"))
+    sh(checkout, "git", "push", "-q", "fork", "HEAD:refs/heads/main")
+    head = sh(checkout, "git", "rev-parse", "HEAD").stdout.strip()
+    assert sh(checkout, "git", "branch", "-r", "--contains", head).stdout.split() == ["fork/main"]
+    assert (
+        spread.spread_problem(checkout, "origin")
+        == f"commit {head[:8]} is not on origin: `git push origin` first (every worker needs it)"
+    )
+    assert spread.spread_problem(checkout, "fork") is None
+    sh(checkout, "git", "push", "-q", "origin", "HEAD:refs/heads/sweeps")  # any branch of it
+    assert spread.spread_problem(checkout, "origin") is None
+
+
+@pytest.mark.slow  # the session's Prefect server (the fast tier starts none: docs/tests.md)
+def test_a_spread_experiment_beats_while_it_waits_for_its_checkout(prefect_server, checkout):
+    """The experiment flow itself beats from its start, where it waits for its checkout's lock
+    (another run holds it), and says where it runs; then its refusal ends it Failed."""
+    import fcntl
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with_dvc_remote(checkout)
+    name = f"waits-{uuid4().hex[:8]}"
+    lock = checkout / ".dvc" / "tmp" / "visionflow-run.lock"
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as another run's process holds it
+        parameters = dict(workdir=str(checkout), heartbeat_s=EVERY_S, return_state=True)
+        ended = []
+        thread = threading.Thread(
+            target=lambda: ended.append(spread.experiment(name, [], "f" * 40, **parameters))
+        )
+        thread.start()
+        try:
+            named = FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+            deadline = time.monotonic() + 120  # an upper bound only: nothing here is timed
+            with get_client(sync_client=True) as client:
+                while True:
+                    runs = client.read_flow_runs(flow_run_filter=named)
+                    if runs and (runs[0].labels or {}).get(spread.HEARTBEAT, 0) >= 3:
+                        break
+                    assert time.monotonic() < deadline, f"no 3rd beat: {[r.labels for r in runs]}"
+                    time.sleep(EVERY_S)
+            assert runs[0].state.is_running() and not ended
+            assert runs[0].labels[spread.RAN_ON] == f"{socket.gethostname()}:{checkout}"
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+            thread.join(120)
+    [state] = ended
+    assert state.is_failed() and "the sweep's is ffffffff" in state.message, state
 
 
 def test_a_worker_checkout_at_another_commit_or_with_changes_refuses_the_experiment(checkout):
