@@ -2,12 +2,14 @@
 
 Reads:  params.yaml (evaluate.*); the model from train; the cache from prepare
 Writes: <out>/metrics.json (what `dvc metrics` compares: accuracy, macro F1, top-k accuracy,
-        loss; with evaluate.tta, tta_acc beside them), scores.json (all of it, with per-class
-        P/R/F1/support, and the test-time augmented scores under `tta`), predictions.json (actual
-        vs predicted class per image: `dvc plots` confusion template), confusion.png
-        (row-normalised, class names), misclassified.png (the most confidently wrong images with
-        true and predicted labels), top_losses.png (the highest-loss images: predicted / actual /
-        loss / probability), most_confused.json (class pairs confused, the most often first)
+        loss; with evaluate.tta, tta_acc beside them; absent_classes when the test split lacks
+        a class), scores.json (all of it, with per-class P/R/F1/support, the classes the test
+        split lacks, named in the log too, and the test-time augmented scores under `tta`),
+        predictions.json (actual vs predicted class per image: `dvc plots` confusion template),
+        confusion.png (row-normalised, class names), misclassified.png (the most confidently
+        wrong images with true and predicted labels), top_losses.png (the highest-loss images:
+        predicted / actual / loss / probability), most_confused.json (class pairs confused, the
+        most often first)
 Run:    python -m pipeline.evaluate --model results/train/model.pt --data data/prepared --out results/evaluate
 """
 
@@ -52,6 +54,7 @@ def main() -> None:
     if p.tta:
         metrics["tta"] = tta_scores(model, meta, x, y, mean, std, p.batch_size, classes, p.top_k)
 
+    absent = metrics["classes_absent_from_test"]  # scored anyway, as scikit-learn does
     out = staged(args.out)  # moved to args.out when the stage succeeds
     dataset.write_json(out / "scores.json", metrics)
     summary = {  # short names, so that `dvc exp show` stays narrow
@@ -60,6 +63,7 @@ def main() -> None:
         "top_k_acc": metrics["top_k_accuracy"],
         "loss": metrics["loss"],
         **({"tta_acc": metrics["tta"]["accuracy"]} if p.tta else {}),
+        **({"absent_classes": len(absent)} if absent else {}),  # said only when some are
     }
     dataset.write_json(out / "metrics.json", summary)
     predicted = logits.argmax(1).tolist()
@@ -99,6 +103,17 @@ def main() -> None:
             else ""
         )
     )
+    say_absent(absent)
+
+
+def say_absent(classes: list[str]) -> None:
+    """One log line naming the classes the test split lacks, if any: scored, never silently."""
+    if classes:
+        named = f"class{'es' if len(classes) > 1 else ''} {', '.join(map(repr, classes))}"
+        print(
+            f"evaluate: warning: no test image of {named}: the accuracy says nothing of it, "
+            "and macro F1 counts it as 0 (scores.json: classes_absent_from_test)"
+        )
 
 
 def as_seen(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor):

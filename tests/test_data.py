@@ -314,6 +314,38 @@ def test_build_cache_reports_and_removes_leaked_duplicates(image_folder, tmp_pat
         seen |= rows
 
 
+def burst_folder(root: Path) -> Path:
+    """Two classes of 8 images: every 'burst' image a pixel copy of the others (burst photos),
+    every 'scene' image distinct."""
+    for i in range(8):
+        for name in ("burst", "scene"):
+            (root / name).mkdir(parents=True, exist_ok=True)
+        solid((200, 30, 30)).save(root / "burst" / f"{i}.png")
+        scene = solid((30, 200, 30))
+        scene.putpixel((i, 0), (128, 128, 128))
+        scene.save(root / "scene" / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("shard_images", [0, 4])  # one file per split; shards placed by hash
+def test_dedupe_refuses_a_class_left_without_val_or_test_images_naming_it(tmp_path, shard_images):
+    """Dedupe would drop every val and test image of 'burst' (each a copy of a train image):
+    refused, by name, rather than a class tested on nothing; kept copies test it (leaking)."""
+    source = sources.load_source("imagefolder", burst_folder(tmp_path / "images"))
+    with pytest.raises(dataset.DataError) as error:
+        build(source, tmp_path / "out", dedupe=True, shard_images=shard_images)
+    assert re.fullmatch(
+        r"class 'burst' lost every val and test image \(\d val, \d test\): each was a pixel "
+        r"copy of an image in an earlier split \(burst/\d\.png is one\), so the class would be "
+        r"scored on no image; give it distinct images, or set this false to keep the copies "
+        r"\(they leak\)",
+        str(error.value),
+    )
+    assert error.value.setting == "dedupe"  # the stage names prepare.dedupe
+    manifest = build(source, tmp_path / "kept", dedupe=False, shard_images=shard_images)
+    assert all(counts["burst"] > 0 for counts in manifest["counts"].values())
+
+
 # runs ARGV and prints its peak RSS (KiB): a fresh, small process between, since a child
 # started from this one (pytest, torch imported) is charged this one's size by exec
 PEAK_RSS = (

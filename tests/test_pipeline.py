@@ -12,7 +12,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, TINY, copy_project, python_path, sh, write_params
+from tests.helpers import ROOT, TINY, copy_project, python_path, sh, solid, write_params
 
 pytestmark = pytest.mark.slow
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -289,6 +289,36 @@ def test_imagefolder_and_archive_sources_are_tracked_dependencies(project, image
     write_params(project, {"prepare": folder})  # the folder and its archive give the same cache
     sh(project, "dvc", "repro", "prepare")
     assert arrays == {n: (project / "data/prepared" / n).read_bytes() for n in arrays}
+
+
+def test_a_class_whose_val_and_test_images_are_all_copies_is_refused_by_name(project, tmp_path):
+    """Burst photos: every 'burst' image is a pixel copy of the others, so dedupe would leave it
+    no val or test image and evaluate would score it on nothing. Plain `dvc repro` stops at
+    prepare with one line naming the class and the key; nothing half-written, nothing recorded."""
+    images = tmp_path / "images"
+    for name in ("burst", "scene"):
+        (images / name).mkdir(parents=True)
+    for i in range(8):
+        solid((200, 30, 30)).save(images / "burst" / f"{i}.png")
+        scene = solid((30, 200, 30))
+        scene.putpixel((i, 0), (128, 128, 128))  # each scene image distinct
+        scene.save(images / "scene" / f"{i}.png")
+    write_params(
+        project, {"prepare": {"source": "imagefolder", "path": str(images), "color": "rgb"}}
+    )
+    result = sh(project, "dvc", "repro", check=False)
+    assert result.returncode != 0 and ran(result) == ["check", "prepare"]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: prepare.dedupe: class 'burst' lost every val and test image (1 val, 2 test): each "
+        "was a pixel copy of an image in an earlier split (burst/6.png is one), so the class would "
+        "be scored on no image; give it distinct images, or set this false to keep the copies "
+        "(they leak)"
+    ], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any((project / "data").glob("prepared*"))  # no cache, no half-written one
+    recorded = yaml.safe_load((project / "dvc.lock").read_text())["stages"]
+    assert "prepare" not in recorded
 
 
 def test_verify_is_not_all_good_when_the_manifest_or_the_cache_is_gone(reproduced_base, tmp_path):

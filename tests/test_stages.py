@@ -107,6 +107,50 @@ def test_evaluate_refuses_a_model_with_another_class_count(cache):
     assert not (cache / "ev" / "metrics.json").exists()
 
 
+def test_evaluate_names_a_class_the_test_split_lacks(tmp_path):
+    """A class of 5 images beside one of 55, at test_fraction 0.1, gets no test image from the
+    stratified split: evaluate says so in its log, scores.json and metrics.json, beside the
+    macro F1 that counts it as 0."""
+    from visionflow.data import dataset, sources
+    from visionflow.train.models import build_model, save_model
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    images = np.random.default_rng(0).integers(0, 256, (60, 8, 8), dtype=np.uint8)
+    labels = np.repeat([0, 1], [55, 5])
+    names = [f"#{i}" for i in range(60)]
+    source = sources.Source(list(images), labels, ["big", "small"], None, names)
+    decode = dataset.Decode(8, "grayscale")
+    manifest = dataset.build_cache(
+        source, tmp_path / "prepared", decode, val_fraction=0.15, test_fraction=0.1, seed=0
+    )
+    assert manifest["counts"]["test"] == {"big": 6, "small": 0}
+    meta = {
+        "model": "simple_cnn",
+        "in_channels": 1,
+        "image_size": 8,
+        "dropout": 0.0,
+        "classes": ["big", "small"],
+        "mean": [0.5],
+        "std": [0.3],
+        "background": [255] * 3,
+    }
+    save_model(build_model("simple_cnn", 1, 2, 8), meta, tmp_path / "model.pt")
+    result = stage(
+        tmp_path, "pipeline.evaluate", "--model", "model.pt", "--data", "prepared", "--out", "ev"
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "evaluate: warning: no test image of class 'small': the accuracy says nothing of it, "
+        "and macro F1 counts it as 0 (scores.json: classes_absent_from_test)"
+    ) in result.stdout.splitlines()
+    scores = json.loads((tmp_path / "ev/scores.json").read_text())
+    assert scores["classes_absent_from_test"] == ["small"]
+    assert scores["per_class"]["small"]["support"] == 0
+    metrics = json.loads((tmp_path / "ev/metrics.json").read_text())
+    assert metrics.keys() == {"accuracy", "macro_f1", "top_k_acc", "loss", "absent_classes"}
+    assert metrics["absent_classes"] == 1
+
+
 def test_prepare_names_the_params_key_of_a_limit(image_folder, tmp_path):
     """The library says which of its limits the data went over; the stage names the key."""
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")

@@ -174,9 +174,11 @@ def build_cache(
     `shard_images` 0: one file per split, split by a seeded stratified permutation; N > 0: each
     image's split and shard from a hash of its name, shards of at most N images (`shards`).
 
-    Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, or when
-    a class keeps fewer than `min_per_class` good images, naming it. `origin` (the source's name
-    and path, as the user gave them) goes into the manifest with the split's fractions and seed.
+    Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, when
+    a class keeps fewer than `min_per_class` good images, or when `dedupe` leaves a class no val
+    or no test image (all of them copies of an earlier split's images), naming the class.
+    `origin` (the source's name and path, as the user gave them) goes into the manifest with the
+    split's fractions and seed.
     """
     if len(source.classes) < 2:  # before decoding anything
         raise DataError(
@@ -212,17 +214,10 @@ def build_cache(
             else split_indices(labels, val_fraction, test_fraction, seed, is_test)
         )
         check_training_images(source.classes, labels[local["train"]])
-        splits, duplicates = find_duplicates(
-            {s: good[i] for s, i in local.items()}, digests, source.names, remove=dedupe
-        )
+        placed = {s: good[i] for s, i in local.items()}
+        splits, duplicates = find_duplicates(placed, digests, source.names, remove=dedupe)
+        check_deduped_classes(source, placed, splits)
         write_json(out / "duplicates.json", duplicates)
-        empty = [split for split, index in splits.items() if not len(index)]
-        if empty:
-            raise DataError(
-                f"no images left in {empty} after removing {duplicates['removed']} "
-                "duplicates (duplicates.json); add images or keep duplicates",
-                setting="dedupe",
-            )
         write_json(out / "decode.json", decode_record(decode))
         split = {"val_fraction": val_fraction, "test_fraction": test_fraction, "seed": seed}
         if shard_images:  # one file per split keeps its bytes: a permutation, as before
@@ -276,6 +271,35 @@ def check_training_images(classes: list[str], train_labels: np.ndarray) -> None:
         raise DataError(
             f"no training images for classes {none}: the split put all of their images in val "
             "or test (or the source's own test split holds them all); add images to them"
+        )
+
+
+def check_deduped_classes(
+    source: Source, placed: dict[str, np.ndarray], kept: dict[str, np.ndarray]
+) -> None:
+    """DataError naming each class that de-duplication left with no val or no test image (every
+    one was a pixel copy of an earlier split's image: burst photos), which would otherwise be
+    validated or tested on nothing, in silence."""
+    lost, example = {}, None  # class name -> {split: its images there}; one image removed
+    for split in ("val", "test"):
+        had, has = (
+            np.bincount(source.labels[index[split]], minlength=len(source.classes))
+            for index in (placed, kept)
+        )
+        for c in np.flatnonzero((had > 0) & (has == 0)):
+            lost.setdefault(source.classes[c], {})[split] = int(had[c])
+            example = example or source.names[placed[split][source.labels[placed[split]] == c][0]]
+    if lost:
+        which = "; ".join(
+            f"class {name!r} lost every {' and '.join(had)} image "
+            f"({', '.join(f'{n} {split}' for split, n in had.items())})"
+            for name, had in lost.items()
+        )
+        raise DataError(
+            f"{which}: each was a pixel copy of an image in an earlier split ({example} is "
+            "one), so the class would be scored on no image; give it distinct images, or set "
+            "this false to keep the copies (they leak)",
+            setting="dedupe",
         )
 
 

@@ -1,4 +1,5 @@
-"""Test-set scores from logits: accuracy, top-k, F1 (macro, weighted), per-class P/R/F1.
+"""Test-set scores from logits: accuracy, top-k, F1 (macro, weighted), per-class P/R/F1, and
+the classes the test set lacks.
 
 Computed from the confusion matrix with NumPy: the same numbers as scikit-learn's
 `precision_recall_fscore_support(..., zero_division=0)` and `confusion_matrix` (tests/test_models_engine.py
@@ -36,6 +37,8 @@ def classification_scores(
             }
             for i, name in enumerate(classes)
         },
+        # no image in `y`: accuracy says nothing of them, and macro F1 counts each as 0
+        "classes_absent_from_test": [c for i, c in enumerate(classes) if not support[i]],
     }
 
 
