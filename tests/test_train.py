@@ -2,6 +2,7 @@
 
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import re
@@ -1359,6 +1360,34 @@ def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(cap
         ctrl_c.handle(signal.SIGINT, None)
         with pytest.raises(KeyboardInterrupt):
             ctrl_c.handle(signal.SIGINT, None)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def test_a_ctrl_c_to_every_process_is_the_main_processes_alone_to_answer(tmp_path, capfd):
+    """A terminal's Ctrl-C reaches every process of the group, the DataLoader workers of a
+    memory-mapped split too: they had inherited the stage's handler, each said "finishing this
+    epoch", and a second Ctrl-C ended them on their own, leaving the main process to wait for
+    them at exit. Now a worker ignores it, and the batches go on to the epoch's end."""
+    from visionflow.train.training import StopRequest
+
+    x, y = toy(96)
+    np.save(tmp_path / "x.npy", x.permute(0, 2, 3, 1).mul(255).to(torch.uint8).numpy())
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        stream = loading.batches(mapped, y, 8, torch.Generator().manual_seed(0), workers=2)
+        seen = [next(stream)]
+        workers = multiprocessing.active_children()
+        assert workers  # the loader's
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGINT)
+            os.kill(worker.pid, signal.SIGINT)  # a second Ctrl-C: still the main process's
+        seen += list(stream)
+        assert len(seen) == 12 and stop.requested is None
+        assert "finishing this epoch" not in capfd.readouterr().err
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)

@@ -3,6 +3,7 @@ normalisation every stage and export applies (uint8 NHWC -> float NCHW). The tor
 data; `visionflow.data` (sources, decoding, split, the cache itself) needs no torch."""
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def batches(
             # train differently from one held in memory. The workers draw nothing random, so a
             # fixed seed, fresh each pass, is enough (and a resume has no state to restore).
             generator=torch.Generator().manual_seed(0),
+            worker_init_fn=leave_stops_to_the_main_process,
         )
         for index, xb in zip(index_batches, loader, strict=True):
             yield (
@@ -90,6 +92,15 @@ def batches(
     for start in range(0, n, batch_size):
         index = order[start : start + batch_size].to(x.device)
         yield x[index], y[index]
+
+
+def leave_stops_to_the_main_process(worker_id: int) -> None:
+    """A DataLoader worker ignores Ctrl-C and SIGTERM: forked, it had inherited the train stage's
+    handler, so a terminal's Ctrl-C (sent to every process of the group) had each worker print
+    "finishing this epoch", and a second one ended the workers on their own, leaving the main
+    process to wait for them at exit. The main process decides; it ends its workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 MAX_LOADER_WORKERS = 8  # one gathers ~9,000 224 px images/s from the page cache (benchmarks.md)
