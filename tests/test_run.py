@@ -153,7 +153,10 @@ CASES = {  # train.* beyond BASE, and the epoch after which the run is killed
         {"scheduler": "none", "early_stop": 2, "label_smoothing": 0.1},
         1,
     ),
-    "step-fp16_scaler-accumulate": ({"scheduler": "step", "amp": "fp16", "accumulate": 2}, 2),
+    "step-fp16_scaler-accumulate": (
+        {"scheduler": "step", "amp": "fp16", "accumulate": 2, "epochs": 3},
+        2,
+    ),
 }
 
 
