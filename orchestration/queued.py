@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.futures import wait
@@ -245,14 +246,10 @@ def stop_idle_workers(root: Path, log: Callable[[str], None]) -> None:
 def queue_workers(root: Path) -> list[int]:
     """DVC's queue worker processes working in `root`."""
     found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-        except OSError:
-            continue
-        if b"queue-worker" in cmdline and cwd == root:
-            found.append(int(pid))
+    for process in psutil.process_iter(["cmdline", "cwd"]):  # None where it cannot be read
+        cmdline, cwd = process.info["cmdline"] or [], process.info["cwd"]
+        if "queue-worker" in cmdline and cwd is not None and Path(cwd) == root:
+            found.append(process.pid)
     return found
 
 

@@ -180,7 +180,7 @@ class Train(Section):
     group_lr_factor: float = Field(1.0, gt=0, le=1)  # pretrained: a group's lr is the next's x this
     train_bn: bool = True  # pretrained, frozen epochs: BatchNorm layers keep training
     checkpointing: bool
-    device: Literal["auto", "cpu", "cuda"]
+    device: Literal["auto", "cpu", "cuda", "mps"]
     epochs: int = Field(ge=1)
     batch_size: int = Field(ge=1)
     optimizer: Literal["adam", "adamw", "sgd"]

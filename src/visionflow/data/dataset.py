@@ -84,9 +84,24 @@ def reserve(path: Path) -> None:
     """Allocate every block of a file now. The file is sparse: a write into a hole on a disk that
     has filled since (another writer, a check made before) fails midway, in a decoding process,
     or kills the process with SIGBUS through a memory map, which nothing can catch; here it is
-    ENOSPC, named as a full disk."""
+    ENOSPC, named as a full disk. Where the system has no posix_fallocate (macOS), the free
+    space is checked instead: a disk that fills after it can still fail a later write."""
     with open(path, "r+b") as handle:
-        os.posix_fallocate(handle.fileno(), 0, os.fstat(handle.fileno()).st_size)
+        size = os.fstat(handle.fileno()).st_size
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(handle.fileno(), 0, size)
+        elif shutil.disk_usage(path.parent).free < size:
+            raise DiskFull.at(path.parent, size)
+
+
+def read_into(source, row: np.ndarray, offset: int) -> None:
+    """`row.nbytes` bytes of the open file `source` at `offset` into `row`: one preadv where the
+    system has it (Linux), a seek and a read elsewhere (macOS, Windows)."""
+    if hasattr(os, "preadv"):
+        os.preadv(source.fileno(), [row], offset)
+    else:
+        source.seek(offset)
+        source.readinto(row.data.cast("B"))
 
 
 def write_split(
@@ -104,7 +119,7 @@ def write_split(
         for start in range(0, len(index), len(chunk)):
             part = chunk[: len(index[start : start + len(chunk)])]
             for row, i in zip(part, index[start : start + len(chunk)], strict=True):
-                os.preadv(source.fileno(), [row], int(i) * row.nbytes)
+                read_into(source, row, int(i) * row.nbytes)
             out.write(part.data)
             if counts is not None:
                 add_histogram(counts, part)

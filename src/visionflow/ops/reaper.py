@@ -1,6 +1,7 @@
 """The reaper beside each `dvc` group that `runner.start_group` starts, run as a script:
 `python reaper.py GROUP GRACE_S OUTPUT_FD`. One starts beside every run, so it imports the
-standard library alone; the runner and the queued sweep import its `family` and `kill_family`.
+standard library and psutil alone (psutil, which DVC installs, reads the process table on Linux
+and macOS alike); the runner and the queued sweep import its `family` and `kill_family`.
 
 It waits for EOF on stdin (the runner's end of the pipe closes when the runner ends,
 however it ends). A line "stop" means the runner has asked the group to stop (the grace period
@@ -18,7 +19,8 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
+
+import psutil
 
 
 def main() -> None:
@@ -60,17 +62,16 @@ def family(leader: int, group: bool = True) -> set[int]:
     `setsid`): read from /proc before a kill, since the ranks of a killed launcher are
     reparented out of reach."""
     parents, found = {}, set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for process in psutil.process_iter(["ppid", "status"]):
+        if process.info["status"] in (psutil.STATUS_ZOMBIE, None):  # dead already, or gone
             continue
-        try:  # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            mine = os.getpgid(process.pid) == leader if group else process.pid == leader
         except OSError:  # ended meanwhile
             continue
-        if fields[0] != "Z":  # a zombie is dead already
-            parents[int(entry)] = int(fields[1])
-            if (int(fields[2]) if group else int(entry)) == leader:
-                found.add(int(entry))
+        parents[process.pid] = process.info["ppid"]
+        if mine:
+            found.add(process.pid)
     children: dict[int, list[int]] = {}
     for pid, parent in parents.items():
         children.setdefault(parent, []).append(pid)
@@ -101,13 +102,14 @@ def kill_family(leader: int, group: bool = True) -> bool:
 
 
 def started(pid: int) -> str | None:
-    """A process's start time (clock ticks after boot), which tells it from a later one that
-    reuses its pid; None when it is gone or a zombie."""
-    try:  # "pid (comm) state ppid ...": the start time is the 22nd field
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
+    """A process's start time, which tells it from a later one that reuses its pid; None when it
+    is gone or a zombie."""
+    try:
+        process = psutil.Process(pid)
+        zombie = process.status() == psutil.STATUS_ZOMBIE
+        return None if zombie else repr(process.create_time())
+    except psutil.Error:
         return None
-    return None if fields[0] == "Z" else fields[19]
 
 
 def kill_seen(seen: dict[int, str | None]) -> None:

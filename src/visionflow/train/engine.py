@@ -25,9 +25,16 @@ from visionflow.train.stats import EpochStats
 
 
 def pick_device(name: str) -> torch.device:
-    """`auto` takes CUDA when torch can use it, else the CPU; `cuda` without a GPU is Unavailable."""
+    """`auto` takes CUDA when torch can use it, else Apple's GPU (`mps`) where torch has it, else
+    the CPU; `cuda` or `mps` without it is Unavailable."""
+    mps = torch.backends.mps.is_available()
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps else "cpu"
+    if name == "mps" and not mps:
+        raise Unavailable(
+            f"torch sees no Apple GPU (torch {torch.__version__}: MPS needs macOS 12.3+ on Apple "
+            "silicon, and a build with it); use auto (falls back to the CPU)"
+        )
     if name == "cuda" and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise Unavailable(

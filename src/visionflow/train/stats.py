@@ -75,6 +75,8 @@ class EpochStats:
         clock reads the GPU's work, not how far ahead the host has queued it."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        elif device.type == "mps":
+            torch.mps.synchronize()
         self.warmup = (time.perf_counter() - self.started, self.fed_images)
 
     def timed(self, batches: Iterable) -> Iterator:

@@ -49,7 +49,10 @@ def seed_everything(seed: int, deterministic: bool, compiled: bool) -> None:
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+    if device.type == "mps":  # Apple's GPU: what its driver holds now (it keeps no peak)
+        return torch.mps.driver_allocated_memory() / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # macOS: bytes; Linux: KB
 
 
 def start_distributed(device_name: str) -> tuple[int, int]:
@@ -173,6 +176,7 @@ class Trainer:
             "augment": self.augment_rng.get_state(),
             # dropout on a GPU draws from each device's generator
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "mps": torch.mps.get_rng_state() if torch.backends.mps.is_available() else None,
         }
 
     def rng_of_every_rank(self) -> list[dict] | None:
@@ -204,6 +208,8 @@ class Trainer:
         cuda = rng.get("cuda") or []
         if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+        if rng.get("mps") is not None and torch.backends.mps.is_available():
+            torch.mps.set_rng_state(rng["mps"].cpu())
 
     def epoch(self, x, y, mean, std, epoch: int, monitor: health.Monitor) -> dict:
         """One epoch of `train_one_epoch` over the split `x`, `y`. On a GPU out-of-memory the
