@@ -10,6 +10,7 @@ and publish what happened. Run from the project root, as the stages are:
     in_turn.py      a sweep's experiments one after another, in this checkout
     queued.py       DVC's queue, N at a time, in this checkout
     spread.py       one flow run per experiment on a work pool's workers, each in its own checkout
+    server.py       what the command lines give Prefect's temporary server, and say when it fails
 
 Orchestration imports the library (visionflow) and Prefect, never the stages (`pipeline`); the
 library never imports it (tests/test_layering.py).

@@ -30,6 +30,7 @@ from prefect.states import Cancelled, Failed, State
 from orchestration import in_turn, queued
 from orchestration import spread as spread_mode
 from orchestration.record import stopped_run
+from orchestration.server import patient_server
 from orchestration.spread import EXPERIMENT, LOST_AFTER_S
 from orchestration.sweep import Plan, Poll
 from visionflow.ops.project import preflight
@@ -126,6 +127,25 @@ def input_problems(
     return problems
 
 
+# Where one of DVC's `-S` forms begins: key=value, +key=value (a new key), ++key=value (added or
+# overridden), ~key (deleted), each of them maybe after `file.yaml:` (another params file)
+OVERRIDE_START = re.compile(r"([\w./-]+:)?(~\w|\+{0,2}[\w.@-]+=)")
+
+
+def split_overrides(text: str) -> list[str]:
+    """One `-e` string as the overrides `dvc exp run -S` reads, each as it was written: a new one
+    begins at each word that begins as one of DVC's forms, so a value may hold spaces
+    ("prepare.formats=[PNG, JPEG]"), and quotes keep a value whole ("train.note='a b=c'"), kept
+    for Hydra (DVC's parser) to read. Text with no word stays as it is, for `input_problems`."""
+    spans: list[list[int]] = []  # [start, end] of each override in `text`
+    for word in re.finditer(r"""(?:'[^']*'|"[^"]*"|[^\s'"])+""", text):
+        if spans and not OVERRIDE_START.match(word.group()):
+            spans[-1][1] = word.end()  # more of the value before it
+        else:
+            spans.append([word.start(), word.end()])
+    return [text[start:end] for start, end in spans] or [text]
+
+
 def raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -138,7 +158,8 @@ def main() -> None:
         "--experiment",
         action="append",
         required=True,
-        help='one experiment\'s overrides: -e "train.lr=1e-3 train.epochs=3"',
+        help="one experiment's overrides, any of `dvc exp run -S`'s forms: "
+        '-e "train.lr=1e-3 ++train.epochs=3 ~train.note"',
     )
     how = parser.add_mutually_exclusive_group()
     how.add_argument("--workers", type=int, default=0, help="queued, N at a time (DVC's queue)")
@@ -158,8 +179,7 @@ def main() -> None:
         f"as lost and the experiment is marked Crashed ({LOST_AFTER_S:.0f})",
     )
     args = parser.parse_args()
-    # one override per `key=`: a value may hold spaces ("prepare.formats=[PNG, JPEG]")
-    overrides = [re.split(r"\s+(?=[\w.-]+=)", text.strip()) for text in args.experiment]
+    overrides = [split_overrides(text) for text in args.experiment]
     bad = input_problems(overrides, args.workers, args.timeout, args.lost_after)
     if bad:
         parser.error("; ".join(bad))
@@ -169,21 +189,23 @@ def main() -> None:
         sys.exit(f"error: {error}")
     for stop in (signal.SIGTERM, signal.SIGHUP):  # as Ctrl-C: what has not ended is stopped
         signal.signal(stop, raise_keyboard_interrupt)
-    try:
-        state = experiments(
-            str(root),
-            overrides,
-            workers=args.workers,
-            timeout_s=args.timeout,
-            spread=bool(args.spread),
-            deployment=args.spread or EXPERIMENT,
-            remote=args.remote,
-            lost_after_s=args.lost_after,
-            return_state=True,
-        )
-    except KeyboardInterrupt:
-        state = Cancelled()
-    for row in table_of(state):  # the rows that succeeded too, when some did not
+    with patient_server():  # time for Prefect's temporary server (no PREFECT_API_URL)
+        try:
+            state = experiments(
+                str(root),
+                overrides,
+                workers=args.workers,
+                timeout_s=args.timeout,
+                spread=bool(args.spread),
+                deployment=args.spread or EXPERIMENT,
+                remote=args.remote,
+                lost_after_s=args.lost_after,
+                return_state=True,
+            )
+        except KeyboardInterrupt:
+            state = Cancelled()
+        rows = table_of(state)
+    for row in rows:  # the rows that succeeded too, when some did not
         print(json.dumps(row))
     if state.is_cancelled():
         reason = state.message or "the sweep's experiments that had not ended were stopped"

@@ -37,6 +37,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.states import Cancelled, Completed, State
 
 from orchestration.record import deployed, record_holder, stopped_run
+from orchestration.server import patient_server
 from visionflow.data.files import flatten
 from visionflow.ops import runner
 from visionflow.ops.project import preflight
@@ -288,18 +289,19 @@ def main() -> None:
         root = find_root(Path(args.workdir))
     except NotAProject as error:
         sys.exit(f"error: {error}")
-    if args.watch:
-        watch(root, args.settle, deployment=args.deployment)
-    elif args.serve:
-        serve_deployments(root, args.interval, args.cron)
-    else:
-        state = reproduce(str(root), args.if_busy, return_state=True)
-        if state.is_cancelled():  # Ctrl-C or SIGTERM: the line is in the log already
-            sys.exit(STOPPED_EXIT)
-        if state.is_failed() or state.is_crashed():
-            sys.exit(f"error: {state.message}")
-        print(json.dumps({"ran": state.result(), "skipped": state.name == "Skipped"}))
-        sys.exit(BUSY_EXIT if state.name == "Skipped" else 0)
+    with patient_server():  # time for Prefect's temporary server (no PREFECT_API_URL)
+        if args.watch:
+            watch(root, args.settle, deployment=args.deployment)
+        elif args.serve:
+            serve_deployments(root, args.interval, args.cron)
+        else:
+            state = reproduce(str(root), args.if_busy, return_state=True)
+            if state.is_cancelled():  # Ctrl-C or SIGTERM: the line is in the log already
+                sys.exit(STOPPED_EXIT)
+            if state.is_failed() or state.is_crashed():
+                sys.exit(f"error: {state.message}")
+            print(json.dumps({"ran": state.result(), "skipped": state.name == "Skipped"}))
+            sys.exit(BUSY_EXIT if state.name == "Skipped" else 0)
 
 
 if __name__ == "__main__":

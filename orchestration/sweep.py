@@ -213,13 +213,20 @@ def sweep_table(plan: Plan) -> list[dict]:
 
 
 def overrides(sets: list[str]) -> dict:
-    """`-S` overrides as {param: value}: "train.lr=1e-3" -> {"train.lr": 0.001} (a value that is
-    not JSON stays text)."""
+    """`-S` overrides as {param: value}, the param named without the file or the prefix that DVC
+    reads ("params.yaml:train.lr=1e-3", "+train.new=1", "++train.lr=1e-3"): "train.lr=1e-3" ->
+    {"train.lr": 0.001} (a value that is not JSON stays text); "~train.note" (deleted) ->
+    {"train.note": None}, as a param the experiment lacks."""
     found = {}
     for item in sets:
+        if ":" in item.partition("=")[0]:  # file.yaml:override, split where DVC splits it
+            item = item.partition(":")[2]
         key, _, text = item.partition("=")
+        if key.startswith("~"):
+            found[key[1:]] = None
+            continue
         try:
-            found[key.rpartition(":")[2]] = json.loads(text)
+            found[key.lstrip("+")] = json.loads(text)
         except ValueError:
-            found[key.rpartition(":")[2]] = text
+            found[key.lstrip("+")] = text
     return found

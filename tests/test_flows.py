@@ -486,7 +486,9 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
     """`python -m pipeline.experiments` (the older name of orchestration.experiments, which
     users have) stopped with Ctrl-C in its first experiment's training: that one reaches its
     safe point, the second never runs, the command prints the table and exits 130, and the
-    sweep's run on the server is Cancelled (it was Failed, exit 1)."""
+    sweep's run on the server is Cancelled (it was Failed, exit 1). The first one's `-e` holds
+    two of DVC's `-S` forms, which reach its training each whole (the command glued
+    `++train.lr=...` to train.epochs' value, and DVC refused it)."""
     from prefect.client.orchestration import get_client
 
     params = (project / "params.yaml").read_text()
@@ -494,7 +496,7 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
     env = flows_env(VISIONFLOW_FAULT=AT_EPOCH_2.format(at=at, go=go), **SAFE_POINT_GRACE)
     command = [sys.executable, "-m", "pipeline.experiments", str(project)]
     sweep = subprocess.Popen(
-        [*command, "-e", "train.lr=0.007", "-e", "train.lr=0.008"],
+        [*command, "-e", "train.epochs=3 ++train.lr=0.007", "-e", "train.lr=0.008"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -507,10 +509,12 @@ def test_ctrl_c_stops_an_in_turn_sweep_from_its_terminal_and_the_run_ends_cancel
     assert sweep.returncode == 130, err[-3000:]
     assert "stopped: sweep stopped by SIGINT during sweep-" in err, err[-3000:]
     rows = [json.loads(line) for line in out.splitlines()]
-    assert [(row["state"], row["train.lr"]) for row in rows] == [
-        ("stopped", 0.007),
-        ("not run", 0.008),
+    assert [(row["state"], row["train.lr"], row["train.epochs"]) for row in rows] == [
+        ("stopped", 0.007, 3),
+        ("not run", 0.008, None),
     ]
+    epoch_1 = [line for line in err.splitlines() if "epoch   1/3 " in line]  # 3 epochs, not 4
+    assert epoch_1 and "lr 7.00e-03" in epoch_1[0], err[-3000:]
     with get_client(sync_client=True) as client:
         [run] = [r for r in client.read_flow_runs() if rows[0]["experiment"][6:14] in str(r.id)]
     assert run.state.is_cancelled() and "the rest not run" in run.state.message

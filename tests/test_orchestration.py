@@ -22,10 +22,11 @@ from uuid import uuid4
 import pytest
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import disable_run_logger
+from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
 from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
-from orchestration import experiments, in_turn, queued, record, reproduce, spread, sweep
-from tests.helpers import commit, sh
+from orchestration import experiments, in_turn, queued, record, reproduce, server, spread, sweep
+from tests.helpers import ROOT, commit, python_path, sh
 from visionflow.ops.repo import DvcBusy, StageFailed
 from visionflow.ops.runner import workspace_lock
 
@@ -110,12 +111,52 @@ def test_a_failed_experiment_is_told_by_its_error_line_not_dvcs_sign_off():
     assert sweep.failure_line("") == ""
 
 
-def test_overrides_read_as_dvc_reads_them_and_name_the_param_without_its_file():
+def test_a_sweeps_e_strings_reach_dvc_as_its_set_param_forms_each_whole(tmp_path, monkeypatch):
+    """`-e "train.epochs=3 +train.new_key=1"` set train.epochs to "3 +train.new_key=1" (and so
+    with `file:key=`, `~key`, `++key`): the command now passes each of DVC's `-S` forms on as
+    it was written, a value with spaces or quotes whole."""
+    given = []
+
+    def flow(root, overrides, **options):
+        given.append(overrides)
+        return Completed(data=[])
+
+    monkeypatch.setattr(experiments, "experiments", flow)
+    sweep_of = [
+        ("train.epochs=1 ++train.lr=2e-3", ["train.epochs=1", "++train.lr=2e-3"]),
+        (
+            "params.yaml:train.epochs=3  +train.new_key=1 ~train.note ~train.old=2",
+            ["params.yaml:train.epochs=3", "+train.new_key=1", "~train.note", "~train.old=2"],
+        ),
+        ("conf/b.yaml:++train.lr=1 train.epochs=2", ["conf/b.yaml:++train.lr=1", "train.epochs=2"]),
+        (
+            "prepare.formats=[PNG, JPEG] train.note='a b=c' train.lr=1e-3",
+            ["prepare.formats=[PNG, JPEG]", "train.note='a b=c'", "train.lr=1e-3"],
+        ),
+    ]
+    argv = [arg for text, _ in sweep_of for arg in ("-e", text)]
+    monkeypatch.setattr(sys, "argv", ["experiments", str(project_folder(tmp_path)), *argv])
+    experiments.main()
+    assert given == [[sets for _, sets in sweep_of]]
+    assert sweep.exp_run_args("sweep-1", given[0][0]) == [
+        *("exp", "run", "--name", "sweep-1"),
+        *("--set-param", "train.epochs=1", "--set-param", "++train.lr=2e-3"),
+    ]
+
+
+def test_overrides_read_as_dvc_reads_them_and_name_the_param_without_its_file_or_prefix():
     sets = ["train.lr=1e-3", "train.model=simple_cnn", "params.yaml:train.epochs=3"]
     assert sweep.overrides(sets) == {
         "train.lr": 0.001,
         "train.model": "simple_cnn",
         "train.epochs": 3,
+    }
+    sets = ["++train.lr=2e-3", "+train.new_key=x", "p.yaml:++train.epochs=1", "~train.note"]
+    assert sweep.overrides(sets) == {  # a deleted param reads as one the experiment lacks
+        "train.lr": 0.002,
+        "train.new_key": "x",
+        "train.epochs": 1,
+        "train.note": None,
     }
 
 
@@ -139,8 +180,9 @@ def test_a_poll_reads_each_experiments_state_and_one_dvc_has_no_record_of_as_fai
 
 
 def test_the_sweep_table_has_the_params_that_differ_and_a_failed_ones_overrides(tmp_path):
-    plan = a_plan(
-        tmp_path, {"e1": ["train.lr=3e-3"], "e2": ["train.epochs=3"], "e3": ["train.lr=1e-2"]}
+    plan = a_plan(  # each column named by the param, whatever form of `-S` set it
+        tmp_path,
+        {"e1": ["++train.lr=3e-3"], "e2": ["train.epochs=3"], "e3": ["params.yaml:+train.lr=1e-2"]},
     )
     nothing = {"accuracy": None, "macro_f1": None}
     assert sweep.sweep_table(plan) == [
@@ -224,6 +266,65 @@ def test_a_sweep_is_refused_in_one_line_before_any_experiment_runs(tmp_path):
     assert spread_out.is_failed()
     assert spread_out.message.startswith(f"{fine} has no git remote 'origin': `git remote add")
     assert experiments.table_of(Cancelled()) == []  # stopped before its run began: no table
+
+
+def test_the_commands_give_prefects_temporary_server_time_to_start_unless_told_otherwise(
+    tmp_path, monkeypatch
+):
+    """Without PREFECT_API_URL, a command's flow run starts Prefect's temporary server, which got
+    20 s: on a busy machine it failed every time. The commands give it STARTUP_TIMEOUT_S, unless
+    the setting is set (here as a profile or the environment would set it)."""
+    root = project_folder(tmp_path)
+    waits = []
+
+    def flow(*args, **options):
+        waits.append(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+        return Completed(data=[])
+
+    monkeypatch.setattr(experiments, "experiments", flow)
+    monkeypatch.setattr(reproduce, "reproduce", flow)
+    monkeypatch.setattr(sys, "argv", ["experiments", str(root), "-e", "train.lr=1e-3"])
+    experiments.main()
+    with temporary_settings(updates={PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 7}):
+        experiments.main()
+    monkeypatch.setattr(sys, "argv", ["reproduce", str(root)])
+    with pytest.raises(SystemExit) as ended:
+        reproduce.main()
+    assert ended.value.code == 0
+    assert waits == [server.STARTUP_TIMEOUT_S, 7, server.STARTUP_TIMEOUT_S]
+    assert PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() == 20  # Prefect's, as it was
+
+
+@pytest.mark.parametrize("command", [["experiments", "-e", "train.lr=1e-3"], ["reproduce"]])
+def test_a_temporary_prefect_server_that_does_not_start_is_one_line_that_says_what_to_do(
+    tmp_path, command
+):
+    """Prefect's own error was a traceback ending in `RuntimeError: Timed out while attempting to
+    connect to ephemeral Prefect API server.` A server given 0 s never answers in time."""
+    root = project_folder(tmp_path / "project")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PREFECT_")}
+    env |= {  # no PREFECT_API_URL: Prefect's own default profile, a temporary server
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0",  # the user's: kept
+        "PYTHONPATH": python_path(ROOT),
+    }
+    [module, *args] = command
+    result = subprocess.run(
+        [sys.executable, "-m", f"orchestration.{module}", str(root), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,  # an upper bound: it ends within seconds
+    )
+    said = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert said == [
+        "error: Prefect's temporary server did not start in 0 s (a busy machine?): run `prefect "
+        "server start` in another terminal and `prefect config set "
+        "PREFECT_API_URL=http://127.0.0.1:4200/api`, or raise "
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+    ]
 
 
 def a_flow_run(state, **labels) -> FlowRun:
