@@ -14,7 +14,7 @@ import torch
 from pipeline import GateError, run
 from visionflow.data import dataset
 from visionflow.fit.lr_auto import no_rate, range_test_of
-from visionflow.fit.setup import device_for, load_data, model_for
+from visionflow.fit.setup import device_for, load_data, model_for, overfit_settings
 from visionflow.params import load_params
 from visionflow.train.lr_find import range_test_figure
 from visionflow.train.training import seed_everything
@@ -26,8 +26,10 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():  # said now, not after the whole test
+        raise GateError(f"--out {args.out} is a file: name a folder for lr_find.png and .json")
     params = load_params()
-    train = params.train
+    train = overfit_settings(params.train)  # train.overfit_batches: its few batches, as auto
     seed_everything(params.seed, train.deterministic, compiled=False)
     device = device_for(train)
     data = load_data(args.data, train, device)

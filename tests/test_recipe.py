@@ -3,9 +3,12 @@ auto`), the one-cycle schedule per step, rates per layer group, BatchNorm while 
 frozen, and the recipe's defaults when `train.pretrained` is set."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -72,6 +75,43 @@ def test_lr_auto_with_onecycle_records_the_rate_and_resumes_after_a_stop_as_unin
     assert (project / "results/lr_find/lr_find.png").stat().st_size > 0
     curve = json.loads((project / "results/lr_find/lr_find.json").read_text())
     assert curve["suggestion"] == rate and len(curve["rates"]) == int(said[2])
+
+    # --out naming a file: one line before the test, not a traceback after it
+    cli = [sys.executable, "-m", "visionflow.cli", "lr-find"]
+    bad = subprocess.run(
+        [*cli, "--out", "params.yaml"],
+        cwd=project,
+        env=env(project),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "error: --out params.yaml is a file: name a folder for lr_find.png and .json"
+    )
+    # Ctrl-C (to the group, as a terminal sends it): the range test's one line, no traceback;
+    # and the cache no longer what params.yaml makes: said before the test runs on it
+    write_params(project, {"prepare": {"image_size": 12}})
+    started = tmp_path / "started"
+    fault = f"stage.start@stage=lr_find:touch={started};stage.start@stage=lr_find:pause=never"
+    stopped = subprocess.Popen(
+        cli,
+        cwd=project,
+        env=env(project, fault),
+        start_new_session=True,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    while not started.exists():  # the stage reached its start (or died: then it never will)
+        assert stopped.poll() is None, stopped.communicate()[1]
+        time.sleep(0.05)
+    os.killpg(stopped.pid, signal.SIGINT)
+    _, err = stopped.communicate(timeout=300)
+    assert stopped.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted: stopped at once", err
+    assert "lr-find: warning: data/prepared is not what params.yaml and the data make now" in err
 
 
 class Broken(nn.Module):

@@ -340,8 +340,25 @@ def lr_find(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if (root / args.data).resolve() == (root / "data/prepared").resolve():
+        from visionflow.ops.repo import unchanged
+
+        if not unchanged(root, "prepare"):
+            print(
+                f"lr-find: warning: {args.data} is not what params.yaml and the data make now "
+                "(`dvc status prepare` says what changed): the range test runs on it as it is; "
+                "`dvc repro prepare` makes it anew",
+                file=sys.stderr,
+            )
     command = [sys.executable, "-m", "pipeline.lr_find", "--data", str(args.data)]
-    return subprocess.run([*command, "--out", str(args.out)], cwd=root).returncode
+    process = subprocess.Popen([*command, "--out", str(args.out)], cwd=root)
+    # a terminal's Ctrl-C reaches the range test too, which stops and says so in one line: this
+    # process waits for it, as a shell waits for its foreground job (no traceback of its own)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return process.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
