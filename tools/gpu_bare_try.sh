@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tries the GPU check's bare-machine path here, where no GPU is: a venv holding only the packages
-# of the NVIDIA PyTorch image that the project touches (no DVC, DVCLive, pydantic or cffi: KINDS.md
-# in the device library lists the image), this Python's build of tools/gpu_wheels.sh's list, and
+# of the NVIDIA PyTorch image that the project touches (no DVC, DVCLive, pydantic or cffi; the
+# image's packages are listed in docs/benchmarks.md, "The GPU check"), this Python's build of tools/gpu_wheels.sh's list, and
 # tools/gpu_check.sh with its smokes on the CPU. A package the list lacks shows here as the
 # ImportError it would be on the GPU machine. About 3 minutes (the venv's torch comes from pip's
 # cache); everything goes under DIR, never into the checkout's .whl/.
@@ -13,7 +13,7 @@ dir=${1:-/tmp/gpu-bare}
 frozen=$(.venv/bin/pip freeze)
 pin() { grep -i -m1 "^$1==" <<<"$frozen"; }
 # torch as this venv has it (another version is gigabytes); the ONNX stack as the image had it
-# (KINDS.md, 2026-11); numpy's 2.5 there needs Python 3.12
+# (the NVIDIA PyTorch image of 2026-11); numpy's 2.5 there needs Python 3.12
 image=(
     "$(pin torch)" "$(pin torchvision)" onnx==1.23.1 onnx-ir==1.0.0 onnxruntime==1.30.0
     onnxscript==0.7.2 numpy pillow pytest pytest-xdist pyyaml psutil scikit-learn matplotlib rich

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=${1:-.venv/bin/pip}
 wheels=${WHEELS:-.whl}
-# DVC and DVCLive with what they import (the list that ran `dvc repro` on an H200: DESIGN.md),
+# DVC and DVCLive with what they import (the list that ran `dvc repro` on an H200, 2026-12-04),
 # pygit2 (and its cffi, which the image lacks) for `dvc metrics show`, onnxscript and onnx-ir
 # for the dynamo ONNX export, and the few small ones the stages and tests import that such an
 # image may lack.
