@@ -24,6 +24,7 @@ from visionflow.params import Train
 from visionflow.train.augment import augment
 from visionflow.train.engine import Split
 from visionflow.train.lr_find import START, range_test
+from visionflow.train.training import patient_group
 from visionflow.train.zoo import FineTune
 
 RECORD = "lr_find.json"  # in the run's state folder: the rate `train.lr: auto` found
@@ -71,7 +72,7 @@ def rate_for(
         log(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
     if world > 1:
         shared = [found]
-        dist.broadcast_object_list(shared, src=0)
+        dist.broadcast_object_list(shared, src=0, group=patient_group())
         found = shared[0]
     if found["suggestion"] is None:
         raise GateError(no_rate(train, found))

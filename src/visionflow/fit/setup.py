@@ -26,7 +26,7 @@ from visionflow.train.engine import (
     speed_settings,
 )
 from visionflow.train.models import build_model
-from visionflow.train.training import Trainer, stepping
+from visionflow.train.training import Trainer, patient_group, stepping
 from visionflow.train.zoo import (
     FineTune,
     gradient_check,
@@ -81,7 +81,7 @@ def verify_once(cache: Path, rank: int, world: int) -> None:
             problem = str(error) if rank == 0 else f"on rank {rank}'s node, {error}"
     if world > 1:
         verdicts = [None] * world
-        dist.all_gather_object(verdicts, problem)
+        dist.all_gather_object(verdicts, problem, group=patient_group())
         problem = next((verdict for verdict in verdicts if verdict), None)
     if problem:
         raise DataError(problem)

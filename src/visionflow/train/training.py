@@ -5,6 +5,7 @@ Takes values, never the params models: the run (fit/run.py, fit/setup.py) builds
 `train.*` and owns the folders. The step itself is `engine.train_one_epoch`.
 """
 
+import functools
 import io
 import os
 import random
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -65,6 +67,19 @@ def start_distributed(device_name: str) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     return dist.get_rank(), world
+
+
+# Ranks that wait while one rank works alone (each node's first rank hashing its cache, rank 0's
+# range test) wait in this group: the default group under NCCL gives up after 10 minutes, which
+# hashing a large cache or a range test on a large model can take. Lost ranks are found later.
+ONE_RANK_WORK = timedelta(hours=2)
+
+
+@functools.cache
+def patient_group():
+    """A gloo group of every rank with ONE_RANK_WORK's timeout, made on first use (every rank
+    reaches the same calls in the same order) for the collectives that wait on one rank."""
+    return dist.new_group(backend="gloo", timeout=ONE_RANK_WORK)
 
 
 def end_distributed(world: int) -> None:
