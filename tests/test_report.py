@@ -47,12 +47,62 @@ def test_image_grids_title_each_image_and_say_when_there_is_none(plt):
     figure = viz.top_losses_grid(images, ["cat", "dog", "cat"], ["dog", "dog", "fox"],
                                  [2.5, 0.1, 1.0], [0.9, 0.8, 0.7])  # fmt: skip
     titles = [ax.get_title() for ax in figure.axes if ax.get_title()]
-    assert titles == ["cat / dog\n2.50 / 0.90", "dog / dog\n0.10 / 0.80", "cat / fox\n1.00 / 0.70"]
+    assert titles == [
+        "pred cat\ntrue dog\nloss 2.50, p 0.90",
+        "pred dog\ntrue dog\nloss 0.10, p 0.80",
+        "pred cat\ntrue fox\nloss 1.00, p 0.70",
+    ]
     empty = viz.mistakes_grid(np.zeros((0, 1, 4, 4)), [], [], [])
     assert [t.get_text() for t in empty.axes[0].texts] == ["no mistakes"]
     counts = viz.counts_figure({"train": {"a": 5, "b": 3}, "test": {"a": 1, "b": 1}})
     legend = [t.get_text() for t in counts.axes[0].get_legend().get_texts()]
     assert legend == ["train (8)", "test (2)"]
+
+
+def collisions(figure) -> list[tuple[str, str]]:
+    """The pairs of things drawn that overlap, as the PNG shows them: titles (each image's and
+    the figure's) with each other, with the images, or over the figure's edge."""
+    figure.canvas.draw()
+    titled = [ax for ax in figure.axes if ax.get_title()]
+    texts = [(ax.get_title(), ax.title.get_window_extent()) for ax in titled]
+    texts += [(text.get_text(), text.get_window_extent()) for text in figure.texts]  # the heading
+    images = [(f"image {i}", ax.get_window_extent()) for i, ax in enumerate(titled)]
+    found = [(a, "the figure's edge") for a, box in texts if not figure.bbox.contains(*box.min)
+             or not figure.bbox.contains(*box.max)]  # fmt: skip
+    for i, (a, box) in enumerate(texts):
+        found += [(a, b) for b, other in texts[i + 1 :] + images if box.overlaps(other)]
+    return found
+
+
+def test_image_titles_fit_their_cells_whatever_the_class_names(plt):
+    """Before, 32 classes of 18-character names ran each image's title into its neighbours' and
+    the next row's images; now each name stays whole on its own line, and a longer one is cut
+    in the middle (its start and end kept), at any number of images."""
+    from visionflow.deploy import viz
+
+    birds = ["barn_owl", "blue_jay", "great_tit", "house_wren", "mallard", "osprey", "raven",
+             "robin"]  # fmt: skip
+    names = [f"{bird}_{region}"[:15].ljust(15, "_") + f"_{i:02d}" for i, (bird, region) in
+             enumerate((b, r) for r in ("north", "south", "east", "west") for b in birds)]  # fmt: skip
+    assert len(set(names)) == 32 and {len(name) for name in names} == {18}
+    rng = np.random.default_rng(0)
+    images = rng.random((16, 3, 32, 32))  # evaluate.top_losses' default: 16
+    guess, truth = [[names[i] for i in rng.integers(0, 32, 16)] for _ in range(2)]
+    losses, probs = (rng.random(16) * 5).tolist(), rng.random(16).tolist()
+    top = viz.top_losses_grid(images, guess, truth, losses, probs)
+    assert collisions(top) == []
+    titles = [ax.get_title().splitlines() for ax in top.axes if ax.get_title()]
+    assert [lines[:2] for lines in titles] == [
+        [f"pred {g}", f"true {t}"] for g, t in zip(guess, truth, strict=True)
+    ]
+    assert collisions(viz.mistakes_grid(images, truth, guess, probs)) == []
+    long = [f"{'W' * 30}_{name}_{'m' * 20}" for name in names]  # the widest letters, 69 of them
+    for n in (1, 3, 20):  # one image, a few, rows and a part row
+        picked = [long[i % 32] for i in range(n)]
+        grid = viz.top_losses_grid(np.zeros((n, 1, 8, 8)), picked, picked, [1.0] * n, [0.5] * n)
+        assert collisions(grid) == [], n
+        first = grid.axes[0].get_title().splitlines()[0]
+        assert first.startswith("pred WWW") and "…" in first and first.endswith("mmm")
 
 
 def test_the_model_cards_lines_say_what_the_inputs_say_and_unknown_when_they_do_not():

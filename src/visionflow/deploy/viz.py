@@ -6,6 +6,12 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.font_manager import FontProperties  # noqa: E402
+from matplotlib.textpath import TextToPath  # noqa: E402
+
+CELL_IN = 1.5  # width of one image's cell in a titled grid, inches
+TITLE_PT = 7  # font size of an image's title
+LINE_PT = 0.9 * CELL_IN * 72  # the widest title line, points: a gap stays between neighbours
 
 
 def show(ax, image: np.ndarray) -> None:
@@ -78,12 +84,13 @@ def confusion_figure(counts: np.ndarray, classes: list[str]):
 def mistakes_grid(
     images: np.ndarray, truth: list[str], predicted: list[str], confidence: list[float]
 ):
-    """Misclassified images (float NCHW in 0..1), each titled true / predicted (confidence)."""
+    """Misclassified images (float NCHW in 0..1), each titled true / predicted / its probability."""
     titles = [
-        f"true {actual}\npred {guess} ({prob:.2f})"
+        [f"true {actual}", f"pred {guess}", f"p {prob:.2f}"]
         for actual, guess, prob in zip(truth, predicted, confidence, strict=True)
     ]
-    return titled_grid(images, titles, "most confidently misclassified test images", "no mistakes")
+    title = "most confidently misclassified test images (p: the predicted class's probability)"
+    return titled_grid(images, titles, title, "no mistakes")
 
 
 def top_losses_grid(
@@ -96,29 +103,84 @@ def top_losses_grid(
     """The highest-loss images (float NCHW in 0..1), each titled as fastai's `plot_top_losses`:
     predicted / actual / loss / the predicted class's probability."""
     titles = [
-        f"{guess} / {actual}\n{loss:.2f} / {prob:.2f}"
+        [f"pred {guess}", f"true {actual}", f"loss {loss:.2f}, p {prob:.2f}"]
         for guess, actual, loss, prob in zip(predicted, truth, losses, probs, strict=True)
     ]
-    title = "highest-loss test images: predicted / actual, loss / probability"
+    title = "highest-loss test images, right or wrong (p: the predicted class's probability)"
     return titled_grid(images, titles, title, "no test images")
 
 
-def titled_grid(images: np.ndarray, titles: list[str], title: str, empty: str):
-    """Images (float NCHW in 0..1) in rows of 8, each with its title; `empty` when none."""
+def titled_grid(images: np.ndarray, titles: list[list[str]], title: str, empty: str):
+    """Images (float NCHW in 0..1) in rows of 8, each titled by its lines, each line cut to fit
+    its cell (however long the class names); `empty` when none."""
     n = max(len(images), 1)
-    cols = min(n, 8)
+    cols = min(max(n, 4), 8)  # 4 at least: a few images leave room for the heading
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.5, rows * 2.0), squeeze=False)
+    heading = wrap(title, 0.95 * cols * CELL_IN * 72, 12)
+    lines = max((len(words) for words in titles), default=0)
+    # laid out in inches (tight_layout misjudged titles over images: they ran into the row above)
+    side = CELL_IN - 0.15  # an image's square; the rest is the gap to the next
+    above = (lines * TITLE_PT * 1.3 + 12) / 72  # its title, with matplotlib's 6 pt pad
+    band = (heading.count("\n") + 1) * 12 * 1.3 / 72 + 0.15  # the heading
+    width, height = cols * CELL_IN, band + rows * (above + side) + 0.1
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
+    fig.subplots_adjust(
+        left=0.075 / width,
+        right=1 - 0.075 / width,
+        bottom=0.1 / height,
+        top=1 - (band + above) / height,
+        wspace=0.15 / side,
+        hspace=above / side,
+    )
     for ax in axes.flat:
         ax.axis("off")
     for ax, image, words in zip(axes.flat, images, titles, strict=False):
         show(ax, image)
-        ax.set_title(words, fontsize=7)
+        shown = "\n".join(fit(line, LINE_PT, TITLE_PT) for line in words)
+        ax.set_title(shown, fontsize=TITLE_PT, parse_math=False)  # a "$" in a name is text
     if not len(images):
         axes[0, 0].text(0.5, 0.5, empty, ha="center", va="center")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle(heading, fontsize=12, y=1 - 0.05 / height, va="top")
     return fig
+
+
+def text_width(text: str, size: float) -> float:
+    """Points that one line of `text` takes at font size `size` in matplotlib's default font."""
+    width, _, _ = TextToPath().get_text_width_height_descent(text, FontProperties(size=size), False)
+    return width
+
+
+def fit(text: str, width: float, size: float) -> str:
+    """`text` whole when it fits in `width` points at `size`; else cut in the middle with an
+    ellipsis, its start and end kept (class names often differ at one end only)."""
+    low, high = 0, len(text)  # characters kept: the most that fit (widths grow with them)
+    while low < high:
+        keep = (low + high + 1) // 2
+        if text_width(middle_cut(text, keep), size) <= width:
+            low = keep
+        else:
+            high = keep - 1
+    return middle_cut(text, low)
+
+
+def middle_cut(text: str, keep: int) -> str:
+    """`text` with all but `keep` of its characters, from the middle, replaced by an ellipsis."""
+    if keep >= len(text):
+        return text
+    return text[: (keep + 1) // 2] + "…" + text[len(text) - keep // 2 :]
+
+
+def wrap(text: str, width: float, size: float) -> str:
+    """`text` broken between words into lines of at most `width` points at `size` (a word wider
+    than that alone on its line)."""
+    lines = [""]
+    for word in text.split():
+        longer = f"{lines[-1]} {word}".strip()
+        if lines[-1] and text_width(longer, size) > width:
+            lines.append(word)
+        else:
+            lines[-1] = longer
+    return "\n".join(lines)
 
 
 def counts_figure(counts: dict[str, dict[str, int]]):
