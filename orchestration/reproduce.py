@@ -38,6 +38,7 @@ from prefect.states import Cancelled, Completed, State
 
 from orchestration.record import deployed, record_holder, stopped_run
 from orchestration.server import patient_server
+from orchestration.sweep import five_digits
 from visionflow.data.files import flatten
 from visionflow.ops import runner
 from visionflow.ops.project import preflight
@@ -135,19 +136,13 @@ def run_stage(workdir: Path, stage: str, timeout_s: float) -> bool | State:
 
 
 def publish(workdir: Path) -> None:
-    """Artifacts: the metrics table, the diff against the last commit, and export parity."""
+    """Artifacts: the metrics table, the diff against the last commit (the params that changed
+    beside the metrics), and export parity."""
     shown = json.loads(dvc(workdir, "metrics", "show", "--json", doing="publishing") or "{}")
-    files = shown.get("", {}).get("data", {})
-    rows = [  # one row per number: three columns, however many metrics (dvc.yaml keeps them few)
-        {"file": path, "metric": name, "value": value}
-        for path, content in files.items()
-        for name, value in flatten(content.get("data", {})).items()
-    ]
-    create_table_artifact(rows, key="metrics", description="dvc metrics show")
-    diff = dvc(workdir, "metrics", "diff", "--md", doing="publishing")
-    if len([line for line in diff.splitlines() if line.startswith("|")]) <= 2:
-        diff = "no metric changed against the last commit"  # DVC's table: a header, no rows
-    create_markdown_artifact(f"## Metrics diff (workspace vs HEAD)\n\n{diff}", key="metrics-diff")
+    create_table_artifact(metric_rows(shown), key="metrics", description="dvc metrics show")
+    metrics = json.loads(dvc(workdir, "metrics", "diff", "--json", doing="publishing") or "{}")
+    params = json.loads(dvc(workdir, "params", "diff", "--json", doing="publishing") or "{}")
+    create_markdown_artifact(diff_markdown(metrics, params), key="metrics-diff")
     parity_file = workdir / "results/export/parity.json"
     if parity_file.exists():
         parity = json.loads(parity_file.read_text())
@@ -158,6 +153,48 @@ def publish(workdir: Path) -> None:
         ]
         description = f"exporter {parity['exporter']}"
         create_table_artifact(rows, key="export-parity", description=description)
+
+
+def metric_rows(shown: dict) -> list[dict]:
+    """`dvc metrics show --json` as one row per number (file, metric, value): three columns
+    however many metrics, each to 5 significant digits as the sweep's table has them."""
+    files = shown.get("", {}).get("data", {})
+    return [
+        {"file": path, "metric": name, "value": five_digits(value)}
+        for path, content in files.items()
+        for name, value in flatten(content.get("data", {})).items()
+    ]
+
+
+def diff_markdown(metrics: dict, params: dict) -> str:
+    """The metrics-diff artifact from `dvc metrics diff --json` and `dvc params diff --json`:
+    the params that changed (old -> new), then the metrics that changed, rounded as the sweep's
+    table rounds them."""
+    changed = []
+    for path, values in params.items():
+        for key, v in values.items():
+            name = key if path == "params.yaml" else f"{path}:{key}"
+            changed.append(f"`{name}` {said(v.get('old'))} -> {said(v.get('new'))}")
+    rows = [
+        [path, name, said(v.get("old")), said(v.get("new")), said(v.get("diff"))]
+        for path, values in metrics.items()
+        for name, v in values.items()
+    ]
+    table = [["file", "metric", "HEAD", "workspace", "change"], ["---"] * 5, *rows]
+    return "\n\n".join(
+        [
+            "## Metrics diff (workspace vs HEAD)",
+            f"Params changed against the last commit: {', '.join(changed) or 'none'}",
+            "\n".join(f"| {' | '.join(row)} |" for row in table)
+            if rows
+            else "no metric changed against the last commit",
+        ]
+    )
+
+
+def said(value) -> str:
+    """A value in the diff: numbers to 5 significant digits; "absent" where one side has none."""
+    return "absent" if value is None else str(five_digits(value))
 
 
 @flow(name="reproduce")

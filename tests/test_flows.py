@@ -203,8 +203,12 @@ def test_reproduce_on_a_fresh_server_does_nothing_then_only_what_changed(project
     state = reproduce(str(project), return_state=True)
     assert state.result() == ["check", "evaluate", "export"]
     run = state.state_details.flow_run_id
-    assert "accuracy" in artifact("metrics", run).data
-    assert "results/evaluate/metrics.json" in artifact("metrics-diff", run).data
+    values = [row["value"] for row in json.loads(artifact("metrics", run).data)]
+    assert "accuracy" in artifact("metrics", run).data and values
+    assert all(v == float(f"{v:.5g}") for v in values if isinstance(v, float))  # as the sweep's
+    diff = artifact("metrics-diff", run).data
+    assert "results/evaluate/metrics.json | top_k_acc |" in diff
+    assert "Params changed against the last commit: `evaluate.top_k` 3 -> 2" in diff, diff
     assert "onnx" in str(artifact("export-parity", run).data)
     assert dvc_clean(project)
     assert_readable(flow_logs(run), "Running stage 'evaluate'", "Updating lock file 'dvc.lock'")

@@ -172,6 +172,42 @@ def test_an_ended_experiment_gives_its_main_metrics_as_dvc_exp_show_prints_them(
     assert failed.is_failed() and failed.message == "e2: failed (see its log)"
 
 
+# `dvc metrics show --json`, `dvc metrics diff --json` and `dvc params diff --json` (DVC 3.67.1) of
+# a one-stage project after `evaluate.top_k` went from 3 to 2 in params.yaml and `train.lr` from
+# 0.01 to 0.001 in other.yaml, and the stage wrote one more metric; its metrics file renamed.
+SHOWN = {"": {"data": {METRICS: {"data": {"accuracy": 0.7722222222222223, "top_k_acc": 0.91,
+                                          "per_class": {"cat": 0.3333333333333333}}}}}}  # fmt: skip
+METRICS_DIFF = {METRICS: {
+    "absent_classes": {"old": None, "new": 1},
+    "top_k_acc": {"old": 0.91, "new": 0.9066666666666667, "diff": -0.0033333333333332993},
+}}  # fmt: skip
+PARAMS_DIFF = {
+    "params.yaml": {"evaluate.top_k": {"old": 3, "new": 2, "diff": -1}},
+    "other.yaml": {"train.lr": {"old": 0.01, "new": 0.001, "diff": -0.009000000000000001}},
+}
+
+
+def test_the_metrics_artifacts_round_as_the_sweep_table_and_name_the_params_behind_a_change():
+    """Before, the metrics table showed 0.7722222222222223 and the diff named no param."""
+    assert reproduce.metric_rows(SHOWN) == [
+        {"file": METRICS, "metric": "accuracy", "value": 0.77222},  # as sweep.five_digits
+        {"file": METRICS, "metric": "top_k_acc", "value": 0.91},
+        {"file": METRICS, "metric": "per_class.cat", "value": 0.33333},
+    ]
+    assert reproduce.diff_markdown(METRICS_DIFF, PARAMS_DIFF).split("\n\n") == [
+        "## Metrics diff (workspace vs HEAD)",
+        "Params changed against the last commit: `evaluate.top_k` 3 -> 2, "
+        "`other.yaml:train.lr` 0.01 -> 0.001",
+        "| file | metric | HEAD | workspace | change |\n| --- | --- | --- | --- | --- |\n"
+        f"| {METRICS} | absent_classes | absent | 1 | absent |\n"
+        f"| {METRICS} | top_k_acc | 0.91 | 0.90667 | -0.0033333 |",
+    ]
+    assert reproduce.diff_markdown({}, {}).split("\n\n")[1:] == [
+        "Params changed against the last commit: none",
+        "no metric changed against the last commit",
+    ]
+
+
 def test_a_poll_reads_each_experiments_state_and_one_dvc_has_no_record_of_as_failed(tmp_path):
     found = RecordedPoll(tmp_path).results(["e1", "e2", "e3"])
     assert [found[name]["state"] for name in ("e1", "e2", "e3")] == ["success", "running", "failed"]
