@@ -7,7 +7,8 @@ Writes: <out>/{train,val,test}_{x,y}.npy (with prepare.shard_images, shards of e
         pixels were made), manifest.json (sha256 per array, counts, the shards of each split, and
         what the cache was made from: source, split fractions and seed, and the mean share of
         each image that prepare.fit kept),
-        rejects.json (each rejected file and why), duplicates.json (images shared across splits)
+        rejects.json (each rejected file and why), duplicates.json (images shared across splits);
+        refused (too many rejects): <out>.rejects.json beside it, the full list the error names
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
 """
 
@@ -58,9 +59,10 @@ def build(params: Params, out: Path) -> dict:
         resize=p.interpolation,
         fit=p.fit,
     )
+    final = out.name.removesuffix(".partial")  # the output's name (`out` is its staging folder)
     # beside the output, not in the system's temp folder (often a small tmpfs); left by a kill,
     # it goes at the next start (and with the runner's restore)
-    tmp = out.with_name(out.name.removesuffix(".partial") + ".extract")
+    tmp = out.with_name(final + ".extract")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         path = Path(p.path)
@@ -86,6 +88,7 @@ def build(params: Params, out: Path) -> dict:
             shard_images=p.shard_images,
             # not prepare.path: moving the same images must not change the cache (and retrain)
             origin={"source": p.source, "fit_kept": round(kept, 4)},
+            refused_report=out.with_name(final + ".rejects.json"),  # kept when refused
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

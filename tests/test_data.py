@@ -159,6 +159,31 @@ def test_too_many_bad_files_fail_listing_them(image_folder, tmp_path):
     with pytest.raises(dataset.DataError) as e:
         build(source, tmp_path / "out", max_bad_fraction=0.05)
     assert "6 of 30 files rejected" in str(e.value) and "red/truncated.jpg" in str(e.value)
+    assert "shown" not in str(e.value)  # all 6 listed: nothing cut
+
+
+def test_a_refused_prepare_says_the_list_was_cut_and_keeps_the_full_list_beside_the_output(
+    image_folder, tmp_path
+):
+    """Before, the error listed 50 of 81 files without saying so, and the full list went with
+    the discarded staging folder (the rejects.json left was the previous run's)."""
+    for i in range(78):
+        (image_folder / "red" / f"empty{i:02d}.png").write_bytes(b"")
+    source = sources.load_source("imagefolder", image_folder)
+    kept = tmp_path / "prepared.rejects.json"  # beside data/prepared, as the stage names it
+    with pytest.raises(dataset.DataError) as e:
+        build(source, tmp_path / "prepared.partial", max_bad_fraction=0.05, refused_report=kept)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("81 of 105 files rejected (77.1%), over the limit of 5.0%")
+    assert lines[0].endswith(f"(all of them, each with its reason: {kept}):")
+    assert len(lines) == 1 + 50 + 1  # the line, 50 files, the note that the list was cut
+    assert lines[1] == "  blue/notes.txt: not an image file type (.txt)"
+    assert lines[-1] == f"  (50 of 81 shown; the full list: {kept})"
+    report = json.loads(kept.read_text())
+    assert report["rejected"] == 81 and len(report["files"]) == 81
+    assert report["files"]["red/empty77.png"] == "empty file (0 bytes)"  # one not listed
+    build(source, tmp_path / "again", max_bad_fraction=1.0, refused_report=kept)
+    assert not kept.exists()  # a run that passes drops the refused run's list: it is stale
 
 
 def test_image_modes_are_normalised_not_mangled(tmp_path):

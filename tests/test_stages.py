@@ -174,6 +174,33 @@ def test_prepare_names_the_params_key_of_a_limit(image_folder, tmp_path):
     assert not (tmp_path / "prepared").exists()
 
 
+def test_a_refused_prepare_names_where_the_full_list_of_rejects_is(image_folder, tmp_path):
+    """Too many rejects: the error says the list was cut and names the file that has it whole,
+    beside the output. Before, the full list went with the discarded staging folder, and the
+    rejects.json left in the output was the previous run's."""
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    folder = {"source": "imagefolder", "path": str(image_folder), "max_bad_fraction": 0.5}
+    write_params(tmp_path, {"prepare": folder})
+    assert stage(tmp_path, "pipeline.prepare", "--out", "data/prepared").returncode == 0
+    for i in range(48):  # with the 3 stray notes.txt: 51 rejects, one more than are listed
+        (image_folder / "red" / f"empty{i:02d}.png").write_bytes(b"")
+    result = stage(tmp_path, "pipeline.prepare", "--out", "data/prepared")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    error = next(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    assert error == (
+        "error: prepare.max_bad_fraction: 51 of 75 files rejected (68.0%), over the limit of "
+        "50.0% (all of them, each with its reason: data/prepared.rejects.json):"
+    )
+    assert "  (50 of 51 shown; the full list: data/prepared.rejects.json)" in result.stderr
+    previous = json.loads((tmp_path / "data/prepared/rejects.json").read_text())
+    refused = json.loads((tmp_path / "data/prepared.rejects.json").read_text())
+    assert previous["rejected"] == 3 and len(refused["files"]) == 51
+    assert not (tmp_path / "data/prepared.partial").exists()
+    write_params(tmp_path, {"prepare": {**folder, "max_bad_fraction": 0.7}})
+    assert stage(tmp_path, "pipeline.prepare", "--out", "data/prepared").returncode == 0
+    assert not (tmp_path / "data/prepared.rejects.json").exists()  # stale once a run passes
+
+
 def test_outputs_are_published_whole_or_not_at_all(tmp_path):
     """`run` moves a stage's staging folder into place only when it succeeded (then the actions
     that wait for it run); a failed stage's staging folder goes and the old output stays."""

@@ -183,13 +183,15 @@ def build_cache(
     dedupe: bool = True,
     origin: dict | None = None,
     shard_images: int = 0,
+    refused_report: Path | None = None,
 ) -> dict:
     """Decode, reject, split, de-duplicate and write the cache; returns the manifest.
 
     `shard_images` 0: one file per split, split by a seeded stratified permutation; N > 0: each
     image's split and shard from a hash of its name, shards of at most N images (`shards`).
 
-    Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files, when
+    Fails (DataError) when the rejected share is over `max_bad_fraction`, listing the files (the
+    full list in `refused_report`, a path that outlives `out`, when given), when
     a class keeps fewer than `min_per_class` good images, or when `dedupe` leaves a class no val
     or no test image (all of them copies of an earlier split's images), naming the class.
     `origin` (the source's name and path, as the user gave them) goes into the manifest with the
@@ -215,7 +217,7 @@ def build_cache(
         ok, rejected, digests = decode_into(
             scratch, source.images, decode, workers or os.cpu_count()
         )
-        rejects = check_rejects(out, source, rejected, max_bad_fraction)
+        rejects = check_rejects(out, source, rejected, max_bad_fraction, refused_report)
         good = np.flatnonzero(ok)
         check_class_sizes(source, good, min_per_class)
         if not shard_images:  # a stratified split needs each class in two splits at least
@@ -244,9 +246,16 @@ def build_cache(
     return {**manifest, "rejected": len(rejects), "duplicates": duplicates["across_splits"]}
 
 
-def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: float) -> dict:
-    """Every rejected file and why (rejects.json); DataError, listing them, when their share is
-    over `max_bad_fraction`."""
+SHOWN_REJECTS = 50  # files an error lists; the report has them all
+
+
+def check_rejects(
+    out: Path, source: Source, rejected: dict, max_bad_fraction: float, refused: Path | None = None
+) -> dict:
+    """Every rejected file and why (`out`/rejects.json); DataError when their share is over
+    `max_bad_fraction`, listing the first SHOWN_REJECTS and naming the report with them all:
+    `refused` when given (beside the output: a refused stage discards `out`; a passing run
+    removes a refused run's stale one), else `out`/rejects.json."""
     rejects = {**source.skipped, **{source.names[i]: r for i, r in sorted(rejected.items())}}
     total = len(source.images) + len(source.skipped)
     report = {
@@ -256,14 +265,21 @@ def check_rejects(out: Path, source: Source, rejected: dict, max_bad_fraction: f
         "files": rejects,
     }
     write_json(out / "rejects.json", report)
-    if report["fraction"] > max_bad_fraction:
-        listing = "\n  ".join(f"{name}: {reason}" for name, reason in list(rejects.items())[:50])
-        raise DataError(
-            f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), "
-            f"over the limit of {max_bad_fraction:.1%} (rejects.json):\n  {listing}",
-            setting="max_bad_fraction",
-        )
-    return rejects
+    if refused is not None:
+        refused.unlink(missing_ok=True)
+    if report["fraction"] <= max_bad_fraction:
+        return rejects
+    full = refused or out / "rejects.json"
+    write_json(full, report)
+    shown = list(rejects.items())[:SHOWN_REJECTS]
+    listing = "".join(f"\n  {name}: {reason}" for name, reason in shown)
+    if len(shown) < len(rejects):
+        listing += f"\n  ({len(shown)} of {len(rejects)} shown; the full list: {full})"
+    raise DataError(
+        f"{len(rejects)} of {total} files rejected ({report['fraction']:.1%}), over the limit of "
+        f"{max_bad_fraction:.1%} (all of them, each with its reason: {full}):{listing}",
+        setting="max_bad_fraction",
+    )
 
 
 def check_class_sizes(source: Source, good: np.ndarray, least: int, reason: str = "") -> None:
