@@ -4,7 +4,6 @@
 Real DVC in temporary git repos copied from the session's one reproduced project.
 """
 
-import ast
 import hashlib
 import json
 import os
@@ -21,6 +20,7 @@ import yaml
 from PIL import Image
 
 from tests.helpers import ROOT, commit, copy_project, env, python_path, sh
+from visionflow.ops.project import stage_modules
 from visionflow.params import Params, ParamsError, Section, load_params, read_yaml
 
 STAGES = ["check", "prepare", "sanity", "train", "evaluate", "export"]
@@ -186,46 +186,16 @@ def test_a_key_is_required_exactly_when_a_stage_lists_it():
             assert not field.is_required(), key
 
 
-# --- 3. deps are complete, and by layer -------------------------------------------------------
-
-
-def module_file(name: str) -> Path | None:
-    top, *rest = name.split(".")
-    base = {"pipeline": ROOT / "pipeline", "visionflow": ROOT / "src/visionflow"}.get(top)
-    if base is None:
-        return None
-    path = base.joinpath(*rest)
-    if path.is_dir():
-        return path / "__init__.py"
-    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+# --- 3. a stage's code deps are the modules it can load, no more ------------------------------
 
 
 def project_modules(module: str) -> set[str]:
-    """Every project file that importing `module` can load: its imports, their imports, and so on,
-    including imports inside functions (read from the source, so a lazy import counts too)."""
-    seen, todo = set(), [module]
-    while todo:
-        parts = todo.pop().split(".")
-        for i in range(1, len(parts) + 1):  # importing a.b.c loads a and a.b first
-            path = module_file(".".join(parts[:i]))
-            if path is None or path in seen:
-                continue
-            seen.add(path)
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    todo += [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.module:
-                    todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-    return {str(p.relative_to(ROOT)) for p in seen}
+    """Every project file that importing `module` (pipeline.<stage>) can load, lazy imports too
+    (`visionflow.ops.project.stage_modules`, from which tools/stage_deps.py writes dvc.yaml)."""
+    return set(stage_modules(ROOT, module.removeprefix("pipeline.")))
 
 
 LIBRARY = "src/visionflow"
-LAYERS = ("data", "train", "deploy")  # the layers a stage may depend on as a folder
-# The first stage that works in each layer: it and the stages after it depend on the layer's
-# folder, the stages before it name the files they borrow, so a change in train/ never reruns
-# prepare and one in deploy/ never reruns train. ops/ is never a folder dep: an edit to the
-# runner or the sweeps reruns no stage.
-WORKS_IN = {"data": "prepare", "fit": "train", "train": "train", "deploy": "export"}
 
 
 def stage_deps(stage: str) -> list[str]:
@@ -234,69 +204,37 @@ def stage_deps(stage: str) -> list[str]:
     return spec["deps"]
 
 
-def code_deps(stage: str) -> tuple[set[str], set[str]]:
-    """The stage's deps in src/ and pipeline/: (files, folders)."""
-    code = {d for d in stage_deps(stage) if d.startswith(("src/", "pipeline/"))}
-    folders = {d for d in code if (ROOT / d).is_dir()}
-    return code - folders, folders
-
-
-def layer_of(path: str) -> str | None:
-    """The layer package (src/visionflow/<layer>/) that holds `path`, or None."""
-    parts = Path(path).parts
-    return parts[2] if len(parts) > 3 and parts[:2] == ("src", "visionflow") else None
-
-
-def covered(path: str, files: set[str], folders: set[str]) -> bool:
-    return path in files or any(Path(path).is_relative_to(folder) for folder in folders)
+def code_deps(stage: str) -> set[str]:
+    """The stage's deps in src/ and pipeline/."""
+    return {d for d in stage_deps(stage) if d.startswith(("src/", "pipeline/"))}
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_every_module_a_stage_loads_is_in_its_deps(stage):
-    files, folders = code_deps(stage)
-    missing = {m for m in project_modules(f"pipeline.{stage}") if not covered(m, files, folders)}
-    assert not missing, f"dvc.yaml stages.{stage}.deps lacks {sorted(missing)}"
-
-
-@pytest.mark.parametrize("stage", STAGES)
-def test_a_stage_depends_on_the_folders_of_the_layers_it_works_in_and_no_other(stage):
-    """A folder for each layer the stage imports and works in (WORKS_IN); the files it borrows
-    from the others, each one it imports; nothing it does not import, and no file twice."""
-    files, folders = code_deps(stage)
-    imported = project_modules(f"pipeline.{stage}")
-    uses = {layer_of(m) for m in imported} - {None}
-    at = STAGES.index(stage)
-    whole = {layer for layer in uses if layer in WORKS_IN and at >= STAGES.index(WORKS_IN[layer])}
-    assert folders == {f"{LIBRARY}/{layer}" for layer in whole}, (folders, whole)
-    assert files <= imported, f"{stage} depends on modules it does not import: {files - imported}"
-    inside = {f for f in files if any(Path(f).is_relative_to(folder) for folder in folders)}
-    assert not inside, f"{stage}: {sorted(inside)} are in a folder it depends on already"
+def test_a_stage_depends_on_exactly_the_modules_it_can_load(stage):
+    """Derived from the imports, not kept by hand: a module the stage never loads is no dep (a
+    comment in it reran train, evaluate and export), one it loads is; no folder (a new file in
+    it reran the stage). `tools/stage_deps.py` writes them."""
+    deps, loads = code_deps(stage), project_modules(f"pipeline.{stage}")
+    assert deps == loads, (
+        f"dvc.yaml stages.{stage}: missing {sorted(loads - deps)}, not loaded "
+        f"{sorted(deps - loads)}: run tools/stage_deps.py"
+    )
 
 
 def reruns(path: str) -> set[str]:
-    """The stages whose deps in dvc.yaml cover `path`: those a change to it reruns."""
-    return {stage for stage in STAGES if covered(path, *code_deps(stage))}
+    """The stages whose deps in dvc.yaml hold `path`: those a change to it reruns."""
+    return {stage for stage in STAGES if path in code_deps(stage)}
 
 
-def test_a_change_in_a_layer_reruns_that_layers_stages_and_those_that_import_the_file():
-    """What issue #47 promised, for every module: a change in deploy/ reruns export (and the
-    stages that import that very file, sanity and evaluate for viz.py), one in train/ reruns
-    train, evaluate and export (and earlier stages that import the file), never train for
-    deploy/; ops/ and the CLI rerun only the stages that import the file."""
-    importers = {stage: project_modules(f"pipeline.{stage}") for stage in STAGES}
-    later = {
-        "train": {"train", "evaluate", "export"},
-        "deploy": {"export"},
-        "data": set(STAGES[1:]),
-    }
-    paths = sorted((ROOT / LIBRARY).rglob("*.py")) + sorted((ROOT / "pipeline").glob("*.py"))
-    for path in (str(p.relative_to(ROOT)) for p in paths):
-        rerun = reruns(path)
-        because_imported = {stage for stage in STAGES if path in importers[stage]}
-        assert rerun == because_imported | later.get(layer_of(path), set()), (path, rerun)
-    assert "train" not in reruns(f"{LIBRARY}/deploy/serve.py")
+def test_a_change_in_a_module_reruns_the_stages_that_load_it_and_no_other():
+    """Issue #57: one comment in train/tta.py (train never imports it) reran train, evaluate and
+    export, one in data/archive.py every stage."""
+    assert reruns(f"{LIBRARY}/train/tta.py") == {"evaluate"}
+    assert reruns(f"{LIBRARY}/data/archive.py") == {"prepare"}
     assert reruns(f"{LIBRARY}/deploy/export.py") == {"export"}
-    assert reruns(f"{LIBRARY}/train/health.py") == {"train", "evaluate", "export"}
+    assert reruns(f"{LIBRARY}/fit/run.py") == {"train"}
+    assert "train" in reruns(f"{LIBRARY}/train/health.py")
+    assert reruns(f"{LIBRARY}/deploy/serve.py") == set()
     assert reruns(f"{LIBRARY}/ops/runner.py") == reruns(f"{LIBRARY}/cli.py") == set()
 
 
@@ -343,14 +281,16 @@ def stale(project: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_a_change_in_a_layer_folder_reruns_its_stages_and_bytecode_none(project):
-    """Through real `dvc status`: an edit in train/ makes train and the stages after it stale, one
-    in deploy/ export alone; the bytecode Python writes into the folders when the stages' modules
-    are imported, and an editor's swap, backup and auto-save files, make nothing stale
-    (.dvcignore; emacs's `engine.py~` reran prepare to export before)."""
+def test_a_comment_reruns_the_stages_that_run_its_module_and_bytecode_none(project):
+    """Through real `dvc status` (issue #57): a comment in a module a stage does not load leaves
+    it clean (train/tta.py reran train, evaluate and export; data/archive.py every stage), one in
+    a module it loads makes it stale; the bytecode Python writes when the stages' modules are
+    imported, and an editor's swap, backup and auto-save files, make nothing stale."""
     for module, expected in [
-        ("train/health.py", {"train", "evaluate", "export"}),
-        ("deploy/serve.py", {"export"}),
+        ("train/tta.py", {"evaluate"}),
+        ("data/archive.py", {"prepare"}),
+        ("train/engine.py", {"train", "evaluate"}),
+        ("deploy/serve.py", set()),
     ]:
         path = project / "src/visionflow" / module
         text = path.read_text()

@@ -292,3 +292,38 @@ def missing_output(path: Path, what: str = "file") -> str:
         f"a `dvc pull` that named a missing hash means the remote lacks it too): `dvc pull "
         f"{stage}` from a remote that has it (`-r NAME`), or `dvc repro {stage}` to make it again"
     )
+
+
+def module_file(root: Path, name: str) -> Path | None:
+    """The project file of module `name` (pipeline.x, visionflow.x.y), or None if it is not ours."""
+    top, *rest = name.split(".")
+    base = {"pipeline": root / "pipeline", "visionflow": root / "src/visionflow"}.get(top)
+    if base is None:
+        return None
+    path = base.joinpath(*rest)
+    if path.is_dir():
+        return path / "__init__.py"
+    return path.with_suffix(".py") if path.with_suffix(".py").is_file() else None
+
+
+def stage_modules(root: Path, stage: str) -> list[str]:
+    """Every project file that `python -m pipeline.<stage>` can load, relative to `root`: its
+    imports, theirs, and so on, imports inside functions too (read from the source, so a lazy
+    import counts), and each package's __init__ on the way. These are the stage's code deps in
+    dvc.yaml, no more (a change elsewhere reruns nothing) and no less."""
+    import ast
+
+    seen, todo = set(), [f"pipeline.{stage}"]
+    while todo:
+        parts = todo.pop().split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c loads a and a.b first
+            path = module_file(root, ".".join(parts[:i]))
+            if path is None or path in seen:
+                continue
+            seen.add(path)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    todo += [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    todo += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return sorted(str(p.relative_to(root)) for p in seen)
