@@ -241,11 +241,13 @@ def test_a_multipart_form_cut_off_or_malformed_is_a_400_saying_so(tmp_path):
     assert lines and all(line.startswith("serve: ") for line in lines), lines
 
 
-def stalled_upload(url: str, sent: bytes, length: int) -> socket.socket:
-    """A POST /predict that says its body has `length` bytes, sends `sent` of them, and stalls.
-    Reads on it give up after 60 s: the issue's bound, not a measure of speed."""
+def stalled_upload(url: str, sent: bytes, length: int, source: str = "127.0.0.1") -> socket.socket:
+    """A POST /predict from the address `source` that says its body has `length` bytes, sends
+    `sent` of them, and stalls. Linux routes all of 127.0.0.0/8 to lo: 127.0.0.2 is another
+    client to the server. Reads on it give up after 60 s: the issue's bound, not a measure of
+    speed."""
     host, port = url.removeprefix("http://").split(":")
-    client = socket.create_connection((host, int(port)), timeout=60)
+    client = socket.create_connection((host, int(port)), timeout=60, source_address=(source, 0))
     head = (
         "POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
         f"Content-Length: {length}\r\n\r\n"
@@ -289,7 +291,9 @@ def test_stalled_uploads_are_dropped_with_their_connections_and_files(tmp_path):
                 assert status == 408 and headers["connection"] == "close", body
                 assert "the upload stalled: no byte of the body for 1 s" in body["error"]
                 assert client.recv(1) == b""  # the server closed the connection
-        assert health(url)["uploads"] == {"receiving": 0, "max": 32}
+        uploads = health(url)["uploads"]
+        assert (uploads["receiving"], uploads["max"], uploads["per_client"]) == (0, 32, 8)
+        assert uploads["refused"] == {"busy": 0, "per_client": 0}
         assert not list(tmp_path.glob("visionflow-serve-*/request-*"))
         assert post(url, png).status_code == 200
 
@@ -308,23 +312,27 @@ def taken(url: str, n: int) -> httpx.Response | None:
 
 
 def test_uploads_that_drip_bytes_are_dropped_and_do_not_lock_other_clients_out(tmp_path):
-    """Two clients that each send a byte every 0.1 s take both upload slots: /health says so
-    (503, "uploads full"); once --body-timeout has passed, each is a 408 for averaging under
-    --min-upload-rate, and the next client is answered. Before, a deadline per receive let
-    them hold the slots for as long as they dripped: every other client got a 503."""
+    """Two clients (two addresses) that each send a byte every 0.1 s take both upload slots:
+    /health reports it and stays 200 "ok", as /health/ready does (a load balancer that took
+    the replica out for busy slots would do the drippers' work for them); once --body-timeout
+    has passed, each is a 408 for averaging under --min-upload-rate, and the next client is
+    answered. Before, a deadline per receive let them hold the slots for as long as they
+    dripped: every other client got a 503."""
     png = digit_pngs(tmp_path, 1)[0]
     model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
     flags = ("--max-uploads", "2", "--body-timeout", "4", "--min-upload-rate", "1")
     flags += ("--reload-interval", "0")
     stop = threading.Event()
     with serving(model, *flags) as (url, process):
-        clients = [stalled_upload(url, b"x", 100_000) for _ in range(2)]
+        clients = [stalled_upload(url, b"x", 100_000, f"127.0.0.{i}") for i in (2, 3)]
         drippers = [threading.Thread(target=drip, args=(c, stop)) for c in clients]
         for dripper in drippers:
             dripper.start()
         try:
             full = until(lambda: taken(url, 2), "both upload slots taken")
-            assert full.json()["status"] == "uploads full" and full.headers["retry-after"] == "1"
+            assert full.status_code == 200 and full.json()["status"] == "ok", full.text
+            ready = httpx.get(f"{url}/health/ready")
+            assert ready.status_code == 200 and ready.json()["status"] == "ready"
             for client in clients:
                 status, headers, body = read_answer(client)
                 assert status == 408 and headers["connection"] == "close", body
@@ -341,21 +349,108 @@ def test_uploads_that_drip_bytes_are_dropped_and_do_not_lock_other_clients_out(t
         assert post(url, png).status_code == 200
 
 
+def reconnecting_dripper(url: str, stop: threading.Event, answers: list) -> None:
+    """A client of 127.0.0.1 that drips an upload (a byte every 0.1 s, as `drip`) and, once the
+    server answers, opens a new one: at once after a 408, 0.1 s after a refusal. Appends each
+    answer's (status, headers, JSON); (None, {}, None) for a connection closed unanswered."""
+    while not stop.is_set():
+        with stalled_upload(url, b"x", 100_000) as client:
+            try:
+                while not select.select([client], [], [], 0.1)[0]:
+                    if stop.is_set():
+                        return
+                    client.sendall(b"x")
+                answers.append(read_answer(client))
+            except (OSError, AssertionError):  # reset or closed before an answer came
+                answers.append((None, {}, None))
+        if answers[-1][0] != 408:
+            stop.wait(0.1)
+
+
+def test_reconnecting_drippers_from_one_address_leave_other_clients_served(tmp_path):
+    """Issue 57: 32 connections from 127.0.0.1 that drip uploads and open a new one after each
+    answer. Before, every new upload got its grace (--body-timeout) again, so they held every
+    upload slot: a good client got 503 on 79 of 80 requests, and /health answered 503. Now the
+    address takes all but the last 8 slots (a quarter of --max-uploads, kept for addresses with
+    fewer; the other 8 drippers get a 429), its 24 uploads are dropped (408) at the end of their
+    grace, and the address owes that grace: each of those drippers, reconnecting at once, is
+    refused (429, Retry-After) ten times in a row, longer than a grace. All along, a client from 127.0.0.2 is answered 200 (within 20 s, the issue's
+    bound) and liveness (/health/live, from 127.0.0.3) is 200."""
+    png = digit_pngs(tmp_path, 1)[0].read_bytes()
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    flags = ("--body-timeout", "1", "--min-upload-rate", "1", "--reload-interval", "0")
+    stop, answers = threading.Event(), [[] for _ in range(32)]
+
+    def after_their_408() -> list[list]:
+        """The answers each dripper whose upload was dropped got after that 408."""
+        statuses = [[status for status, _, _ in a] for a in answers]
+        return [a[s.index(408) + 1 :] for a, s in zip(answers, statuses, strict=True) if 408 in s]
+
+    with (
+        serving(model, *flags) as (url, process),
+        httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=20) as good,
+        httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=20) as live,
+    ):
+        drippers = [
+            threading.Thread(target=reconnecting_dripper, args=(url, stop, a)) for a in answers
+        ]
+        for dripper in drippers:
+            dripper.start()
+        try:
+            until(lambda: health(url)["uploads"]["receiving"] >= 24, "the drippers' uploads")
+            posts = 0
+            while not (
+                len(after_their_408()) == 24 and all(len(a) >= 10 for a in after_their_408())
+            ):
+                assert live.get(f"{url}/health/live").status_code == 200
+                answer = good.post(
+                    f"{url}/predict", content=png, headers={"content-type": "image/png"}
+                )
+                assert answer.status_code == 200, answer.text
+                posts += 1
+            report = good.get(f"{url}/health")
+            assert report.status_code == 200 and report.json()["status"] == "ok"
+        finally:
+            stop.set()
+            for dripper in drippers:
+                dripper.join()
+    statuses = [status for a in answers for status, _, _ in a]
+    assert statuses.count(408) == 24 and set(statuses) <= {408, 429, None}, statuses
+    assert posts > 0
+    for after in after_their_408():  # not one slot again: the grace stays spent
+        assert {status for status, _, _ in after} <= {429, None}, after
+        status, headers, body = [answer for answer in after if answer[0] == 429][-1]
+        assert headers["connection"] == "close" and int(headers["retry-after"]) >= 1, headers
+        assert "uploads from 127.0.0.1 were too slow lately" in body["error"], body
+
+
 def test_uploads_past_max_uploads_are_a_503_with_retry_after(tmp_path):
+    """Two uploads from two addresses take both slots (--max-uploads 2): a third address gets a
+    503 with Retry-After, and the first address a 429 (it has its share, a quarter of 2 but at
+    least 1, and no slot is free); once an upload is whole, its slot is free again."""
     path = digit_pngs(tmp_path, 1)[0]
     png = path.read_bytes()
     model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
     flags = ("--max-uploads", "2", "--body-timeout", "600", "--reload-interval", "0")
     with serving(model, *flags) as (url, process):
-        first, second = (stalled_upload(url, png[:10], len(png)) for _ in range(2))
+        first, second = (stalled_upload(url, png[:10], len(png), f"127.0.0.{i}") for i in (2, 3))
         until(lambda: health(url)["uploads"]["receiving"] == 2, "2 uploads being received")
         refused = post(url, path)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "2 uploads are being received already (--max-uploads)" in refused.json()["error"]
-        with stalled_upload(url, png[:10], len(png)) as third:  # refused, its body still coming:
+        with stalled_upload(
+            url, png[:10], len(png), "127.0.0.4"
+        ) as third:  # refused, its body coming:
             status, headers, _ = read_answer(third)
             assert status == 503 and headers["connection"] == "close"
             assert third.recv(1) == b""  # the server closed the connection (it held it for good)
+        with stalled_upload(url, png[:10], len(png), "127.0.0.2") as again:  # first's address
+            status, headers, body = read_answer(again)
+            assert status == 429 and headers["retry-after"] == "1", body
+            assert (
+                "127.0.0.2 has 1 upload being received already, its share while 0 of 2 slots"
+                in body["error"]
+            ), body
         with first:
             first.sendall(png[10:])  # the rest of its body: answered, and its slot freed
             assert read_answer(first)[0] == 200
@@ -401,8 +496,9 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
     tmp_path,
 ):
     """Each request of a failed batch gets an error of its own (one shared by all gathered
-    every request's traceback: thousands of log lines), and /health is a 503 saying why until
-    a batch succeeds again."""
+    every request's traceback: thousands of log lines), and /health and /health/ready are a
+    503 saying why until a batch succeeds again; /health/live is 200 all along (the process
+    answers: a restart would not mend the model)."""
     from visionflow.deploy.batching import Refused
     from visionflow.deploy.serve import Service, Settings
     from visionflow.deploy.served import ServedModel
@@ -423,10 +519,18 @@ def test_a_failed_batch_is_a_500_for_each_request_and_health_says_failing_until_
         await service.batcher.run(failed)
         errors = [done.exception() for _, _, done in failed]
         failing = await service.health(None)
+        probes = [await service.ready(None), await service.live(None)]
         await service.batcher.run(batch(1))
-        return errors, failing, await service.health(None)
+        probes += [await service.ready(None), await service.live(None)]
+        return errors, failing, await service.health(None), probes
 
-    errors, failing, ok = asyncio.run(scenario())
+    errors, failing, ok, probes = asyncio.run(scenario())
+    assert [(p.status_code, json.loads(p.body)["status"]) for p in probes] == [
+        (503, "failing"),
+        (200, "alive"),
+        (200, "ready"),
+        (200, "alive"),
+    ]
     assert all(isinstance(e, Refused) and e.status == 500 for e in errors)
     assert len({id(e) for e in errors}) == 3
     assert "returned 1 rows of logits for a batch of 3 images" in str(errors[0])

@@ -4,8 +4,11 @@
                               application/octet-stream) or a multipart form with one file field;
                               answers {"predictions": [{"class", "probability"}...], "model": sha256,
                               "batch_size": images in the batch it ran in}
-    GET  /health              status, the model served, reloads, uploads being received,
-                              batches run and their sizes
+    GET  /health/live         liveness: 200 whenever the process answers
+    GET  /health/ready        readiness: 200 while a model is loaded and its batches are not
+                              failing (503 "failing" then); never 503 for busy upload slots
+    GET  /health              readiness's status code, with the report: the model served,
+                              reloads, uploads being received and refused, batches run
     GET  /metadata            classes, preprocessing, the model's sha256, opset and precision
                               (int8 or float32), limits
 
@@ -20,9 +23,12 @@ Runtime in their own thread.
 Bad input is a 400 (not an image, truncated, empty, a content type that is not an image) or a 413
 (a body over `max_body` bytes, an image over `max_pixels`, a decompression bomb), always a JSON
 `{"error": one line}`, and the server goes on. A body that sends no byte for `body_timeout_s`, or
-that averages under `min_upload_rate` after that grace, is a 408 and its connection closed; past
-`max_uploads` bodies being received at once, a request is a 503 with Retry-After (and /health a
-503 "uploads full"): stalled or dripping clients hold neither the connections nor $TMPDIR. A model that
+that averages under `min_upload_rate` after that grace, is a 408 and its connection closed. At
+most `max_uploads` bodies are received at once (then a 503 with Retry-After), shared out by
+client address (then a 429 for that address): one that owes too much grace for its slow
+uploads, reconnecting or not, or that already has `per_client()` uploads when few slots are
+left, is refused. Stalled, dripping or reconnecting clients from one address hold neither every
+connection nor $TMPDIR (`serve_uploads.Uploads`). A model that
 answers a batch with the wrong number of rows is a 500 for that batch's requests, logged. The
 model file is watched (its stat, every `reload_interval` seconds): a changed file is loaded from
 a snapshot of its bytes and validated fully (`inference.load_predictor`: metadata, shapes, one
@@ -58,11 +64,10 @@ from visionflow.deploy.inference import (
     ModelError,
     top_k,
 )
+from visionflow.deploy.serve_uploads import MB, Upload, Uploads, spool
 from visionflow.deploy.served import Changing, ServedModel, file_stat, load_served
 from visionflow.deploy.server import HeadTimeout, Server, listen
 
-MB = 2**20
-RAW_TYPES = ("application/octet-stream",)  # besides image/*: "these are a file's bytes"
 MAX_PIXELS = Decode(1, "rgb").max_pixels  # the decoder refuses larger images anyway
 
 
@@ -80,10 +85,10 @@ class Settings(NamedTuple):
     body_timeout_s: float = 10.0  # the longest a request body may go without a byte
     max_uploads: int = 32  # request bodies received at once (each up to max_body in $TMPDIR)
     min_upload_rate: float = 32 * 1024  # bytes/s a body must average after body_timeout_s
+    max_uploads_per_client: int = 0  # one address's share (Uploads); 0: max_uploads / 4
 
-
-def media_type(request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+    def per_client(self) -> int:
+        return self.max_uploads_per_client or max(1, self.max_uploads // 4)
 
 
 def top_k_of(request, default: int) -> int:
@@ -93,114 +98,6 @@ def top_k_of(request, default: int) -> int:
     if not (raw.isascii() and raw.isdigit() and len(raw) < 10) or int(raw) < 1:
         raise Refused(400, f"top_k must be a whole number, 1 or more: {raw[:20]!r}")
     return int(raw)
-
-
-def limited(request, limit: int, timeout_s: float, min_rate: float):
-    """The request with a receive that refuses (413) a body past `limit` bytes as it arrives,
-    and drops (408, closing the connection) one that sends no byte for `timeout_s`, or that,
-    once `timeout_s` has passed since its first byte was awaited, has averaged under `min_rate`
-    bytes/s. A deadline per receive alone let a client that drips a byte now and then hold an
-    upload slot for good: with --max-uploads of them, every other client got a 503."""
-    from starlette.requests import Request
-
-    seen, loop = 0, asyncio.get_running_loop()
-    start = last = loop.time()  # when the body was first awaited; when its last bytes came
-
-    async def receive():
-        nonlocal seen, last
-        # the body's deadline for the bytes so far: the grace, then min_rate on average
-        due = start + timeout_s + seen / min_rate
-        try:
-            wait = min(due, last + timeout_s) - loop.time()
-            message = await asyncio.wait_for(request.receive(), wait)
-        except TimeoutError:  # asyncio.TimeoutError is this class from Python 3.11 on
-            elapsed = loop.time() - start
-            if due < last + timeout_s:
-                reason = (
-                    f"the upload is too slow: {seen} bytes in {elapsed:.0f} s, under the "
-                    f"minimum of {min_rate / 1024:g} KB/s (--min-upload-rate) after the first "
-                    f"{timeout_s:g} s (--body-timeout)"
-                )
-            else:
-                reason = (
-                    f"the upload stalled: no byte of the body for {timeout_s:g} s "
-                    f"(--body-timeout); {seen} bytes came"
-                )
-            raise Refused(408, reason, {"Connection": "close"}) from None
-        seen, last = seen + len(message.get("body", b"")), loop.time()
-        if seen > limit:
-            raise Refused(413, too_large(limit))
-        return message
-
-    return Request(request.scope, receive)
-
-
-def too_large(limit: int) -> str:
-    return f"the body is over the limit of {limit} bytes ({limit / MB:g} MB, --max-body-mb)"
-
-
-NOT_AN_IMAGE_TYPE = (
-    "Content-Type {} is not an image: send the file's bytes with Content-Type image/jpeg "
-    "(image/png, ...) or application/octet-stream, or as a multipart form file "
-    "(curl -F file=@photo.jpg)"
-)
-
-
-async def spool(request, dest: Path, limit: int, timeout_s: float, min_rate: float) -> None:
-    """The request's image into the file `dest`: a raw body, or a multipart form's one file."""
-    kind = media_type(request)
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise Refused(413, too_large(limit))
-    request = limited(request, limit, timeout_s, min_rate)
-    if kind == "multipart/form-data":
-        await spool_form(request, dest)
-    elif kind.startswith("image/") or kind in RAW_TYPES:
-        with open(dest, "wb") as out:
-            async for chunk in request.stream():
-                out.write(chunk)
-    else:
-        raise Refused(400, NOT_AN_IMAGE_TYPE.format(kind or "(none)"))
-    if dest.stat().st_size == 0:
-        raise Refused(400, "the image is empty (0 bytes): send the image file's bytes")
-
-
-async def spool_form(request, dest: Path) -> None:
-    """The one file of a multipart form into `dest`. A form that ends before its closing
-    boundary (cut off mid-file), or that the parser cannot read, is a 400 saying so."""
-    from starlette.datastructures import UploadFile
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    class Parser(MultiPartParser):
-        complete = False  # the closing boundary came (Starlette accepts a form without it)
-
-        def on_end(self) -> None:
-            self.complete = True
-
-    parser = Parser(request.headers, request.stream(), max_files=1, max_fields=16)
-    try:
-        form = await parser.parse()
-    except MultiPartException as error:
-        reason = f" ({error.__cause__})" if error.__cause__ else ""  # the parser's own words
-        raise Refused(400, f"the multipart form is malformed: {error.message}{reason}") from None
-    try:
-        if not parser.complete:
-            raise Refused(
-                400,
-                "the multipart form is cut off: it ends before its closing boundary "
-                "(mid-file?); send the whole form",
-            )
-        files = [value for _, value in form.multi_items() if isinstance(value, UploadFile)]
-        if not files:
-            raise Refused(
-                400, "the multipart form has no file field: send one (-F file=@photo.jpg)"
-            )
-        with open(dest, "wb") as out:
-            await files[0].seek(0)
-            while chunk := await files[0].read(MB):
-                out.write(chunk)
-    finally:
-        await form.close()
 
 
 class Service:
@@ -216,7 +113,7 @@ class Service:
         self.seen = model.stat  # the model file's stat when last looked at
         self.settling = None  # a new stat, loaded once a look later finds it unchanged
         self.reloads, self.refused, self.missing = 0, None, False
-        self.uploads = 0  # request bodies being received now
+        self.uploads = Uploads(settings.max_uploads, settings.per_client(), settings.body_timeout_s)
         self.stopping = False  # set on SIGTERM/SIGINT: each answer closes its connection
         self.numbers = itertools.count()  # names of the request files in scratch
 
@@ -240,42 +137,55 @@ class Service:
         return JSONResponse({"predictions": rows, "model": model.sha256, "batch_size": size})
 
     async def spool(self, request, dest: Path) -> None:
-        """The body into `dest`, at most max_uploads at once: slow or stalled clients cannot
-        hold every connection and fill $TMPDIR. The server's own trouble storing it is a 503,
-        not a 500."""
+        """The body into `dest`, if the server and the client's address have an upload slot
+        (`Uploads`): slow or stalled clients cannot hold every connection and fill $TMPDIR. The
+        server's own trouble storing it is a 503, not a 500."""
         s = self.settings
-        if self.uploads >= s.max_uploads:
-            raise Refused(
-                503,
-                f"{self.uploads} uploads are being received already (--max-uploads): try again",
-                {"Retry-After": "1"},
-            )
-        self.uploads += 1
+        # the peer's address; behind a proxy on 127.0.0.1, the one its X-Forwarded-For names
+        # (uvicorn's ProxyHeadersMiddleware; FORWARDED_ALLOW_IPS trusts other proxies)
+        address = request.client.host if request.client else ""
+        upload = Upload(request, s.max_body, s.body_timeout_s, s.min_upload_rate)
+        self.uploads.admit(address, upload)
         try:
             dest.parent.mkdir(exist_ok=True)  # a /tmp cleaner may have removed an idle one
-            await spool(request, dest, s.max_body, s.body_timeout_s, s.min_upload_rate)
+            await spool(upload.request, dest, s.max_body)
         except OSError as error:
             raise Refused(
                 503, f"the server cannot store the upload: {error.strerror or error}"
             ) from None
         finally:
-            self.uploads -= 1
+            self.uploads.end(address, upload)
 
     async def decode(self, path: Path, spec: dict) -> np.ndarray:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.decoders, image_input, path, spec, self.budget)
 
-    async def health(self, request):
+    async def live(self, request):
+        """Liveness: the process answers. A liveness probe restarts a server that fails it, and
+        a restart mends nothing else (Kubernetes' livenessProbe)."""
         from starlette.responses import JSONResponse
 
-        # a load balancer takes it out (503) while its batches fail, or while every upload
-        # slot is taken (it refuses each new upload then)
+        return JSONResponse({"status": "alive"})
+
+    async def ready(self, request):
+        """Readiness: a model is loaded (always, once serving) and its batches are not failing.
+        Never "busy": full upload slots are said to the clients that meet them (503 or 429 with
+        Retry-After); a replica taken out of its load balancer for them is what slow clients
+        want."""
+        from starlette.responses import JSONResponse
+
+        failing = self.batcher.failing
+        body = {"status": "failing", "reason": failing} if failing else {"status": "ready"}
+        return JSONResponse(body | {"model": self.model.sha256}, 503 if failing else 200)
+
+    async def health(self, request):
+        """Readiness (its status code, as /health/ready's) and the server's report."""
+        from starlette.responses import JSONResponse
+
         failing = self.batcher.failing is not None
-        full = self.uploads >= self.settings.max_uploads
-        status = "failing" if failing else "uploads full" if full else "ok"
         return JSONResponse(
             {
-                "status": status,
+                "status": "failing" if failing else "ok",
                 "model": {"path": str(self.model.path), "sha256": self.model.sha256},
                 "loaded_at": iso(self.model.loaded_at),
                 "reload": {
@@ -284,11 +194,10 @@ class Service:
                     "refused": self.refused,  # why the file on disk is not the one served
                     "file_missing": self.missing,
                 },
-                "uploads": {"receiving": self.uploads, "max": self.settings.max_uploads},
+                "uploads": self.uploads.report(),
                 "batches": self.batcher.stats(),
             },
-            status_code=200 if status == "ok" else 503,
-            headers={"Retry-After": "1"} if full and not failing else None,
+            status_code=503 if failing else 200,
         )
 
     async def metadata(self, request):
@@ -314,6 +223,7 @@ class Service:
                     "max_body_bytes": s.max_body,
                     "max_pixels": s.max_pixels,
                     "max_uploads": s.max_uploads,
+                    "max_uploads_per_client": s.per_client(),
                     "body_timeout_s": s.body_timeout_s,
                     "min_upload_rate_kb_s": s.min_upload_rate / 1024,
                 },
@@ -380,6 +290,8 @@ class Service:
         routes = [
             Route("/predict", self.predict, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/health/live", self.live, methods=["GET"]),
+            Route("/health/ready", self.ready, methods=["GET"]),
             Route("/metadata", self.metadata, methods=["GET"]),
         ]
         handlers = {
@@ -475,7 +387,8 @@ def serve(model_path: Path, host: str, port: int, settings: Settings) -> int:
         )
         print(
             f"serving {model_path} (sha256 {model.sha256[:12]}) at "
-            f"{url_of(host, sock.getsockname()[1])}: POST /predict, GET /health, GET /metadata; "
+            f"{url_of(host, sock.getsockname()[1])}: POST /predict, GET /health (/live, /ready), "
+            "GET /metadata; "
             "Ctrl-C stops",
             flush=True,
         )
