@@ -167,8 +167,9 @@ class Snapshot:
 
 
 def disk_full_message(error: OSError) -> str | None:
-    """One line for a full disk or a file too large, else None (any other OSError is a bug to
-    show in full)."""
+    """One line for a full disk, a file too large, or a place the stage may not write (a
+    read-only file system, no permission), else None (any other OSError is a bug to show in
+    full)."""
     if isinstance(error, DiskFull):
         return str(error)
     where = (
@@ -180,6 +181,11 @@ def disk_full_message(error: OSError) -> str | None:
         return (
             f"a file in {where} grew past the largest this allows: the file system's (FAT32: "
             "4 GB) or the shell's `ulimit -f`; write to another file system, or raise the limit"
+        )
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and error.filename:
+        return (
+            f"cannot write {error.filename}: {error.strerror}; make it writable (or the folder "
+            "the stage's command line in dvc.yaml names), then run again"
         )
     return None
 

@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, required=True, help="cache folder from prepare")
     parser.add_argument("--out", type=Path, required=True, help="folder to write")
     args = parser.parse_args()
+    if not (args.data / "manifest.json").is_file():
+        raise GateError(f"--data {args.data} holds no prepared cache: `dvc repro sanity` makes it")
     if args.out.exists() and not args.out.is_dir():  # said now, not after the whole test
         raise GateError(f"--out {args.out} is a file: name a folder for lr_find.png and .json")
     params = load_params()

@@ -22,6 +22,7 @@ import yaml
 
 from tests.helpers import ROOT, digits_cache, merge
 from visionflow import faults
+from visionflow.errors import GateError, Interrupted
 from visionflow.fit.run import Run
 from visionflow.params import parse_params
 from visionflow.train import checkpoint
@@ -240,3 +241,30 @@ def test_lr_find_plots_the_range_test_whose_rate_lr_auto_trains_with(
         code="tests",
     )
     assert auto.train.lr == suggested and auto.found["suggestion"] == suggested
+
+
+class AskedAtOnce:
+    """A stop asked before the first epoch ends (StopRequest's own test covers the signals)."""
+
+    def agreed(self, world, device) -> bool:
+        return True
+
+
+def test_a_stop_asked_in_the_last_epoch_ends_the_run_whole(cache, tmp_path, monkeypatch):
+    """A Ctrl-C during the last epoch checkpointed it and failed the stage, and the next run
+    wrote the outputs: the run was whole already. Before the last epoch it stops there."""
+    monkeypatch.setattr("visionflow.fit.run.StopRequest", AskedAtOnce)
+    last = train(params(epochs=1), cache, tmp_path / "last")
+    assert (last.out / "model.pt").exists() and last.progress.best["epoch"] == 1
+    earlier = Run(params(epochs=2), cache, tmp_path / "out", tmp_path / "state", code="tests")
+    earlier.resume()
+    with pytest.raises(Interrupted, match="train stopped after epoch 1; its checkpoint is in"):
+        earlier.fit(None)
+
+
+def test_lr_find_without_a_cache_is_one_line(tmp_path, monkeypatch):
+    import pipeline.lr_find
+
+    monkeypatch.setattr("sys.argv", ["lr_find", "--data", str(tmp_path / "nope"), "--out", "x"])
+    with pytest.raises(GateError, match=r"--data .*nope holds no prepared cache: `dvc repro"):
+        pipeline.lr_find.main()

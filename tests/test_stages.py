@@ -251,7 +251,9 @@ def test_a_stage_names_the_params_and_deps_that_changed_while_it_ran(tmp_path, m
     ]
 
 
-def test_a_full_disk_and_a_file_too_large_are_one_line_and_other_errors_are_not(tmp_path):
+def test_a_full_disk_a_file_too_large_and_no_right_to_write_are_one_line_and_others_are_not(
+    tmp_path,
+):
     import errno
 
     import pipeline
@@ -260,4 +262,11 @@ def test_a_full_disk_and_a_file_too_large_are_one_line_and_other_errors_are_not(
     assert full.startswith(f"disk full: no room to write in {tmp_path} (") and "MB free" in full
     large = pipeline.disk_full_message(OSError(errno.EFBIG, "File too large", str(tmp_path / "x")))
     assert large.startswith(f"a file in {tmp_path} grew past the largest this allows")
-    assert pipeline.disk_full_message(OSError(errno.EACCES, "Permission denied", "x")) is None
+    # a read-only checkpoints folder was a traceback from deep in the resume (adversarial pass)
+    read_only = pipeline.disk_full_message(
+        OSError(errno.EROFS, "Read-only file system", "checkpoints/train/abc")
+    )
+    assert read_only.startswith("cannot write checkpoints/train/abc: Read-only file system; ")
+    denied = pipeline.disk_full_message(PermissionError(errno.EACCES, "Permission denied", "x"))
+    assert denied.startswith("cannot write x: Permission denied; make it writable")
+    assert pipeline.disk_full_message(FileNotFoundError(errno.ENOENT, "No such file", "x")) is None

@@ -1391,3 +1391,22 @@ def test_a_ctrl_c_to_every_process_is_the_main_processes_alone_to_answer(tmp_pat
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+
+
+def test_a_fallback_to_the_older_checkpoint_finds_the_best_file_it_names(tmp_path):
+    """Epoch 3 improved on epoch 2: its checkpoint names best-0003.pt, epoch 2's best-0002.pt.
+    With epoch 3's checkpoint unreadable, the run falls back to epoch 2's, whose best file had
+    been deleted when epoch 3 was saved: the fallback then started fresh (adversarial pass)."""
+    history = [{"val/accuracy": a} for a in (0.5, 0.7, 0.9)]
+    for epoch in (1, 2, 3):
+        best = checkpoint.best_as_of(history, epoch)
+        checkpoint.save_atomic({"state_dict": {}}, checkpoint.best_file(tmp_path, best))
+        kept = {**state(epoch), "history": history[:epoch], "best": {"epoch": best}}
+        checkpoint.save_checkpoint(tmp_path, kept)
+    assert sorted(p.name for p in tmp_path.glob("best-*.pt")) == ["best-0002.pt", "best-0003.pt"]
+    newest = tmp_path / "epoch-0003.pt"
+    newest.write_bytes(newest.read_bytes()[:200])
+    with pytest.warns(UserWarning, match="epoch-0003.pt is unreadable"):
+        loaded, _ = checkpoint.load_latest(tmp_path, "abc", "cpu")
+    assert loaded["epoch"] == 2 and checkpoint.best_file(tmp_path, 2).exists()
+    assert checkpoint.best_as_of([{"val/accuracy": 0.5}] * 3, 3) == 1  # the first of equals

@@ -90,23 +90,36 @@ def best_file(folder: Path, epoch: int) -> Path:
 
 
 def save_checkpoint(folder: Path, state: dict) -> Path:
-    """Write the epoch's checkpoint, then drop the checkpoints beyond the newest KEEP and every
-    best file but the one it names (a fallback to the older checkpoint then starts fresh if its
-    best file is gone: it says so)."""
+    """Write the epoch's checkpoint, then drop the checkpoints beyond the newest KEEP and the best
+    files that none of those kept names: a fallback to an older checkpoint (the newest one
+    unreadable) finds the best file it names (it was deleted, and the run started fresh)."""
     path = folder / f"epoch-{state['epoch']:04d}.pt"
     save_atomic(state, path, epoch=state["epoch"])  # makes the folder again if it was deleted
     for old in sorted(folder.glob("epoch-*.pt"))[:-KEEP]:
         old.unlink()
     if "best" in state:
-        best = best_file(folder, state["best"]["epoch"])
+        kept = [int(p.stem.removeprefix("epoch-")) for p in folder.glob("epoch-*.pt")]
+        named = {best_as_of(state.get("history", []), epoch) for epoch in kept}
+        wanted = {best_file(folder, e) for e in named | {state["best"]["epoch"]}}
         for old in folder.glob("best-*.pt"):
-            if old != best:
+            if old not in wanted:
                 old.unlink(missing_ok=True)
     return path
 
 
+def best_as_of(history: list[dict], epoch: int) -> int:
+    """The best epoch (by val accuracy, the first of equals: `Progress.update`) of the first
+    `epoch` records: the best file that epoch's checkpoint names."""
+    best, at = -1.0, 0
+    for number, record in enumerate(history[:epoch], 1):
+        if record["val/accuracy"] > best:
+            best, at = record["val/accuracy"], number
+    return at
+
+
 def load_latest(folder: Path, expected: str, map_location) -> tuple[dict | None, str]:
-    """The newest readable checkpoint with the expected fingerprint, and a line saying why."""
+    """The newest readable checkpoint with the expected fingerprint, and a line saying why (an
+    unreadable newer one is a warning: a kill mid-write, a damaged disk)."""
     for stray in folder.glob(".*.tmp"):  # left by a write that was killed
         stray.unlink()
     for path in sorted(folder.glob("epoch-*.pt"), reverse=True):

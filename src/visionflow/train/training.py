@@ -310,7 +310,7 @@ class StopRequest:
         self.requested = signum
         print(
             f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
-            "(Ctrl-C again stops at once)",
+            "(a second Ctrl-C stops at once)",
             file=sys.stderr,
             flush=True,
         )
