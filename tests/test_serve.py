@@ -1055,3 +1055,42 @@ def test_a_request_head_must_arrive_in_time_on_a_socket_that_sends_at_once():
         half.close()
         server.should_exit = True
         thread.join(60)
+
+
+def test_an_address_owing_its_share_of_graces_is_refused_until_it_pays_back(monkeypatch):
+    """The budget is the address's: uploads dropped at the end of their grace (drippers that
+    reconnect) add up, and the address is refused (429) until it has paid one back; another
+    address is served all along, and one address never takes the last free slots."""
+    from visionflow.deploy.batching import Refused
+    from visionflow.deploy.serve_uploads import Uploads
+
+    clock = [1000.0]
+    monkeypatch.setattr("visionflow.deploy.serve_uploads.time.monotonic", lambda: clock[0])
+
+    class Dripped:  # held its slot one grace beyond what its bytes paid for
+        def graces_used(self) -> float:
+            return 1.0
+
+    uploads = Uploads(most=32, per_client=8, grace_s=10)
+    for _ in range(8):
+        upload = Dripped()
+        uploads.admit("10.0.0.1", upload)
+        uploads.end("10.0.0.1", upload)
+    with pytest.raises(Refused) as refused:
+        uploads.admit("10.0.0.1", Dripped())
+    assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "1"
+    uploads.admit("10.0.0.2", Dripped())  # another address: served
+    clock[0] += 60  # 6 x --body-timeout: one grace paid back
+    uploads.admit("10.0.0.1", Dripped())
+    assert uploads.report()["refused"] == {"busy": 0, "per_client": 1}
+
+    class Fast:  # at the minimum rate or faster: owes nothing
+        def graces_used(self) -> float:
+            return 0.0
+
+    fast = Uploads(most=10, per_client=4, grace_s=10)
+    for _ in range(6):
+        fast.admit("10.0.0.3", Fast())  # 6 at once while more than 4 slots are free
+    with pytest.raises(Refused, match="has 6 uploads being received already, its share while 4"):
+        fast.admit("10.0.0.3", Fast())
+    fast.admit("10.0.0.4", Fast())  # the last slots go to other addresses

@@ -9,7 +9,7 @@ visionflow predict IMAGE_OR_FOLDER... [--model PATH] [--runtime onnx|torchscript
 visionflow serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--max-batch 32]
                  [--batch-window-ms 2] [--top-k 3] [--max-body-mb 20] [--max-pixels N]
                  [--reload-interval 2] [--decode-workers N] [--body-timeout 10]
-                 [--min-upload-rate 32] [--max-uploads 32]
+                 [--min-upload-rate 32] [--max-uploads 32] [--max-uploads-per-client N]
                                                  the ONNX model over HTTP (POST /predict, GET
                                                  /health, GET /metadata), batching requests
 visionflow repro [--if-busy wait|skip] [-- DVC REPRO ARGS]
@@ -276,6 +276,14 @@ def add_serve(commands) -> None:
         default=32,
         help="request bodies received at once; more are a 503 with Retry-After (default 32)",
     )
+    s.add_argument(
+        "--max-uploads-per-client",
+        type=int,
+        default=0,
+        help="one client address's share of --max-uploads: the graces it may owe for slow "
+        "uploads, and its uploads at once when few slots are free; more are a 429 "
+        "(default: a quarter of --max-uploads, at least 1)",
+    )
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -296,6 +304,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "--body-timeout must be more than 0": not args.body_timeout > 0,
         "--max-uploads must be at least 1": args.max_uploads < 1,
         "--min-upload-rate must be more than 0": not args.min_upload_rate > 0,
+        "--max-uploads-per-client must be 0 or more": args.max_uploads_per_client < 0,
         "--port must be 0 to 65535": not 0 <= args.port <= 65535,
     }
     for message, wrong in checks.items():
@@ -312,6 +321,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         body_timeout_s=args.body_timeout,
         max_uploads=args.max_uploads,
         min_upload_rate=args.min_upload_rate * 1024,
+        max_uploads_per_client=args.max_uploads_per_client,
     )
     model = args.model or default_model("onnx")
     try:
