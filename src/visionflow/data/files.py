@@ -11,12 +11,9 @@ from visionflow.errors import DataError
 
 
 def file_hash(path: Path, algorithm: str = "sha256") -> str:
-    """A file's hash (hex), read a block at a time."""
-    digest = hashlib.new(algorithm)
+    """A file's hash (hex), read a block at a time (the standard library's loop)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
 class Stat(NamedTuple):
