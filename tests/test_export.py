@@ -101,6 +101,26 @@ def test_torch_formats_match_eager_and_carry_metadata(model, pixels, tmp_path, r
     assert all(r["passed"] for r in results.values()), results
 
 
+def test_a_torchscript_file_holds_no_path_or_line_of_the_code_that_traced_it(
+    model, pixels, tmp_path
+):
+    """The tracer records each node's Python call stack (this checkout's and its venv's absolute
+    paths, the callers' line numbers) and torch.jit.save wrote it into the file's debug records:
+    a fresh clone in another folder exported another model.torchscript.pt, and so another
+    dvc.lock. Here: no path, no frame, and the file still computes what eager does."""
+    import zipfile
+
+    export_torchscript(model, example(pixels), tmp_path / "model.pt", META)
+    with zipfile.ZipFile(tmp_path / "model.pt") as archive:
+        records = b"".join(archive.read(name) for name in archive.namelist())
+    assert str(ROOT).encode() not in records and b"site-packages" not in records
+    assert b".py(" not in records  # a frame, "file.py(46): forward"
+    predictor, _, _ = load_predictor("torchscript", tmp_path / "model.pt", trust_code=True)
+    x = example(pixels).numpy()
+    results = check_parity(module_predictor(model), predictor, x, [1, 3], rtol=1e-5, atol=1e-6)
+    assert all(r["passed"] for r in results.values()), results
+
+
 @pytest.mark.parametrize("runtime", ["pt2", "torchscript"])
 def test_gate_catches_an_export_left_in_train_mode(model, pixels, tmp_path, runtime):
     path = tmp_path / f"model.{runtime}"
@@ -172,8 +192,9 @@ def test_export_all_then_check_formats_passes_and_flags_wrong_metadata(model, pi
 @pytest.mark.slow
 def test_the_same_commit_exported_in_another_folder_gives_the_same_files(reproduced_base, tmp_path):
     """torch recorded the source lines of each traced node, with this checkout's and its venv's
-    absolute paths, and they went into every node of model.onnx and model.int8.onnx and into
-    model.pt2: another folder gave another sha256 (and a user's home path shipped in them)."""
+    absolute paths, and they went into every node of model.onnx and model.int8.onnx, into
+    model.pt2 and into model.torchscript.pt's debug records: another folder gave another sha256
+    (and a user's home path shipped in them), and a fresh clone's `dvc repro` a new dvc.lock."""
     from tests.helpers import copy_project, sh
 
     project = copy_project(reproduced_base, tmp_path / "elsewhere")
@@ -181,7 +202,7 @@ def test_the_same_commit_exported_in_another_folder_gives_the_same_files(reprodu
         project, sys.executable, "-m", "pipeline.export", "--model", "results/train/model.pt",
         "--data", "data/prepared", "--metrics", "results/evaluate/metrics.json", "--out", "again",
     )  # fmt: skip
-    for name in ("model.onnx", "model.int8.onnx", "model.pt2"):
+    for name in ("model.onnx", "model.int8.onnx", "model.pt2", "model.torchscript.pt"):
         again = (project / "again" / name).read_bytes()
         assert str(project).encode() not in again and str(ROOT).encode() not in again, name
         assert again == (reproduced_base / "results/export" / name).read_bytes(), name

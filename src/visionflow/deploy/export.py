@@ -111,7 +111,27 @@ def export_torchscript(
     with warnings.catch_warnings():  # "torch.jit.* is deprecated": known, and said in the docs
         warnings.filterwarnings("ignore", message=JIT_DEPRECATED)
         traced = torch.jit.trace(model, example, check_trace=False)
+        forget_source_lines(traced)
         torch.jit.save(traced, str(path), _extra_files=metadata)
+
+
+def forget_source_lines(traced: torch.jit.ScriptModule) -> None:
+    """Clear what the tracer recorded of each node's Python call stack: absolute paths into this
+    checkout and its venv, and line numbers of the calling code, which torch.jit.save writes
+    into the file's `.debug_pkl` records. The same commit exported in another folder (a fresh
+    clone) gave another model.torchscript.pt, and so another dvc.lock."""
+    scratch = torch._C.Graph()
+    blank = scratch.create("prim::Constant")  # no source range, scope or call stack
+
+    def clear(nodes) -> None:
+        for node in nodes:
+            node.copyMetadata(blank)
+            for block in node.blocks():
+                clear(block.nodes())
+
+    for module in traced.modules():
+        for name in module._c._method_names():
+            clear(module._c._get_method(name).graph.nodes())
 
 
 def compare(
