@@ -117,7 +117,7 @@ def stage_run(project: Path) -> dict:
     command = [sys.executable, "-m", "pipeline.train", "--data", "data/prepared"]
     command += ["--out", "results/train", "--checkpoints", "checkpoints/train"]
     wall, cpu, _ = timed(command, project, env_for(project))
-    curve = project / "results/train/live/plots/metrics/train/images_per_s.tsv"
+    curve = project / "results/train.timings/plots/metrics/train/images_per_s.tsv"
     with open(curve) as f:
         per_epoch = [float(row["images_per_s"]) for row in csv.DictReader(f, delimiter="\t")]
     return {"wall_s": wall, "cpu_s": cpu, "images_per_s": per_epoch}

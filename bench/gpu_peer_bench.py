@@ -107,7 +107,7 @@ def stage(work: Path, name: str, change: dict, out: Path) -> list[float]:
     ]
     log = run(cmd, work, out / f"stage-{name}.log")
     print(re.findall(r"^ +seconds: .*$", log, re.MULTILINE)[0].strip(), file=sys.stderr)
-    curve = work / name / "live/plots/metrics/train/images_per_s.tsv"
+    curve = work / f"{name}.timings/plots/metrics/train/images_per_s.tsv"
     with curve.open() as f:
         rates = [float(row["images_per_s"]) for row in csv.DictReader(f, delimiter="\t")]
     return rates[1:] or rates

@@ -5,8 +5,8 @@ Reads:  params.yaml (export.*); the model from train; real test images from the 
         training images to calibrate INT8; evaluate's metrics (for the model card)
 Writes: <out>/model.onnx, model.int8.onnx, model.pt2, model.torchscript.pt (each carrying its
         class names and preprocessing), parity.json (every check), int8.json (the INT8 gate:
-        test accuracy of both, top-1 agreement, sizes, calibration), latency.json (and file
-        sizes), MODEL_CARD.md, metrics.json (what `dvc metrics` compares: parity passed, the
+        test accuracy of both, top-1 agreement, sizes, calibration), MODEL_CARD.md,
+        metrics.json (what `dvc metrics` compares: parity passed, the
         worst logit difference of any format in units of 1e-6, which DVC's 5-decimal rounding
         keeps, and the INT8 file's test accuracy; the rest of int8.json is not among the declared
         metrics, whose columns `dvc exp show --only-changed` fits in 160).
@@ -15,6 +15,9 @@ Writes: <out>/model.onnx, model.int8.onnx, model.pt2, model.torchscript.pt (each
         holds the failed report; DVC deleted <out> before the stage ran, and the last good
         export stays in its cache (`dvc checkout export` puts it back; `visionflow repro` and
         the flows do it).
+        <out>.timings/latency.json: the median ms per call of each runtime at batch 1 and 64,
+        whether INT8 beat fp32 at each, and the file sizes. Not a DVC output: the clock gives
+        other numbers on every run, and the outputs are the same for the same inputs.
 Run:    python -m pipeline.export --model results/train/model.pt --data data/prepared \
             --metrics results/evaluate/metrics.json --out results/export
 """
@@ -199,7 +202,7 @@ def int8_gate(
 def summary(report: dict, int8: dict) -> dict:
     """metrics.json: a few numbers to compare across runs; short names, so that
     `dvc exp show --only-changed` fits 160 columns with the params beside them. Latency is not
-    among them (latency.json): it differs on every run, so it was a column in every comparison."""
+    among them (<out>.timings/latency.json): it differs on every run."""
     worst = max(
         result["max_abs_diff"]
         for runtime in ("onnx", "pt2", "torchscript")
@@ -213,15 +216,13 @@ def summary(report: dict, int8: dict) -> dict:
     # accuracy (int8.json: more), unless ONNX Runtime cannot quantize the model
 
 
-def timed(predictors: dict, int8: Predictor | None, gate: dict, x: np.ndarray, repeats: int):
-    """latency.json's table of every runtime (INT8's too, when made) at batch 1 and 64; INT8's
-    speed against fp32 goes into the gate's report, and a line when it is slower."""
-    if int8 is not None:
-        predictors = {**predictors, "onnx_int8": int8}
-    latency = latency_table(predictors, x, (1, 64), repeats)
-    if int8 is not None:
-        gate["faster_than_fp32"] = print_int8_speed(latency)  # batch size -> bool
-    return latency
+def timed(predictors: dict, int8: Predictor | None, x: np.ndarray, repeats: int) -> dict:
+    """latency.json: the table of every runtime (INT8's too, when made) at batch 1 and 64, and
+    whether INT8 ran faster than fp32 at each, with a line when it did not."""
+    if int8 is None:
+        return latency_table(predictors, x, (1, 64), repeats)
+    latency = latency_table({**predictors, "onnx_int8": int8}, x, (1, 64), repeats)
+    return latency | {"int8_faster_than_fp32": print_int8_speed(latency)}  # batch size -> bool
 
 
 def main() -> None:
@@ -283,16 +284,16 @@ def main() -> None:
     )
     gate_int8(int8, int8_predictor is not None, report, args.out, meta["model"])
     predictors = {"eager": module_predictor(model), **predictors}
-    latency = timed(predictors, int8_predictor, int8, example.numpy(), export.latency_repeats)
-    write_json(out / "int8.json", int8)
+    latency = timed(predictors, int8_predictor, example.numpy(), export.latency_repeats)
     sizes = int8.get("size_bytes", {"onnx": paths["onnx"].stat().st_size})
-    write_json(out / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes})
+    timings = args.out.with_name(args.out.name + ".timings")  # this run's, on this machine
+    timings.mkdir(parents=True, exist_ok=True)
+    write_json(timings / "latency.json", {"unit": "ms (median)", **latency, "size_bytes": sizes})
+    write_json(out / "int8.json", int8)
     write_json(out / "metrics.json", summary(report, int8))
     metrics = json.loads(args.metrics.read_text())
     manifest = json.loads((args.data / "manifest.json").read_text())  # the source and split
-    card = model_card(
-        meta, manifest, metrics, report, latency, spec, int8 if int8_predictor else None
-    )
+    card = model_card(meta, manifest, metrics, report, spec, int8 if int8_predictor else None)
     (out / "MODEL_CARD.md").write_text(card)
     names = [p.name for p in paths.values()] + ([INT8_FILE] if int8_predictor else [])
     args.out.with_name(args.out.name + ".miss.json").unlink(missing_ok=True)  # an old miss's

@@ -3,9 +3,11 @@
 Reads:  params.yaml (seed, train.*); the cache from prepare; sanity's scan (train runs after the check)
 Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=True),
         <out>/metrics.json (what `dvc metrics` compares: the kept epoch and its val accuracy,
-        healthy and the count of findings), <out>/health.json (every check),
-        <out>/live/ (DVCLive: per-epoch curves, x = epoch), <checkpoints>/<fingerprint>/ (resumable
-        state: a checkpoint per epoch and best-<epoch>.pt, for this run's params, data and code
+        healthy and the count of findings), <out>/health.json (every check that reads no clock),
+        <out>/live/ (DVCLive: per-epoch curves, x = epoch); <out>.timings/ (not a DVC output: the
+        run's images/s, epoch seconds, peak memory and data wait, DVCLive curves, and health.json,
+        the data-bound check; they differ on every run, the outputs not),
+        <checkpoints>/<fingerprint>/ (resumable state: a checkpoint per epoch and best-<epoch>.pt, for this run's params, data and code
         only; not a DVC output, so DVC neither deletes nor tracks it; kept until DVC has recorded
         the outputs it gave, then the next run of the same configuration starts fresh)
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train

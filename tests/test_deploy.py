@@ -74,7 +74,7 @@ def test_repro_writes_an_int8_model_that_the_onnx_client_runs_unchanged(reproduc
     # params in view: tests/test_dvc_contract.py)
     metrics = json.loads((export / "metrics.json").read_text())
     assert metrics["int8acc"] == gate["int8_accuracy"] and "onnx_ms" not in metrics
-    latency = json.loads((export / "latency.json").read_text())
+    latency = json.loads((reproduced_base / "results/export.timings/latency.json").read_text())
     assert {"onnx", "onnx_int8"} <= set(latency["batch_1"]) & set(latency["batch_64"])
     sizes = latency["size_bytes"]
     assert sizes["onnx_int8"] == (export / "model.int8.onnx").stat().st_size < sizes["onnx"]

@@ -319,7 +319,7 @@ def test_a_comment_reruns_the_stages_that_run_its_module_and_bytecode_none(proje
             (project / "src/visionflow/train" / name).unlink()
 
 
-# --- 4. the committed dvc.lock matches the committed code ------------------------------------
+# --- 4. dvc.lock matches the committed code, and a rerun writes it again ---------------------
 
 
 def folder_md5(folder: str, tracked: set[str]) -> str:
@@ -358,6 +358,41 @@ def test_dvc_lock_matches_the_code():
         listed = {d.replace("${prepare.path}", "data/raw") for d in stages[name].get("deps", [])}
         assert {d["path"] for d in entry["deps"]} == listed, f"{name}: deps differ from dvc.yaml"
     assert not stale, f"dvc.lock predates the code; run `dvc repro` and commit dvc.lock: {stale}"
+
+
+@pytest.mark.slow
+def test_dvc_repro_f_reproduces_dvc_lock_and_every_output_byte_for_byte(reproduced_base, tmp_path):
+    """The same code, data and params give the same bytes: a forced rerun of every stage leaves
+    dvc.lock, every output, `git status` and the DVC cache as they were. Before, train's curves
+    and health.json held the run's images/s, epoch seconds, peak memory and data wait, and
+    export's latency.json and model card its latency: every run gave train and export new hashes
+    in dvc.lock and new copies in the cache. The timings are still written, beside the outputs,
+    in results/<stage>.timings/, which DVC neither hashes nor stores."""
+    project = copy_project(reproduced_base, tmp_path / "project")
+
+    def cached() -> set[Path]:
+        return {f for f in (project / ".dvc/cache").rglob("*") if f.is_file()}
+
+    def hashed(files: dict[str, str]) -> dict[str, str]:
+        return {path: sha for path, sha in files.items() if ".timings/" not in path}
+
+    before, cache = outputs(project), cached()
+    rerun = sh(project, "dvc", "repro", "-f")
+    assert sorted(ran(rerun)) == sorted(STAGES)
+    after = outputs(project)
+    assert hashed(after) == hashed(before)  # dvc.lock among them
+    assert sh(project, "git", "status", "--porcelain").stdout == ""
+    assert cached() == cache
+    timings = set(after) - set(hashed(after))
+    assert {
+        "results/train.timings/plots/metrics/train/images_per_s.tsv",
+        "results/train.timings/plots/metrics/epoch_seconds.tsv",
+        "results/train.timings/health.json",  # the data wait, and the data-bound check
+        "results/export.timings/latency.json",
+    } <= timings
+    latency = json.loads((project / "results/export.timings/latency.json").read_text())
+    assert {"onnx", "onnx_int8"} <= set(latency["batch_1"])
+    assert set(latency["int8_faster_than_fp32"]) == {"batch_1", "batch_64"}
 
 
 # --- 5. metrics people compare ----------------------------------------------------------------

@@ -273,16 +273,41 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     }
     monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
     assert said == [] and monitor.report()["healthy"] is True
-    assert monitor.summary("health.json").startswith("health: healthy: no finding in 7 checks")
+    summary = monitor.summary("health.json", "timings/health.json")
+    assert summary.startswith("health: healthy: no finding in 7 checks (data wait 10% at most")
     slow = {**metrics, "data_seconds": 0.9, "first_losses": []}
     monitor.epoch(2, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 2, 1e-3, False)
     monitor.epoch(3, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 3, 1e-3, False)
-    report = monitor.report()
-    assert len(said) == 1 and report["findings"] == 1 and report["data_bound"] is True
-    assert report["data_wait_fraction"] == 0.9
+    timings = monitor.timings()
+    assert len(said) == 1 and timings["data_bound"] is True and timings["data_wait_fraction"] == 0.9
+    assert [d["epoch"] for d in timings["details"]] == [2]
+    assert monitor.summary("health.json", "timings/health.json") == (
+        "health: 1 finding: data_bound (timings/health.json; docs/troubleshooting.md)"
+    )
     restored = health.Monitor(limits(first_steps=4), CLASSES)
     restored.load_state_dict(monitor.state_dict())
-    assert restored.report() == report
+    assert restored.report() == monitor.report() and restored.timings() == timings
+
+
+def test_what_the_clock_says_changes_no_byte_of_the_health_report():
+    """A run where data waited 90% of each epoch, and one where it waited 10%: health.json (a DVC
+    output) is the same; only the timings' report differs. Before, data_wait_fraction and the
+    data-bound finding (and with it `healthy`, in metrics.json) were in health.json, and every run
+    of the same code, data and params gave train a new hash."""
+    metrics = {
+        "seconds": 1.0,
+        "first_losses": [2.3, 2.0, 1.5, 1.0],
+        "first_labels": {0: 4},
+        "layer_grad_norms": {"w": 1.0},
+    }
+    history = [{"train/loss": 1.0, "val/loss": 1.0}]
+    said = []
+    fast, slow = (health.Monitor(limits(first_steps=4), CLASSES, said.append) for _ in range(2))
+    fast.epoch(1, {**metrics, "data_seconds": 0.1}, history, 1e-3, False)
+    slow.epoch(1, {**metrics, "data_seconds": 0.9}, history, 1e-3, False)
+    assert fast.report() == slow.report() and slow.report()["healthy"] is True
+    assert (fast.timings()["data_bound"], slow.timings()["data_bound"]) == (False, True)
+    assert len(said) == 1 and said[0].startswith("health: data-bound: the loop waited for data 90%")
 
 
 def test_a_run_shorter_than_first_steps_says_its_loss_was_not_judged():
@@ -297,7 +322,7 @@ def test_a_run_shorter_than_first_steps_says_its_loss_was_not_judged():
     history = [{"train/loss": 2.3, "val/loss": 2.3}]
     few = health.Monitor(limits(first_steps=50), CLASSES)
     few.epoch(1, {**metrics, "first_losses": [2.3, 2.3, 2.3]}, history, 1e-3, False)
-    summary = few.summary("h")
+    summary = few.summary("h", "t")
     assert "not judged: the run took 3 steps (train.health.first_steps is 50" in summary
     assert "healthy" not in summary and few.report()["first_steps_seen"] == 3
 
@@ -412,5 +437,7 @@ def test_a_slow_loader_is_reported_as_data_bound(caches, tmp_path):
     # 0.1 s per batch: at 0.05 a machine slowed 15x by other work (39 steps took 3 s of compute)
     # waited only 40% of the epoch; the sleep is idle time, not CPU the suite pays for
     code, log, report = train(caches, tmp_path, "digits", {"epochs": 1}, "train.batch:sleep=0.1")
-    assert code == 0 and only(report) == ["data_bound"], log
-    assert report["data_wait_fraction"] > 0.5 and "health: data-bound" in log
+    assert code == 0 and report["healthy"] is True, log  # the run's health: its numbers
+    timed = json.loads((tmp_path / "out.timings/health.json").read_text())  # the clock's
+    assert only(timed) == ["data_bound"] and timed["data_wait_fraction"] > 0.5
+    assert "health: data-bound" in log and "health: 1 finding: data_bound (out.timings" in log

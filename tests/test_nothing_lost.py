@@ -73,7 +73,10 @@ def states(project: Path) -> list[Path]:
 
 
 def results(project: Path) -> dict[str, str]:
+    """sha256 of each file the stages wrote, less their timings (results/<stage>.timings/, no DVC
+    output: the latest run's, which no restore from DVC's cache brings back)."""
     files = [f for f in sorted((project / "results").rglob("*")) if f.is_file()]
+    files = [f for f in files if ".timings/" not in str(f.relative_to(project))]
     return {str(f.relative_to(project)): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
 

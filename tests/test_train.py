@@ -1342,6 +1342,43 @@ def test_a_run_keeps_its_best_epoch_and_a_lost_rank_is_named(monkeypatch):
     )
 
 
+def test_the_curves_are_the_same_bytes_whatever_the_clock_said(tmp_path, monkeypatch):
+    """Two runs of the same epochs at different speeds: their curves (a DVC output) are the same
+    bytes, and the timings go to a folder of their own. Before, images/s, epoch seconds, peak
+    memory and the data wait were curves in the output: every run gave train a new hash."""
+    from visionflow.train.training import live_curves, log_epoch
+
+    monkeypatch.chdir(tmp_path)
+
+    def files(folder: Path) -> dict[str, str]:
+        return {str(f.relative_to(folder)): f.read_text() for f in folder.rglob("*") if f.is_file()}
+
+    def run(name: str, rate: float) -> tuple[dict, dict]:
+        record = {"train/loss": 0.5, "val/accuracy": 0.9, "lr": 1e-3, "skipped_steps": 0,
+                  "train/images_per_s": rate, "epoch_seconds": 1e3 / rate,
+                  "peak_memory_mb": rate, "data_wait_fraction": 1 / rate}  # fmt: skip
+        with live_curves(tmp_path / name, tmp_path / f"{name}.timings", [record]) as lives:
+            log_epoch(lives, 2, record)  # epoch 1 came from a checkpoint (a resumed run)
+        return files(tmp_path / name), files(tmp_path / f"{name}.timings")
+
+    (fast, fast_timings), (slow, slow_timings) = run("fast", 1000.0), run("slow", 10.0)
+    assert fast == slow and "live/plots/metrics/val/accuracy.tsv" in fast
+    assert not any("images_per_s" in text or "seconds" in text for text in fast.values())
+    assert set(slow_timings) == {
+        "metrics.json",
+        "plots/metrics/train/images_per_s.tsv",
+        "plots/metrics/epoch_seconds.tsv",
+        "plots/metrics/peak_memory_mb.tsv",
+        "plots/metrics/data_wait_fraction.tsv",
+    }
+    assert slow_timings["plots/metrics/train/images_per_s.tsv"].splitlines() == [
+        "step\timages_per_s", "1\t10.0", "2\t10.0"
+    ]  # fmt: skip
+    assert fast_timings != slow_timings
+    with live_curves(None, tmp_path / "none", []) as lives:  # another rank: nothing written
+        assert lives is None and not (tmp_path / "none").exists()
+
+
 def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(capsys):
     from visionflow.train.training import StopRequest
 

@@ -2,7 +2,8 @@
 
 It states only what the export stage's inputs say: the model's meta (train's model.pt), the
 cache's manifest, evaluate's metrics and export's own reports; never params.yaml, whose values
-may have changed since the model was trained.
+may have changed since the model was trained, nor a timing: the card is a DVC output, the same
+bytes for the same inputs, and the latency (different on every run) has a file of its own.
 """
 
 import platform
@@ -86,21 +87,13 @@ def tta_line(metrics: dict) -> str:
     )
 
 
-def int8_section(int8: dict, latency: dict) -> str:
-    """fp32 against INT8 ONNX: test accuracy, agreement, size and latency, side by side."""
+def int8_section(int8: dict) -> str:
+    """fp32 against INT8 ONNX: test accuracy, agreement and size, side by side."""
     sizes = int8["size_bytes"]
     rows = [
         ["test accuracy", f"{int8['fp32_accuracy']:.4f}", f"{int8['int8_accuracy']:.4f}"],
         ["top-1 agreement with fp32", "1", f"{int8['top1_agreement']:.4f}"],
         ["size (KB)", f"{sizes['onnx'] / 1024:.1f}", f"{sizes['onnx_int8'] / 1024:.1f}"],
-    ] + [
-        [
-            f"ms at {b.replace('_', ' ')}",
-            f"{latency[b]['onnx']:.3f}",
-            f"{latency[b]['onnx_int8']:.3f}",
-        ]
-        for b in latency
-        if "onnx_int8" in latency[b]
     ]
     how = (
         f"Static quantization in {int8['format']} form by ONNX Runtime (activations "
@@ -109,16 +102,10 @@ def int8_section(int8: dict, latency: dict) -> str:
         f"{int8['calibration_split']} images; both files scored on all {int8['images']} test "
         f"images, and INT8 may lose at most {int8['max_accuracy_drop']} of fp32's accuracy "
         "or a drop the test split cannot tell from noise (a paired binomial test on the images "
-        "where the two disagree, 95%)."
+        "where the two disagree, 95%). INT8 runs faster on CPUs with fast integer kernels, and "
+        "on larger models; on others, serve `model.onnx` (the latency below says which the "
+        "exporting machine was)."
     )
-    faster = int8.get("faster_than_fp32", {})
-    if faster and not all(faster.values()):
-        how += (
-            " On the machine that exported it, INT8 ran slower than fp32 at "
-            + " and ".join(b.replace("_", " ") for b, f in faster.items() if not f)
-            + ": serve `model.onnx` on such a machine (INT8 gains on CPUs with fast integer "
-            "kernels, and on larger models)."
-        )
     return f"""## INT8 ONNX (`model.int8.onnx`)
 {how}
 
@@ -151,14 +138,11 @@ def model_card(
     manifest: dict,
     metrics: dict,
     parity: dict,
-    latency: dict,
     spec: dict,
     int8: dict | None = None,
 ) -> str:
-    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity`, `latency` and
-    `int8` are the export stage's reports, `spec` the preprocessing every exported file carries."""
-    runtimes = list(next(iter(latency.values())))
-    latency_rows = [[name, *(f"{latency[b][name]:.3f}" for b in latency)] for name in runtimes]
+    """`meta` is model.pt's, `manifest` the cache's manifest.json; `parity` and `int8` are the
+    export stage's reports, `spec` the preprocessing every exported file carries."""
     scores = [
         [k, f"{v:.4f}" if isinstance(v, float) else v]
         for k, v in metrics.items()
@@ -197,9 +181,12 @@ ONNX exporter: {parity["exporter"]}, opset {parity["opset"]}.
 
 {parity_table(parity)}
 
-{int8_section(int8, latency) if int8 else ""}
-## Latency (median ms per call, this machine)
-{table(["runtime", *latency], latency_rows)}
+{int8_section(int8) if int8 else ""}
+## Latency
+Measured anew on every run, on the machine that exported the model:
+[latency.json](../export.timings/latency.json) beside this folder (the median ms per call of
+each runtime at batch 1 and 64, and whether INT8 beat fp32), not on this page, whose bytes the
+same inputs reproduce.
 
 ## Versions
 {

@@ -6,6 +6,10 @@ folder, runs its epochs, stops at a safe point when asked, and writes its output
     run.fit(staging)                                    # the epoch loop: train, validate, keep
     run.write_outputs(staging)                          # model.pt, metrics.json, health.json
 
+What the clock and the machine decide (images/s, epoch seconds, peak memory, the data wait and the
+data-bound check) goes to `<out>.timings/`, not a DVC output: a rerun of the same code, data and
+params reproduces the outputs, and dvc.lock, byte for byte.
+
 What it holds, each a collaborator with its own state: the `Trainer` (model, optimizer, schedule,
 scaler, generators: what a step changes, saved and restored whole), the `Progress` (the epochs'
 records, the best one), the health `Monitor`, the `StopRequest` (a signal's safe stop), and under
@@ -58,6 +62,7 @@ class Run:
 
     def __init__(self, params, cache: Path, out: Path, checkpoints: Path, code: str):
         self.out, self.cache = out, cache
+        self.timings = out.with_name(out.name + ".timings")  # this run's, as far as it went
         self.train = train = setup.overfit_settings(params.train)
         self.rank, self.world = start_distributed(train.device)
         self.log = print if self.rank == 0 else (lambda *_, **__: None)  # rank 0 alone speaks
@@ -125,7 +130,7 @@ class Run:
         first."""
         self.stop = StopRequest()  # from now on a signal finishes the epoch
         train, progress = self.train, self.progress
-        with live_curves(staging, progress.history) as live, self.named_if_lost():
+        with live_curves(staging, self.timings, progress.history) as live, self.named_if_lost():
             for epoch in range(progress.start, train.epochs + 1):
                 if train.early_stop and progress.stale >= train.early_stop:
                     self.log(
@@ -243,7 +248,7 @@ class Run:
         if self.rank == 0:
             report = self.out.with_name(self.out.name + ".health.json")
             dataset.write_json(report, self.monitor.report())
-            print(self.monitor.summary(str(report)))
+            print(self.monitor.summary(str(report), self.write_timings()))
         return GateError(message)
 
     def write_outputs(self, staging: Path) -> None:
@@ -271,11 +276,18 @@ class Run:
             compared["lr"] = self.train.lr
         compared |= {k: report[k] for k in ("healthy", "findings")}
         dataset.write_json(staging / "metrics.json", compared)
-        print(self.monitor.summary(str(self.out / "health.json")))
+        print(self.monitor.summary(str(self.out / "health.json"), self.write_timings()))
         print(
             f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
             f"model.pt goes to {self.out} when the stage succeeds"
         )
+
+    def write_timings(self) -> str:
+        """The data-bound check's report (Monitor.timings) beside the timing curves; its path."""
+        path = self.timings / "health.json"
+        self.timings.mkdir(parents=True, exist_ok=True)  # a run that failed before its first epoch
+        dataset.write_json(path, self.monitor.timings())
+        return str(path)
 
     def mark_published(self) -> None:
         """Once the outputs are in place: the state folder knows the model.pt its run published

@@ -5,7 +5,9 @@ Each check reads numbers the loop already has (per-epoch records, the losses and
 first steps, per-layer gradient norms, time spent waiting for data) and returns a Finding or
 None. Causes are named in the order the checklist teaches: data and labels first, then
 preprocessing, output shapes and loss, learning rate, optimiser, and the architecture last.
-docs/troubleshooting.md says what to change for each.
+docs/troubleshooting.md says what to change for each. The data-bound check reads the clock: its
+report goes with the run's timings (`Monitor.timings`), not into health.json, a DVC output that the
+same code, data and params must give byte for byte.
 """
 
 import math
@@ -14,7 +16,6 @@ from itertools import pairwise
 from statistics import fmean
 
 CHECKS = (
-    "data_bound",
     "loss_not_falling",
     "diverging",
     "at_chance",
@@ -22,6 +23,9 @@ CHECKS = (
     "overfitting",
     "out_of_memory",
 )
+# A check that reads the clock: its finding and numbers differ between two runs of the same code,
+# data and params, so they go with the run's timings (Monitor.timings), never into health.json
+TIMED = "data_bound"
 LAYER_SCALE = "layer_scale"  # the per-channel scale of a block's branch (torchvision's ConvNeXt)
 
 
@@ -355,6 +359,7 @@ class Monitor:
         self.losses: list[float] = []
         self.labels: dict[int, int] = {}
         self.data_wait = 0.0
+        self.data_bound: Finding | None = None  # TIMED's finding, apart from the others
         self.model_check: dict = {}  # a network of your own: its gradient check (fit/setup.py)
 
     def steps_wanted(self) -> int:
@@ -378,9 +383,13 @@ class Monitor:
         self.data_wait = max(
             self.data_wait, metrics["data_seconds"] / max(metrics["seconds"], 1e-9)
         )
-        self.add(
-            data_bound(epoch, metrics["data_seconds"], metrics["seconds"], c.data_bound, mapped)
-        )
+        if self.data_bound is None:
+            found = data_bound(
+                epoch, metrics["data_seconds"], metrics["seconds"], c.data_bound, mapped
+            )
+            self.data_bound = found
+            if found:
+                self.log(f"health: {found.message}")
         wanted = self.steps_wanted()
         self.losses += metrics["first_losses"][:wanted]
         for label, n in metrics["first_labels"].items():
@@ -417,7 +426,6 @@ class Monitor:
             "healthy": not self.findings,
             "findings": len(self.findings),
             **{check: check in found for check in CHECKS},
-            "data_wait_fraction": self.data_wait,
             "loss_drop_first_steps": drop if math.isfinite(drop) else -1.0,
             "first_steps_seen": len(self.losses),
             "overfit_from_epoch": overfit,
@@ -426,24 +434,36 @@ class Monitor:
             **self.model_check,
         }
 
-    def summary(self, where: str) -> str:
-        """One line for the log; `where` is the health report's path."""
-        r, seen, wanted = self.report(), len(self.losses), self.config.first_steps
-        if not r["healthy"]:
-            checks = "; ".join(f.check for f in self.findings)
+    def timings(self) -> dict:
+        """The TIMED check's report: the largest share of an epoch spent waiting for data, and
+        whether it was over train.health.data_bound (not in `report`, whose bytes it would
+        change from run to run)."""
+        found = [asdict(self.data_bound)] if self.data_bound else []
+        return {TIMED: bool(found), "data_wait_fraction": self.data_wait, "details": found}
+
+    def summary(self, where: str, timed: str) -> str:
+        """One line for the log; `where` is the health report's path, `timed` the TIMED one's."""
+        seen, wanted = len(self.losses), self.config.first_steps
+        checks = len(CHECKS) + 1  # and TIMED
+        bound = f"; and {TIMED} ({timed})" if self.data_bound else ""
+        if self.findings:
+            found = "; ".join(f.check for f in self.findings)
             return (
-                f"health: {r['findings']} finding(s): {checks} ({where}; docs/troubleshooting.md)"
+                f"health: {len(self.findings)} finding(s): {found} ({where}; "
+                f"docs/troubleshooting.md){bound}"
             )
+        if self.data_bound:
+            return f"health: 1 finding: {TIMED} ({timed}; docs/troubleshooting.md)"
         if seen < wanted:  # a run shorter than first_steps: that check did not run, and says so
             return (
-                f"health: no finding in {len(CHECKS) - 1} checks; the loss over the first steps was "
+                f"health: no finding in {checks - 1} checks; the loss over the first steps was "
                 f"not judged: the run took {seen} steps (train.health.first_steps is {wanted}; "
                 "more images, more epochs or a smaller train.batch_size give it more)"
             )
+        drop = self.report()["loss_drop_first_steps"]
         return (
-            f"health: healthy: no finding in {len(CHECKS)} checks (data wait "
-            f"{r['data_wait_fraction']:.0%} at most; loss fell {r['loss_drop_first_steps']:.0%} "
-            f"over the first {seen} steps)"
+            f"health: healthy: no finding in {checks} checks (data wait {self.data_wait:.0%} at "
+            f"most; loss fell {drop:.0%} over the first {seen} steps)"
         )
 
     def state_dict(self) -> dict:
@@ -452,6 +472,7 @@ class Monitor:
             "losses": self.losses,
             "labels": self.labels,
             "data_wait": self.data_wait,
+            "data_bound": asdict(self.data_bound) if self.data_bound else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -461,3 +482,4 @@ class Monitor:
             state["labels"],
             state["data_wait"],
         )
+        self.data_bound = Finding(**state["data_bound"]) if state["data_bound"] else None

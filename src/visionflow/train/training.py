@@ -328,8 +328,13 @@ class StopRequest:
         return bool(flag.item())
 
 
+# What the clock and the machine decide: different on every run of the same code, data and
+# params, so these curves go to a folder of their own that is no DVC output (live_curves)
+TIMINGS = ("train/images_per_s", "epoch_seconds", "peak_memory_mb", "data_wait_fraction")
+
+
 def epoch_record(train: dict, val: dict, lr: float, seconds: float, peak_mb: float) -> dict:
-    """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them."""
+    """One epoch's numbers, as DVCLive logs them and the checkpoint keeps them (TIMINGS too)."""
     return {
         "train/loss": train["loss"],
         "train/accuracy": train["accuracy"],
@@ -393,20 +398,27 @@ def time_line(train: dict, laps: dict[str, float], warmup: bool) -> str:
 
 
 @contextmanager
-def live_curves(out: Path | None, history: list[dict]) -> Iterator[Live | None]:
-    """DVCLive in `out` (rank 0; None elsewhere), with the curves of the epochs a resumed run
-    already did (the checkpoint kept them)."""
+def live_curves(out: Path | None, timings: Path, history: list[dict]) -> Iterator[tuple | None]:
+    """(DVCLive in `out`/live, DVCLive in `timings`) on rank 0, None elsewhere. The TIMINGS go
+    to `timings`, a folder DVC neither hashes nor stores: a rerun of the same code, data and
+    params then reproduces `out` and dvc.lock byte for byte. With the curves of the epochs a
+    resumed run already did (the checkpoint kept them)."""
     if out is None:
         yield None
         return
-    with Live(str(out / "live"), dvcyaml=False, save_dvc_exp=False, report=None) as live:
+    quiet = {"dvcyaml": False, "save_dvc_exp": False, "report": None}
+    with Live(str(out / "live"), **quiet) as live, Live(str(timings), **quiet) as timed:
         for epoch, record in enumerate(history, 1):
-            log_epoch(live, epoch, record)
-        yield live
+            log_epoch((live, timed), epoch, record)
+        yield live, timed
 
 
-def log_epoch(live: Live, epoch: int, record: dict) -> None:
-    live.step = epoch  # the curves' x is the epoch
+def log_epoch(lives: tuple[Live, Live], epoch: int, record: dict) -> None:
+    """One epoch's record: the TIMINGS into the second Live, the rest into the first."""
+    live, timed = lives
+    for each in lives:
+        each.step = epoch  # the curves' x is the epoch
     for name, value in record.items():
-        live.log_metric(name, value)
-    live.next_step()
+        (timed if name in TIMINGS else live).log_metric(name, value)
+    for each in lives:
+        each.next_step()
