@@ -92,15 +92,27 @@ def print_int8_speed(latency: dict) -> dict:
     """Whether INT8 ran faster than fp32 ONNX at each batch size on this machine; a line when it
     did not: its gain depends on the CPU's integer kernels, and a small model can lose."""
     faster = {b: row["onnx_int8"] < row["onnx"] for b, row in latency.items() if "onnx_int8" in row}
-    if not all(faster.values()):
-        times = ", ".join(
-            f"{b.replace('_', ' ')} {row['onnx_int8']:.3g} vs {row['onnx']:.3g} ms"
-            for b, row in latency.items()
+
+    def times(won: bool) -> str:
+        return ", ".join(
+            f"{b.replace('_', ' ')} {latency[b]['onnx_int8']:.3g} vs {latency[b]['onnx']:.3g} ms"
+            for b, fast in faster.items()
+            if fast == won
         )
-        print(
-            f"export: note: model.int8.onnx is slower than model.onnx on this machine ({times}): "
-            "its accuracy passed, but serve model.onnx here (latency.json)"
+
+    if all(faster.values()):
+        return faster
+    if not any(faster.values()):  # slower at every batch size measured
+        advice = f"at every batch size measured ({times(False)}): serve model.onnx here"
+    else:  # a win at some sizes only: said as it is, each size where it ran
+        advice = (
+            f"at {times(False)}, and faster at {times(True)}: model.int8.onnx pays only for "
+            "batches like those"
         )
+    print(
+        f"export: note: model.int8.onnx is slower than model.onnx on this machine {advice} "
+        "(its accuracy passed; the export's timings folder, latency.json)"
+    )
     return faster
 
 

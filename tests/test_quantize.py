@@ -210,8 +210,14 @@ def test_the_int8_line_says_a_drop_over_the_allowance_passed_as_noise(capsys):
         "batch_64": {"onnx": 1.0, "onnx_int8": 0.5},
     }
     assert print_int8_speed(latency) == {"batch_1": False, "batch_64": True}
-    assert (
-        "slower than model.onnx on this machine (batch 1 0.04 vs 0.02 ms" in capsys.readouterr().out
-    )
+    said = capsys.readouterr().out  # it said "slower" quoting batch 64 too, where it was faster
+    assert "slower than model.onnx on this machine at batch 1 0.04 vs 0.02 ms, and faster" in said
+    assert "faster at batch 64 0.5 vs 1 ms: model.int8.onnx pays only for batches like" in said
+    latency["batch_64"]["onnx_int8"] = 2.0
+    print_int8_speed(latency)
+    said = capsys.readouterr().out
+    assert "at every batch size measured (batch 1 0.04 vs 0.02 ms, batch 64 2 vs 1 ms)" in said
+    assert "serve model.onnx here" in said
+    latency["batch_64"]["onnx_int8"] = 0.5
     latency["batch_1"]["onnx_int8"] = 0.01
     assert all(print_int8_speed(latency).values()) and capsys.readouterr().out == ""
