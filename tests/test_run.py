@@ -268,3 +268,15 @@ def test_lr_find_without_a_cache_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["lr_find", "--data", str(tmp_path / "nope"), "--out", "x"])
     with pytest.raises(GateError, match=r"--data .*nope holds no prepared cache: `dvc repro"):
         pipeline.lr_find.main()
+
+
+def test_overfit_batches_says_whether_the_loss_got_near_0(cache, tmp_path, capsys):
+    """The run promised "the loss should reach about 0" and said nothing at its end: at 1.71
+    after 16 steps, health said "no finding" (adversarial pass)."""
+    short = train(params(overfit_batches=2, epochs=1, lr=1e-4), cache, tmp_path / "short")
+    said = capsys.readouterr().out
+    loss = short.progress.history[-1]["train/loss"]
+    assert f"train: overfit_batches: train loss {loss:.3f} after 1 epoch, not yet under" in said
+    fitted = train(params(overfit_batches=1, epochs=30, lr=3e-3), cache, tmp_path / "fitted")
+    assert fitted.progress.history[-1]["train/loss"] <= fitted.monitor.chance.loss / 10
+    assert "the loop, model and data can fit these batches" in capsys.readouterr().out

@@ -277,9 +277,28 @@ class Run:
         compared |= {k: report[k] for k in ("healthy", "findings")}
         dataset.write_json(staging / "metrics.json", compared)
         print(self.monitor.summary(str(self.out / "health.json"), self.write_timings()))
+        if self.train.overfit_batches:
+            print(self.overfit_verdict())
         print(
             f"train: best val accuracy {best['accuracy']:.4f} at epoch {best['epoch']}; "
             f"model.pt goes to {self.out} when the stage succeeds"
+        )
+
+    def overfit_verdict(self) -> str:
+        """train.overfit_batches promises a loss near 0: whether the last epoch's got there (a
+        tenth of a guess's loss, the class shares' entropy), and what to do when it did not."""
+        loss, guess = self.progress.history[-1]["train/loss"], self.monitor.chance.loss
+        n = len(self.progress.history)
+        epochs = f"{n} epoch{'s' if n > 1 else ''}"
+        if loss <= guess / 10:
+            return (
+                f"train: overfit_batches: train loss {loss:.3f} after {epochs}, under a "
+                f"tenth of a guess's {guess:.3f}: the loop, model and data can fit these batches"
+            )
+        return (
+            f"train: overfit_batches: train loss {loss:.3f} after {epochs}, not yet under "
+            f"a tenth of a guess's {guess:.3f}: give it more train.epochs or a higher train.lr; "
+            "if it never gets there, the loop, the model or the data is wrong"
         )
 
     def write_timings(self) -> str:
