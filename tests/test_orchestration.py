@@ -666,3 +666,13 @@ def test_a_queued_sweep_that_ends_takes_its_guard_with_it_and_stops_nothing(tmp_
         [guard] = guards(root)
     assert not queued.alive(guard)  # ended and reaped, not left to stop the sweep later
     assert (root / ".dvc" / "tmp" / "visionflow-sweep-guard.log").read_text() == ""
+
+
+def test_an_override_with_a_quote_not_closed_is_refused_before_any_experiment_runs():
+    """`-e "train.model='simple"` ran its experiment, which failed in DVC's parser 15 s later."""
+    from orchestration.experiments import input_problems, split_overrides
+
+    sets = [split_overrides("train.epochs=1 train.model='simple"), ["train.note='a b'"]]
+    assert input_problems(sets, 0, 60, 60) == [
+        'override "train.model=\'simple" has a quote that is not closed'
+    ]

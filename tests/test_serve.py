@@ -816,6 +816,40 @@ def test_sigterm_lets_the_requests_in_flight_finish(model, images, tmp_path):
     assert not list(tmp_path.glob("visionflow-serve-*"))  # its scratch folder removed
 
 
+@pytest.mark.slow
+def test_sigterm_answers_an_upload_still_arriving_503_not_a_500(tmp_path):
+    """A slow upload, legal (above --min-upload-rate), with more to come than the stop's grace
+    allows: uvicorn cancelled it at the end of the grace, a bare 500 and a traceback in the log
+    (adversarial pass). Now it is answered 503 with Retry-After before that, and the server
+    exits 0."""
+    model = tiny_onnx(tmp_path / "m.onnx", ["a", "b"])
+    log, stop = tmp_path / "serve.log", threading.Event()
+    with serving(model, "--min-upload-rate", "1", "--reload-interval", "0", log=log) as (
+        url,
+        process,
+    ):
+        client = stalled_upload(url, b"x" * 100, 2**20)  # a MB at 2 KB/s: over 8 minutes
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.05):
+                    client.sendall(b"x" * 100)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            until(lambda: taken(url, 1), "the upload being received")
+            process.send_signal(signal.SIGTERM)
+            status, headers, body = read_answer(client)
+        finally:
+            stop.set()
+            sender.join()
+        assert (status, headers["retry-after"], headers["connection"]) == (503, "1", "close")
+        assert "the server is stopping" in body["error"], body
+        assert process.wait(60) == 0
+    assert "Traceback" not in log.read_text()
+
+
 def refuses_connections(url: str) -> bool:
     host, port = url.removeprefix("http://").split(":")
     try:
@@ -1094,3 +1128,15 @@ def test_an_address_owing_its_share_of_graces_is_refused_until_it_pays_back(monk
     with pytest.raises(Refused, match="has 6 uploads being received already, its share while 4"):
         fast.admit("10.0.0.3", Fast())
     fast.admit("10.0.0.4", Fast())  # the last slots go to other addresses
+
+
+def test_a_per_client_share_over_max_uploads_is_refused(capsys):
+    """A share larger than every slot turned the per-address limit off, silently: 8 drippers
+    from one address then held --max-uploads 4 (adversarial pass)."""
+    from visionflow import cli
+
+    flags = ["--max-uploads", "4", "--max-uploads-per-client", "100"]
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["serve", "--model", "m.onnx", *flags])
+    said = capsys.readouterr().err
+    assert exit.value.code == 2 and "--max-uploads-per-client must be at most --max-uploads" in said

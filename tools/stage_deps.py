@@ -36,19 +36,21 @@ def main() -> None:
     for stage, spec in pipeline["stages"].items():
         deps = spec.get("deps", [])
         code = stage_modules(ROOT, stage)
-        if [d for d in deps if is_code(d)] == code:
+        listed = [d for d in deps if is_code(d)]
+        if listed == code:
             continue
-        differ.append(stage)
+        missing, extra = sorted(set(code) - set(listed)), sorted(set(listed) - set(code))
+        differ.append(f"{stage}: missing {missing or 'none'}; listed, not loaded {extra or 'none'}")
         others = [d for d in deps if not is_code(d)]
         deps.ca.items.clear()  # the comments were the old entries'
         deps[:] = [*others, *code]
     if args.check:
-        print("\n".join(f"{stage}: its code deps are not its imports" for stage in differ))
+        print("\n".join(differ) or "dvc.yaml: every stage's code deps are its imports")
         sys.exit(1 if differ else 0)
     if differ:
         with path.open("w") as out:
             yaml.dump(pipeline, out)
-    print(f"dvc.yaml: {', '.join(differ) or 'no stage'} rewritten")
+    print("\n".join(f"dvc.yaml: rewritten: {line}" for line in differ) or "dvc.yaml: as it was")
 
 
 if __name__ == "__main__":

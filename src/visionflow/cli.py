@@ -305,6 +305,9 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "--max-uploads must be at least 1": args.max_uploads < 1,
         "--min-upload-rate must be more than 0": not args.min_upload_rate > 0,
         "--max-uploads-per-client must be 0 or more": args.max_uploads_per_client < 0,
+        "--max-uploads-per-client must be at most --max-uploads (more turns the share off)": (
+            args.max_uploads_per_client > args.max_uploads
+        ),
         "--port must be 0 to 65535": not 0 <= args.port <= 65535,
     }
     for message, wrong in checks.items():

@@ -51,6 +51,7 @@ class Upload:
         self.limit, self.grace_s, self.min_rate = limit, grace_s, min_rate
         self.seen = 0  # bytes of the body so far
         self.start = self.last = time.monotonic()  # when it was first awaited; its last bytes
+        self.cutoff = math.inf  # time.monotonic() by which it must end: the server is stopping
         self.inner = request.receive
         self.request = Request(request.scope, self.receive)
 
@@ -58,9 +59,15 @@ class Upload:
         # the body's deadline for the bytes so far: the grace, then min_rate on average
         due = self.start + self.grace_s + self.seen / self.min_rate
         try:
-            wait = min(due, self.last + self.grace_s) - time.monotonic()
+            wait = min(due, self.last + self.grace_s, self.cutoff) - time.monotonic()
             message = await asyncio.wait_for(self.inner(), wait)
         except TimeoutError:  # asyncio.TimeoutError is this class from Python 3.11 on
+            if time.monotonic() >= self.cutoff:
+                raise Refused(
+                    503,
+                    f"the server is stopping: {self.seen} bytes of the upload came; send it again",
+                    {"Retry-After": "1", "Connection": "close"},
+                ) from None
             elapsed = time.monotonic() - self.start
             if due < self.last + self.grace_s:
                 reason = (
@@ -121,6 +128,14 @@ class Uploads:
         self.clients: dict[str, Client] = {}  # by address; forgotten once it owes nothing
         self.swept = time.monotonic()
         self.refused: Counter = Counter()  # "busy" (503), "per_client" (429)
+        self.cutoff = math.inf  # set when the server stops (`cut_off`)
+
+    def cut_off(self, at: float) -> None:
+        """The server stops: every upload, arriving or to come, must end by `at` (monotonic)."""
+        self.cutoff = at
+        for client in self.clients.values():
+            for upload in client.uploads:
+                upload.cutoff = at
 
     def client(self, address: str) -> Client:
         """The address's uploads, with what it owes brought up to date."""
@@ -169,6 +184,7 @@ class Uploads:
                 f"{self.receiving} uploads are being received already (--max-uploads): try again",
                 {"Retry-After": "1"},
             )
+        upload.cutoff = self.cutoff
         client.uploads.add(upload)
         self.receiving += 1
 

@@ -63,7 +63,11 @@ class Server(uvicorn.Server):
         for server in self.servers:
             server.close()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        graceful = self.config.timeout_graceful_shutdown
+        deadline = loop.time() + graceful
+        # an upload still arriving then (a slow, legal one) is answered 503 before uvicorn would
+        # cancel it (a bare 500 and a traceback): the client sends it again, to another replica
+        self.service.uploads.cut_off(deadline - min(2.0, graceful / 2))
         while self.server_state.connections and not self.force_exit and loop.time() < deadline:
             await asyncio.sleep(0.05)
         self.config.timeout_graceful_shutdown = max(0.0, deadline - loop.time())
