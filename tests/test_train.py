@@ -1416,7 +1416,7 @@ def test_a_ctrl_c_to_every_process_is_the_main_processes_alone_to_answer(tmp_pat
     try:
         stop = StopRequest()
         stream = loading.batches(mapped, y, 8, torch.Generator().manual_seed(0), workers=2)
-        seen = [next(stream)]
+        seen = [next(stream), next(stream)]  # one from each worker: both have started
         workers = multiprocessing.active_children()
         assert workers  # the loader's
         for worker in workers:

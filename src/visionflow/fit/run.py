@@ -205,12 +205,10 @@ class Run:
         self.log(time_line(metrics, laps.seconds, warmup=warmup))
 
     def stop_if_asked(self, epoch: int) -> None:
-        """Interrupted when any rank was asked to stop (every rank agrees at each epoch's end);
-        after the last epoch the run is whole: its outputs are written, not left for a rerun."""
+        """Interrupted when any rank was asked to stop (every rank agrees at each epoch's end),
+        the last epoch's end too: the stage ends there, and DVC runs no later stage (the next
+        `dvc repro` writes the outputs from the checkpoint, without training)."""
         if self.stop.agreed(self.world, self.device):
-            if epoch == self.train.epochs:
-                self.log("train: asked to stop in the last epoch: the run is whole, it ends")
-                return
             raise Interrupted(
                 f"train stopped after epoch {epoch}; its checkpoint is in "
                 f"{self.folder}, and `dvc repro` resumes from it"
