@@ -104,10 +104,8 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     backbone = (project / "results/train/live/plots/metrics/lr_backbone.tsv").read_text()
     assert [float(row.split()[-1]) for row in backbone.splitlines()[1:]][0] == 0  # frozen: rests
     assert re.search(r"epoch   2/2  .* backbone 1\.00e-04 ", out)
-    out = sh(project, "dvc", "repro", "--force", "-s", "train").stdout  # the same 2 epochs at once
-    assert "starting fresh" in out
-    again = epoch_state(project, 2)
-    assert all(torch.equal(again[k], v) for k, v in second.items())  # resumed == uninterrupted
+    # resumed == uninterrupted across the frozen epochs, every piece of the state: in process,
+    # tests/test_run.py (a third fine-tuning run here cost about 20 s of the full tier)
 
     write_params(project, {"evaluate": {"tta": True}})  # the crops ImageNet's weights allow
     out = sh(project, "dvc", "repro", "evaluate").stdout

@@ -247,10 +247,11 @@ def epochs_run(output: str, budget: int) -> list[int]:
     return [int(e) for e in re.findall(rf"^epoch +(\d+)/{budget} ", output, re.MULTILINE)]
 
 
-def test_a_larger_epoch_budget_extends_the_recorded_run_and_cosine_says_why_not(project):
+def test_a_larger_epoch_budget_extends_the_recorded_run(project):
     """train.epochs 4 -> 5: under the plateau schedule a 5-epoch run's first 4 epochs are the
     recorded run's, so plain `dvc repro` trains epoch 5 alone and ends where an uninterrupted
-    5-epoch run ends. Before, it trained from epoch 1, saying only "no checkpoint to resume"."""
+    5-epoch run ends. Before, it trained from epoch 1, saying only "no checkpoint to resume".
+    Cosine's fresh start, and why, is tests/test_run.py's (in process, the same lines)."""
     write_params(project, {"train": {"epochs": 5}})
     extended = sh(project, "dvc", "repro", "train").stdout
     assert re.search(
@@ -266,17 +267,6 @@ def test_a_larger_epoch_budget_extends_the_recorded_run_and_cosine_says_why_not(
     uninterrupted = trained(project)
     assert same_weights(longer.pop("state_dict"), uninterrupted.pop("state_dict"))
     assert longer == uninterrupted
-
-    write_params(project, {"train": {"scheduler": "cosine", "epochs": 1}})
-    sh(project, "dvc", "repro", "train")
-    write_params(project, {"train": {"epochs": 2}})
-    fresh = sh(project, "dvc", "repro", "train").stdout
-    assert re.search(
-        r"train: starting fresh: train.epochs 1 -> 2 changed since the checkpoint in "
-        r"checkpoints/train/\w+ \(the cosine and one-cycle schedules' rates depend on it\)\n",
-        fresh,
-    ), fresh
-    assert epochs_run(fresh, 2) == [1, 2]
 
 
 def test_deleted_state_never_leaves_a_stuck_pipeline(project, tmp_path):
