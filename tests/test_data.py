@@ -695,3 +695,21 @@ def test_prepare_writes_the_same_cache_without_linux_only_calls(tmp_path, monkey
     assert files == sorted(p.name for p in elsewhere.iterdir()) and "train_x.npy" in files
     for name in files:
         assert (linux / name).read_bytes() == (elsewhere / name).read_bytes(), name
+
+
+def test_a_class_too_small_to_split_is_named():
+    """It said "per-class counts [20 20 2 20]: classes [2] have 1 image: 2 at least": an index,
+    and a count of 2 beside "have 1" (the count after the test split took one)."""
+    from visionflow.data.splits import split_indices
+
+    labels = np.repeat(np.arange(4), [20, 20, 2, 20])
+    classes = ["a b", "cat", "two", "dog"]
+    with pytest.raises(dataset.DataError) as error:
+        split_indices(labels, 0.15, 0.2, 0, classes=classes)
+    assert str(error.value) == (
+        "cannot split 62 images into train and val (what the test split left): 'two' (2 in all) "
+        "would have 1 image there, 2 at least: give the class more images (3 at least: train, val "
+        "and test)"
+    )
+    with pytest.raises(dataset.DataError, match=r"into the test split: 'two' \(1 in all\)"):
+        split_indices(np.repeat(np.arange(4), [20, 20, 1, 20]), 0.15, 0.2, 0, classes=classes)

@@ -228,7 +228,7 @@ def build_cache(
         local = (
             hash_split(labels, keys[good], val_fraction, test_fraction, is_test)
             if shard_images
-            else split_indices(labels, val_fraction, test_fraction, seed, is_test)
+            else split_indices(labels, val_fraction, test_fraction, seed, is_test, source.classes)
         )
         check_training_images(source.classes, labels[local["train"]])
         placed = {s: good[i] for s, i in local.items()}

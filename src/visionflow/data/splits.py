@@ -27,6 +27,14 @@ def approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState)
     return floored.astype(int)
 
 
+class TooFewToSplit(ValueError):
+    """Classes with one image where a stratified split needs two: `labels`, the classes'."""
+
+    def __init__(self, labels: list[int]):
+        super().__init__(f"classes {labels} have 1 image: 2 at least")
+        self.labels = labels
+
+
 def stratified_split(
     index: np.ndarray, labels: np.ndarray, test_size: float, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -38,7 +46,7 @@ def stratified_split(
     n_rest = len(index) - n_test
     classes, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
     if counts.min() < 2:
-        raise ValueError(f"classes {classes[counts < 2].tolist()} have 1 image: 2 at least")
+        raise TooFewToSplit(classes[counts < 2].tolist())
     if min(n_rest, n_test) < len(classes):
         raise ValueError(f"{n_rest} and {n_test} images cannot hold {len(classes)} classes each")
     by_class = np.split(np.argsort(inverse, kind="stable"), np.cumsum(counts)[:-1])
@@ -59,20 +67,29 @@ def split_indices(
     test_fraction: float,
     seed: int,
     is_test: np.ndarray | None = None,
+    classes: list[str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Stratified train/val/test indices; an official test split is kept as the test split."""
+    """Stratified train/val/test indices; an official test split is kept as the test split. A
+    class too small to split is named (`classes`: the names of the labels)."""
     index = np.arange(len(labels))
+    names = classes or [str(c) for c in range(int(labels.max(initial=0)) + 1)]
+    counts = np.bincount(labels, minlength=len(names))
+    step = "the test split"
     try:
         if is_test is None:
             pool, test = stratified_split(index, labels, test_fraction, seed)
         else:
             pool, test = index[~is_test], index[is_test]
+        step = "train and val (what the test split left)"
         train, val = stratified_split(pool, labels[pool], val_fraction, seed)
-    except ValueError as error:  # too few images in a class to stratify
-        counts = np.bincount(labels)
+    except TooFewToSplit as error:  # a class with one image where a split needs two
+        few = ", ".join(f"{names[c]!r} ({counts[c]} in all)" for c in error.labels)
         raise DataError(
-            f"cannot split {len(labels)} images, per-class counts {counts}: {error}"
+            f"cannot split {len(labels)} images into {step}: {few} would have 1 image there, "
+            "2 at least: give the class more images (3 at least: train, val and test)"
         ) from None
+    except ValueError as error:  # more classes than a split has images
+        raise DataError(f"cannot split {len(labels)} images into {step}: {error}") from None
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
