@@ -45,6 +45,6 @@ status=0
 mapfile -t files < <(grep -l "pytest.mark.gpu" tests/test_*.py)
 "$py" -m pytest -p no:randomly -p no:cacheprovider -m gpu -rs -q "${files[@]}" 2>&1 |
     tee "$out/pytest-gpu.log" || status=1
-"$py" tools/gpu_smoke.py --device "${GPU_SMOKE_DEVICE:-cuda}" --out "$out" || status=1
+"$py" -m tools.gpu_smoke --device "${GPU_SMOKE_DEVICE:-cuda}" --out "$out" || status=1
 echo "gpu check: $([ $status = 0 ] && echo passed || echo FAILED) (logs in $out/)"
 exit $status

@@ -12,7 +12,7 @@ Every command's output goes to OUT/<check>.log; a line per check says ok or FAIL
 status is 1 when one failed. `--device cpu` runs the same commands here (slowly; the numbers mean
 nothing), to try the script where no GPU is.
 
-    python tools/gpu_smoke.py [--device cuda] [--out DIR] [--only digits,resume,finetune]
+    python -m tools.gpu_smoke [--device cuda] [--out DIR] [--only digits,resume,finetune]
 """
 
 import argparse
@@ -29,10 +29,10 @@ import torch
 import yaml
 from PIL import Image
 
+from bench.photos import generate  # run as a module from the checkout: bench/ is importable
+from bench.project_files import FILES
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the made photos and the project's files: bench/'s own
-from photos import generate  # noqa: E402
-from project_files import FILES  # noqa: E402
 
 
 def project(dest: Path, change: dict) -> Path:
