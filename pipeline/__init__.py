@@ -41,7 +41,9 @@ def stage_started() -> str | None:
 
 
 def stopped_while_starting(signum, frame) -> None:
-    print("interrupted: stopped while the stage was starting; nothing written", file=sys.stderr)
+    # os.write, not print: a signal that lands while the stage prints to stderr would make
+    # print re-enter stderr's buffer ("RuntimeError: reentrant call"), with a traceback
+    os.write(2, b"interrupted: stopped while the stage was starting; nothing written\n")
     sys.exit(130)  # as a stop at a safe point, and no KeyboardInterrupt traceback
 
 

@@ -1379,7 +1379,7 @@ def test_the_curves_are_the_same_bytes_whatever_the_clock_said(tmp_path, monkeyp
         assert lives is None and not (tmp_path / "none").exists()
 
 
-def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(capsys):
+def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(capfd):
     from visionflow.train.training import StopRequest
 
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -1391,7 +1391,7 @@ def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(cap
         stop.handle(signal.SIGTERM, None)  # a stop is under way: nothing more
         stop.handle(signal.SIGINT, None)  # nor after a SIGTERM
         assert stop.requested == signal.SIGTERM and stop.agreed(1, torch.device("cpu"))
-        said = capsys.readouterr().err
+        said = capfd.readouterr().err
         assert said.count("train: SIGTERM: finishing this epoch to checkpoint it") == 1
         ctrl_c = StopRequest()
         ctrl_c.handle(signal.SIGINT, None)

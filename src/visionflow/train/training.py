@@ -308,12 +308,11 @@ class StopRequest:
                 raise KeyboardInterrupt
             return
         self.requested = signum
-        print(
+        line = (  # os.write: a print while the loop prints to stderr re-entered its buffer
             f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
-            "(a second Ctrl-C stops at once)",
-            file=sys.stderr,
-            flush=True,
+            "(a second Ctrl-C stops at once)\n"
         )
+        os.write(2, line.encode())
         if faults.ACTIVE:
             faults.fault("train.stop")
 
