@@ -5,11 +5,11 @@ Writes: <out>/metrics.json (what `dvc metrics` compares: accuracy, macro F1, top
         loss; with evaluate.tta, tta_acc beside them; absent_classes when the test split lacks
         a class), scores.json (all of it, with per-class P/R/F1/support, the classes the test
         split lacks, named in the log too, and the test-time augmented scores under `tta`),
-        predictions.json (actual vs predicted class per image: `dvc plots` confusion template),
-        confusion.png (row-normalised, class names), misclassified.png (the most confidently
-        wrong images with true and predicted labels), top_losses.png (the highest-loss images:
-        predicted / actual / loss / probability), most_confused.json (class pairs confused, the
-        most often first)
+        predictions.json (actual vs predicted class and the file, per image: `dvc plots`
+        confusion template), confusion.png (row-normalised, class names), misclassified.png
+        (the most confidently wrong images with true and predicted labels and their files),
+        top_losses.png (the highest-loss images: predicted / actual / loss / probability /
+        file), most_confused.json (class pairs confused, the most often first)
 Run:    python -m pipeline.evaluate --model results/train/model.pt --data data/prepared --out results/evaluate
 """
 
@@ -67,11 +67,13 @@ def main() -> None:
     }
     dataset.write_json(out / "metrics.json", summary)
     predicted = logits.argmax(1).tolist()
+    # each image's file (its path under the image folder; `#i` for a built-in source)
+    files = dataset.read_names(args.data, "test") or [f"test#{i}" for i in range(len(y))]
     dataset.write_json(
         out / "predictions.json",
         [
-            {"actual": classes[a], "predicted": classes[b]}
-            for a, b in zip(y.tolist(), predicted, strict=True)
+            {"actual": classes[a], "predicted": classes[b], "file": name}
+            for a, b, name in zip(y.tolist(), predicted, files, strict=True)
         ],
     )
     counts = scores.confusion(y, logits, len(classes))
@@ -84,6 +86,7 @@ def main() -> None:
         [classes[i] for i in y[wrong].tolist()],
         [classes[predicted[i]] for i in wrong],
         probability[wrong].tolist(),
+        [files[i] for i in wrong],
     ).savefig(out / "misclassified.png", dpi=100)
     worst, losses = scores.top_losses(y, logits, p.top_losses)
     viz.top_losses_grid(
@@ -92,6 +95,7 @@ def main() -> None:
         [classes[i] for i in y[worst].tolist()],
         losses[worst].tolist(),
         probability[worst].tolist(),
+        [files[i] for i in worst],
     ).savefig(out / "top_losses.png", dpi=100)
     print(
         f"evaluate: test accuracy {metrics['accuracy']:.4f}, top-{p.top_k} "

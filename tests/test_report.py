@@ -52,6 +52,13 @@ def test_image_grids_title_each_image_and_say_when_there_is_none(plt):
         "pred dog\ntrue dog\nloss 0.10, p 0.80",
         "pred cat\ntrue fox\nloss 1.00, p 0.70",
     ]
+    files = ["cat/IMG_0001.jpg", "dog/a.png", "fox/b.png"]  # #58: each image's file, last
+    named = viz.mistakes_grid(images, ["dog", "dog", "fox"], ["cat", "cat", "cat"],
+                              [0.9, 0.8, 0.7], files)  # fmt: skip
+    titles = [ax.get_title().splitlines() for ax in named.axes if ax.get_title()]
+    assert [lines[-1] for lines in titles] == files
+    named = viz.top_losses_grid(images, ["cat"] * 3, ["dog"] * 3, [1.0] * 3, [0.5] * 3, files)
+    assert [ax.get_title().splitlines()[-1] for ax in named.axes if ax.get_title()] == files
     empty = viz.mistakes_grid(np.zeros((0, 1, 4, 4)), [], [], [])
     assert [t.get_text() for t in empty.axes[0].texts] == ["no mistakes"]
     counts = viz.counts_figure({"train": {"a": 5, "b": 3}, "test": {"a": 1, "b": 1}})

@@ -117,7 +117,7 @@ def test_evaluate_names_a_class_the_test_split_lacks(tmp_path):
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     images = np.random.default_rng(0).integers(0, 256, (60, 8, 8), dtype=np.uint8)
     labels = np.repeat([0, 1], [55, 5])
-    names = [f"#{i}" for i in range(60)]
+    names = [f"{['big', 'small'][c]}/IMG_{i:04d}.jpg" for i, c in enumerate(labels)]
     source = sources.Source(list(images), labels, ["big", "small"], None, names)
     decode = dataset.Decode(8, "grayscale")
     manifest = dataset.build_cache(
@@ -143,6 +143,10 @@ def test_evaluate_names_a_class_the_test_split_lacks(tmp_path):
         "evaluate: warning: no test image of class 'small': the accuracy says nothing of it, "
         "and macro F1 counts it as 0 (scores.json: classes_absent_from_test)"
     ) in result.stdout.splitlines()
+    # each prediction names its file (#58: a fastai user finds a wrong image by its name)
+    rows = json.loads((tmp_path / "ev/predictions.json").read_text())
+    tested = dataset.read_names(tmp_path / "prepared", "test")
+    assert [row["file"] for row in rows] == tested and tested[0].startswith("big/IMG_")
     scores = json.loads((tmp_path / "ev/scores.json").read_text())
     assert scores["classes_absent_from_test"] == ["small"]
     assert scores["per_class"]["small"]["support"] == 0

@@ -82,13 +82,19 @@ def confusion_figure(counts: np.ndarray, classes: list[str]):
 
 
 def mistakes_grid(
-    images: np.ndarray, truth: list[str], predicted: list[str], confidence: list[float]
+    images: np.ndarray,
+    truth: list[str],
+    predicted: list[str],
+    confidence: list[float],
+    files: list[str] | None = None,
 ):
-    """Misclassified images (float NCHW in 0..1), each titled true / predicted / its probability."""
+    """Misclassified images (float NCHW in 0..1), each titled true / predicted / its probability
+    / its file (the cache's name for it), when `files` are given."""
     titles = [
         [f"true {actual}", f"pred {guess}", f"p {prob:.2f}"]
         for actual, guess, prob in zip(truth, predicted, confidence, strict=True)
     ]
+    titles = with_files(titles, files)
     title = "most confidently misclassified test images (p: the predicted class's probability)"
     return titled_grid(images, titles, title, "no mistakes")
 
@@ -99,15 +105,24 @@ def top_losses_grid(
     truth: list[str],
     losses: list[float],
     probs: list[float],
+    files: list[str] | None = None,
 ):
     """The highest-loss images (float NCHW in 0..1), each titled as fastai's `plot_top_losses`:
-    predicted / actual / loss / the predicted class's probability."""
+    predicted / actual / loss / the predicted class's probability, then its file when given."""
     titles = [
         [f"pred {guess}", f"true {actual}", f"loss {loss:.2f}, p {prob:.2f}"]
         for guess, actual, loss, prob in zip(predicted, truth, losses, probs, strict=True)
     ]
+    titles = with_files(titles, files)
     title = "highest-loss test images, right or wrong (p: the predicted class's probability)"
     return titled_grid(images, titles, title, "no test images")
+
+
+def with_files(titles: list[list[str]], files: list[str] | None) -> list[list[str]]:
+    """Each image's title lines with its file name as the last (cut in the middle to fit)."""
+    if files is None:
+        return titles
+    return [[*lines, name] for lines, name in zip(titles, files, strict=True)]
 
 
 def titled_grid(images: np.ndarray, titles: list[list[str]], title: str, empty: str):
