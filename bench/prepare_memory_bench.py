@@ -2,7 +2,8 @@
 
 Generates image folders of each size (default 2,000 and 32,000 files, half PNG and half JPEG,
 64x64 RGB, 10 classes), then runs `python -m pipeline.prepare --out data/prepared` in a project
-folder as dvc.yaml does, one fresh process per run, and prints the peak resident memory (the
+folder as `dvc repro` does (params.yaml and dvc.yaml beside it, so the mid-run guard's snapshot of
+every file is measured too), one fresh process per run, and prints the peak resident memory (the
 largest of the stage's process and its decoding processes, as `/usr/bin/time -v` reports it), the
 decoded bytes, and the ratio of each peak to the first one's.
 
@@ -70,6 +71,7 @@ def main() -> None:
         for count in args.images:
             project = Path(tmp) / f"p{count}"
             generate(project / "images", count, args.source_size)
+            shutil.copy(ROOT / "dvc.yaml", project / "dvc.yaml")  # the stage's guard reads it
             params = yaml.safe_load((ROOT / "params.yaml").read_text())
             for shard_images in args.shard_images:
                 params["prepare"].update(

@@ -23,8 +23,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from visionflow import faults
-from visionflow.data.files import file_hash, file_stats
+from visionflow.data.files import StatTable, file_hash, file_stats, iter_stats
 from visionflow.errors import DataError, DiskFull, GateError, Interrupted
 from visionflow.ops import project
 from visionflow.ops.project import fill, param_changes
@@ -140,32 +142,37 @@ class Snapshot:
     def __init__(self, spec: dict, params: dict):
         self.params_file = params
         self.keys, self.deps = spec.get("params", []), deps_of(spec, self.params_file)
-        self.stats = file_stats(self.deps)
+        self.stats = StatTable(self.deps)  # compact: an image folder's files are most of it
 
     def changes(self) -> list[str]:
         params = read_yaml("params.yaml") or {}
         found = [
             f"params.yaml {line}" for line in param_changes(self.keys, self.params_file, params)
         ]
-        now = file_stats(self.deps)
-        touched = [p for p in self.stats.keys() & now.keys() if now[p] != self.stats[p]]
-        started = {p: self.stats[p] for p in touched}
-        known, unknown_because = project.hashes_dvc_knew(started)
-        for path in sorted(self.stats.keys() | now.keys()):
-            if path not in now:
-                found.append(f"{path} removed")
-            elif path not in self.stats:
-                found.append(f"{path} added")
-            elif path not in started:
+        # the files now, one at a time against the start's table: no second table is built
+        seen = np.zeros(len(self.stats), dtype=bool)
+        started, lines = {}, {}
+        for path, now in iter_stats(self.deps):
+            i = self.stats.find(path)
+            if i is None:
+                lines[path] = f"{path} added"
                 continue
-            elif path not in known:
-                found.append(
+            seen[i] = True
+            if now != self.stats.stat(i):
+                started[path] = self.stats.stat(i)
+        for i in np.flatnonzero(~seen):
+            path = self.stats.name(i)
+            lines[path] = f"{path} removed"
+        known, unknown_because = project.hashes_dvc_knew(started)
+        for path in started:
+            if path not in known:
+                lines[path] = (
                     f"{path} changed (its stat did, and DVC has no hash from before the run "
                     f"to compare its content with: {unknown_because})"
                 )
             elif file_hash(Path(path), "md5") != known[path]:
-                found.append(f"{path} modified")
-        return found
+                lines[path] = f"{path} modified"
+        return found + [lines[path] for path in sorted(lines)]
 
 
 def disk_full_message(error: OSError) -> str | None:

@@ -657,6 +657,27 @@ def test_file_stats_skip_hidden_files_caches_and_broken_links(tmp_path):
     }
 
 
+def test_the_guards_table_of_a_folder_holds_each_file_in_little_more_than_its_name(tmp_path):
+    """prepare's memory grows with the folder by the mid-run guard's table of every file's stat
+    (#57: 0.8 KB a file as dicts of tuples, two of them at the end): it is two arrays."""
+    import tracemalloc
+
+    from visionflow.data import files
+
+    for i in range(2000):
+        (tmp_path / f"image_{i:05d}.png").write_bytes(b"x")
+    expected = files.file_stats([tmp_path])
+    tracemalloc.start()
+    table = files.StatTable([tmp_path])
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    name = str(tmp_path / "image_01234.png")
+    assert table.stat(table.find(name)) == expected[name]
+    assert table.name(table.find(name)) == name and table.find(name + "x") is None
+    assert len(table) == 2000
+    assert held / 2000 < len(name) + 100, f"{held / 2000:.0f} bytes a file"
+
+
 def test_verify_cache_names_each_file_that_differs_from_the_manifest(tmp_path):
     from visionflow.data import files
 

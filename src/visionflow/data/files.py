@@ -7,6 +7,8 @@ import stat
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from visionflow.errors import DataError
 
 
@@ -34,11 +36,10 @@ def walk(folder: str):
         yield from (os.path.join(parent, name) for name in names)
 
 
-def file_stats(paths) -> dict[str, Stat]:
-    """The stat of every file at or under `paths`, hidden files and Python's bytecode
+def iter_stats(paths):
+    """(name, Stat) of every file at or under `paths`, hidden files and Python's bytecode
     (`__pycache__`, `.pyc`) skipped as .dvcignore skips them: no file is read, one stat call each,
     so it is cheap enough to take before and after a run (20,000 files: docs/benchmarks.md)."""
-    found = {}
     for path in (str(Path(p)) for p in paths):
         for f in walk(path) if os.path.isdir(path) else [path]:
             name = os.path.basename(f)
@@ -50,8 +51,54 @@ def file_stats(paths) -> dict[str, Stat]:
             except OSError:  # gone, or a link to nothing
                 continue
             if stat.S_ISREG(s.st_mode):
-                found[f] = Stat(s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_mtime)
-    return found
+                yield f, Stat(s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_mtime)
+
+
+def file_stats(paths) -> dict[str, Stat]:
+    """The stat of every file at or under `paths` (`iter_stats`), by name."""
+    return dict(iter_stats(paths))
+
+
+STAT_ROW = np.dtype(
+    [("size", "i8"), ("mtime_ns", "i8"), ("ctime_ns", "i8"), ("inode", "u8"), ("mtime", "f8")]
+)
+
+
+class StatTable:
+    """`file_stats` held as two arrays, the names (bytes) sorted and a row of numbers each: about
+    the name's length plus 40 bytes a file, where the dict takes about 500 (a string, a tuple and
+    five numbers, each an object). The mid-run guard keeps one for the whole run, and an image
+    folder's files are most of it: prepare's memory then grows with the folder by little more
+    than the names (bench/prepare_memory_bench.py)."""
+
+    def __init__(self, paths):
+        names, numbers, mtimes = [], [], []  # no tuple a file, even for a moment
+        for f, s in iter_stats(paths):
+            names.append(os.fsencode(f))
+            numbers.extend(s[:4])
+            mtimes.append(s.mtime)
+        self.names = np.array(names, dtype=bytes)
+        self.rows = np.zeros(len(names), dtype=STAT_ROW)
+        for i, field in enumerate(STAT_ROW.names[:4]):
+            self.rows[field] = numbers[i::4]
+        self.rows["mtime"] = mtimes
+        order = np.argsort(self.names)
+        self.names, self.rows = self.names[order], self.rows[order]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def find(self, name: str) -> int | None:
+        """The row of file `name`, or None."""
+        key = os.fsencode(name)
+        i = int(np.searchsorted(self.names, key))
+        return i if i < len(self.names) and self.names[i] == key else None
+
+    def stat(self, i: int) -> Stat:
+        return Stat(*self.rows[i].tolist())
+
+    def name(self, i: int) -> str:
+        return os.fsdecode(self.names[i])
 
 
 def verify_cache(cache: Path) -> list[str]:

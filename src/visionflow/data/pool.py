@@ -29,7 +29,7 @@ from visionflow import faults
 from visionflow.data.decode import Decode, open_image, pixels_of
 from visionflow.errors import DataError, DiskFull
 
-_worker: dict = {}  # per decoding process: the scratch file's descriptor, the Decode options
+_worker: dict = {}  # per decoding process: the scratch file's descriptor, the Decode options, the images
 # images per task handed to a decoding process: large enough that the hand-over (a pickle each
 # way, a queue, a future) is small beside decoding even 32 px PNGs, small enough that the last
 # tasks still spread over every core; capped below so each process gets about 8 tasks
@@ -46,13 +46,14 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def _start_worker(path: Path, decode: Decode) -> None:
+def _start_worker(path: Path, decode: Decode, images: Sequence) -> None:
     # Ctrl-C reaches the whole foreground group: the parent stops the pool (no traceback per
     # worker); SIGTERM from the parent ends a worker at once
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker["out"] = os.open(path, os.O_WRONLY)  # closed when the process ends
     _worker["decode"] = decode
+    _worker["images"] = images  # inherited through fork, not pickled: a task is two numbers
 
 
 def _decode_one(index: int, item) -> tuple[int, str | None, bytes]:
@@ -73,7 +74,8 @@ def _decode_one(index: int, item) -> tuple[int, str | None, bytes]:
     return index, None, hashlib.blake2b(pixels, digest_size=16).digest()
 
 
-def _decode_chunk(start: int, items: Sequence) -> list[tuple[int, str | None, bytes]]:
+def _decode_chunk(start: int, stop: int) -> list[tuple[int, str | None, bytes]]:
+    items = _worker["images"][start:stop]
     return [_decode_one(start + i, item) for i, item in enumerate(items)]
 
 
@@ -95,14 +97,16 @@ def _decode_in_pool(path: Path, images: Sequence, decode: Decode, workers: int):
     size = max(1, min(CHUNK, len(images) // (8 * workers)))
     starts = range(0, len(images), size)
     context = multiprocessing.get_context("fork")  # workers inherit the imports: no start-up cost
-    pool = ProcessPoolExecutor(min(workers, len(starts)), context, _start_worker, (path, decode))
+    pool = ProcessPoolExecutor(
+        min(workers, len(starts)), context, _start_worker, (path, decode, images)
+    )
     done = 0
     try:
-        # no list of the futures kept here: as_completed lets go of each one it yields, so a
-        # chunk's results are freed once read (prepare's memory does not grow with the folder)
-        for future in as_completed(
-            [pool.submit(_decode_chunk, i, images[i : i + size]) for i in starts]
-        ):
+        # a task is its first and last index (the processes have the images from the fork: the
+        # paths are not made and held in every queued task), and as_completed lets go of each
+        # future it yields, so a chunk's results are freed once read (prepare's memory does not
+        # grow with the folder by more than a few bytes an image)
+        for future in as_completed([pool.submit(_decode_chunk, i, i + size) for i in starts]):
             results = future.result()
             done += len(results)
             yield results
