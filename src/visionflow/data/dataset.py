@@ -1,8 +1,10 @@
 """The uint8 cache that every later stage reads, written from the images `pool` decoded on all
 cores (the sources are `sources`, the split `splits`).
 
-The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy` (or, with
-`shard_images`, each split in shards `<split>-<key>_{x,y}.npy`: `visionflow.data.shards`), the class
+The cache holds pixels decoded once: uint8 NHWC `<split>_x.npy`, int64 `<split>_y.npy`, and
+`<split>_names.json`, each image's name in the same order (its path under the image folder, or
+`#i` for a built-in source), so that a report can name the file (or, with `shard_images`, each
+split in shards `<split>-<key>_{x,y}.npy` and `_names.json`: `visionflow.data.shards`), the class
 list, train-only per-channel mean/std (on the 0..1 scale), a manifest with the sha256 of every
 array and what the cache was made from (source, path, split fractions and seed), a rejects report
 and a duplicates report. Class names are NFC-normalised folder names. Normalisation happens at
@@ -151,9 +153,11 @@ def write_cache(
             train = histograms if split == "train" else None
             write_split(out / f"{shard}_x.npy", decoded, shape, part, train)
             np.save(out / f"{shard}_y.npy", source.labels[part])
+            write_json(out / f"{shard}_names.json", [source.names[i] for i in part])
             for kind, dims in {"x": [len(part), *shape], "y": [len(part)]}.items():
                 name = f"{shard}_{kind}.npy"
                 files[name] = {"sha256": file_hash(out / name), "shape": dims}
+            files[f"{shard}_names.json"] = {"sha256": file_hash(out / f"{shard}_names.json")}
         per_class = np.bincount(y, minlength=len(source.classes))
         counts[split] = {c: int(n) for c, n in zip(source.classes, per_class, strict=True)}
     mean, std = stats_of(histograms)
@@ -368,6 +372,19 @@ def read_cache_meta(cache: Path) -> Cache:
     fit = decode.get("fit", "squash")  # a cache made before `prepare.fit`
     meta = stats["mean"], stats["std"], decode["background"], draft, gap, decode["resize"], fit
     return Cache(classes, *meta)
+
+
+def read_names(cache: Path, split: str) -> list[str] | None:
+    """Each image's name in one split, in the split's order (shards in the manifest's order);
+    None for a cache made before prepare wrote them."""
+    shards = json.loads((cache / "manifest.json").read_text()).get("shards", {}).get(split)
+    names = []
+    for part in shards or [split]:
+        path = cache / f"{part}_names.json"
+        if not path.exists():
+            return None
+        names += json.loads(path.read_text())
+    return names
 
 
 def read_split(cache: Path, split: str, mmap: bool = False) -> tuple[np.ndarray, np.ndarray]:
