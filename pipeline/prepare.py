@@ -1,12 +1,13 @@
 """Stage prepare: decode a source once into the uint8 cache that every later stage reads.
 
 Reads:  params.yaml (seed, prepare.*); the source: built-in digits, an image folder (or a .zip,
-        .tar, .tar.gz of one), or a torchvision root
-Writes: <out>/{train,val,test}_{x,y}.npy (with prepare.shard_images, shards of each split:
-        <split>-<key>_{x,y}.npy), classes.json, stats.json (train-only mean/std), decode.json (how
-        pixels were made), manifest.json (sha256 per array, counts, the shards of each split, and
-        what the cache was made from: source, split fractions and seed, and the mean share of
-        each image that prepare.fit kept),
+        .tar, .tar.gz of one), or a torchvision root, less the files prepare.exclude names
+Writes: <out>/{train,val,test}_{x,y}.npy and _names.json (each image's path; with
+        prepare.shard_images, shards of each split: <split>-<key>_{x,y}.npy and _names.json),
+        classes.json, stats.json (train-only mean/std), decode.json (how pixels were made),
+        manifest.json (sha256 per array, counts, the shards of each split, and what the cache
+        was made from: source, split fractions and seed, the mean share of each image that
+        prepare.fit kept, and how many files prepare.exclude left out),
         rejects.json (each rejected file and why), duplicates.json (images shared across splits);
         refused (too many rejects): <out>.rejects.json beside it, the full list the error names
 Run:    python -m pipeline.prepare --out data/prepared      (or: dvc repro prepare)
@@ -71,6 +72,9 @@ def build(params: Params, out: Path) -> dict:
             print(f"prepare: extracted {p.path} safely into {tmp}")
         source = sources.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
+        if p.exclude:  # files a user confirmed mislabelled (sanity's label_issues.json)
+            source = sources.exclude(source, p.exclude, p.path)
+            print(f"prepare: {len(p.exclude)} files left out (prepare.exclude)")
         for warning in sources.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
         kept = fit_kept(source.images, p.fit)  # train warns when the crops cut photos
@@ -87,7 +91,8 @@ def build(params: Params, out: Path) -> dict:
             dedupe=p.dedupe,
             shard_images=p.shard_images,
             # not prepare.path: moving the same images must not change the cache (and retrain)
-            origin={"source": p.source, "fit_kept": round(kept, 4)},
+            origin={"source": p.source, "fit_kept": round(kept, 4)}
+            | ({"excluded": len(p.exclude)} if p.exclude else {}),
             refused_report=out.with_name(final + ".rejects.json"),  # kept when refused
         )
     finally:

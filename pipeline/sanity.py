@@ -1,13 +1,15 @@
 """Stage sanity: look at the labels before training, and fail on a cache that cannot be right.
 
-Reads:  params.yaml (sanity.per_class, seed, train.augment.*, train.model, train.pretrained); the
-        cache from prepare
+Reads:  params.yaml (sanity.per_class, sanity.label_issues, seed, train.augment.*, train.model,
+        train.pretrained, train.epochs); the cache from prepare
 Writes: <out>/labels.png (k train images per class, through the trainer's normalisation and back),
         <out>/augmented.png (the same images with the training augmentation), <out>/eval_view.png
         (the same images as the network sees them at evaluation: a pretrained model's centre crop
         of the cache), <out>/counts.png and
         <out>/counts/<split>.json (images per class and split), <out>/scan.json (counts, label
-        range, per-channel mean/std, finiteness, rejected files, duplicates)
+        range, per-channel mean/std, finiteness, rejected files, duplicates),
+        <out>/label_issues.png and label_issues.json (the images most likely mislabelled, every
+        split: file, split, given and suggested label, score; `label_issues`)
 Run:    python -m pipeline.sanity --data data/prepared --out results/sanity
 """
 
@@ -19,12 +21,18 @@ import numpy as np
 import torch
 
 from pipeline import GateError, run, staged
-from visionflow.data import dataset, splits
+from visionflow.data import dataset, label_issues, splits
 from visionflow.deploy import viz
-from visionflow.params import load_params
-from visionflow.train import from_torchvision, loading
+from visionflow.errors import Unavailable
+from visionflow.params import Params, load_params
+from visionflow.train import features, from_torchvision, loading
 from visionflow.train.augment import augment
-from visionflow.train.zoo import input_size
+from visionflow.train.models import build_model
+from visionflow.train.zoo import input_size, preprocessing
+
+SHOWN = 32  # suspects drawn in label_issues.png; label_issues.json lists every one
+AUTO_SHARE = 0.2  # sanity.label_issues auto: runs when its estimated work is under this share of
+# train's (both in multiply-adds: `work`); measured against the stages' seconds in benchmarks.md
 
 
 def scan(cache: Path, classes: list[str]) -> dict:
@@ -127,11 +135,142 @@ def main() -> None:
             [{"class": c, "images": n} for c, n in per_class.items()],
         )
     dataset.write_json(out / "scan.json", report)
+    print(find_label_issues(args.data, meta, params, out))
     print(
         f"sanity: {args.out}/labels.png, augmented.png, eval_view.png, counts.png; "
         + ", ".join(f"{s} {r['images']}" for s, r in report["splits"].items())
         + f"; {report['rejected_files']} rejected, {report['duplicates']['across_splits']} duplicates"
     )
+
+
+def pool(cache: Path) -> tuple[list, np.ndarray, list[str], list[str]]:
+    """Every split's images (memory-mapped, a list), and in one pool their labels, file names
+    (`#<i>` of the split where the cache predates them) and splits."""
+    xs, ys, names, where = [], [], [], []
+    for split in splits.SPLITS:
+        x, y = dataset.read_split(cache, split, mmap=True)
+        xs.append(x)
+        ys.append(y)
+        names += dataset.read_names(cache, split) or [f"{split}#{i}" for i in range(len(y))]
+        where += [split] * len(y)
+    return xs, np.concatenate(ys), names, where
+
+
+def network(params: Params, meta: dataset.Cache, channels: int, size: int):
+    """The network train builds (with train.pretrained's weights, if any) and the mean/std it is
+    fed with, as fit.setup makes them."""
+    t, mean, std, net = params.train, meta.mean, meta.std, None
+    if from_torchvision(t.model, t.pretrained):
+        net = {
+            "input_size": size,
+            "mean": meta.mean * (3 // channels),
+            "std": meta.std * (3 // channels),
+        }
+        if t.pretrained:
+            pre = preprocessing(t.model, t.pretrained)
+            net = {"input_size": input_size(t.model, size, t.pretrained), **pre}
+        mean, std = net["mean"], net["std"]
+        if channels == 1:  # FineTune spreads one channel over the network's three
+            mean, std = [sum(mean) / 3], [sum(std) / 3]
+    model = build_model(t.model, channels, len(meta.classes), size, 0.0, False, net, t.pretrained)
+    return model, torch.tensor(mean), torch.tensor(std)
+
+
+def work(params: Params, model, xs: list, classes: int, linear: bool) -> dict:
+    """The probe's and the train stage's estimated multiply-adds: train's 3 passes (forward,
+    backward) of the network per train image and epoch; the probe's features (a backbone's
+    forward pass per image, when pretrained) and fits (`label_issues.probe_macs`)."""
+    size, channels = xs[0].shape[1], xs[0].shape[3]
+    macs, images = features.forward_macs(model, channels, size), sum(len(x) for x in xs)
+    train = 3 * macs * len(xs[0]) * params.train.epochs
+    side = min(size, features.PIXEL_SIDE)
+    dims = features.last_linear(model).in_features if linear else channels * side * side
+    probe = label_issues.probe_macs(images, dims, classes, linear) + (
+        macs * images if linear else 0
+    )
+    return {"probe_macs": probe, "train_macs": train, "share": round(probe / train, 4)}
+
+
+def find_label_issues(cache: Path, meta: dataset.Cache, params: Params, out: Path) -> str:
+    """label_issues.json and label_issues.png (sanity.label_issues); the log line."""
+    setting, t, classes = params.sanity.label_issues, params.train, meta.classes
+    xs, labels, names, where = pool(cache)
+    linear = bool(t.pretrained) and from_torchvision(t.model, t.pretrained)
+    report = {"setting": setting, "ran": False, "images": len(labels), "issues": []}
+    if setting is False:
+        return write_issues(out, report, "off (sanity.label_issues: false)", xs)
+    try:
+        model, mean, std = network(params, meta, xs[0].shape[3], xs[0].shape[1])
+    except (Unavailable, ValueError) as error:  # train names these itself, with its key
+        reason = f"skipped: no network to estimate its cost with ({error})"
+        return write_issues(out, report, reason, xs)
+    report["work"] = work(params, model, xs, len(classes), linear)
+    if setting == "auto" and report["work"]["share"] > AUTO_SHARE:
+        reason = (
+            f"skipped: its estimated work is {report['work']['share']:.0%} of train's, over "
+            f"auto's {AUTO_SHARE:.0%} (sanity.label_issues: true runs it)"
+        )
+        return write_issues(out, report, reason, xs)
+    if linear:  # a pretrained backbone's features, one frozen forward pass
+        pooled = np.concatenate([features.penultimate(model, x, mean, std) for x in xs])
+    else:
+        pooled = np.concatenate([features.pixels(x, mean, std) for x in xs])
+    try:
+        found = label_issues.find(pooled, labels, classes, linear, params.seed)
+    except ValueError as error:  # one class, a class of one image
+        return write_issues(out, report, f"skipped: {error}", xs)
+    report |= {
+        "ran": True,
+        "probe": f"{t.model} features, logistic regression" if linear else "pixels, PCA + kNN",
+        "folds": found.folds,
+        "suspects": len(found.index),
+        "per_class": label_issues.class_shares(labels, found, classes),
+        "issues": [
+            {
+                "file": names[i],
+                "split": where[i],
+                "given": classes[labels[i]],
+                "suggested": classes[s],
+                "score": round(float(p), 4),
+            }
+            for i, s, p in zip(found.index, found.suggested, found.score, strict=True)
+        ],
+    }
+    return write_issues(out, report, "", xs, found.index)
+
+
+def image_at(xs: list, i: int) -> np.ndarray:
+    """Image `i` of the pool: of the split its position falls in."""
+    for x in xs:
+        if i < len(x):
+            return np.asarray(x[i])
+        i -= len(x)
+    raise IndexError(i)
+
+
+def write_issues(out: Path, report: dict, reason: str, xs: list, index=()) -> str:
+    """label_issues.json and .png from `report` (`index`: the suspects' places in the pool;
+    `reason`: why none were looked for); the log line."""
+    if reason:
+        report["reason"] = reason
+    dataset.write_json(out / "label_issues.json", report)
+    issues, n = report["issues"], report["images"]
+    shown = issues[:SHOWN]
+    images = [image_at(xs, int(i)) for i in index[:SHOWN]]
+    pixels = loading.to_unit(torch.from_numpy(np.stack(images))).numpy() if images else []
+    capped = (
+        f", the {SHOWN} likeliest shown (all in label_issues.json)" if len(issues) > SHOWN else ""
+    )
+    title = (
+        f"label issues: {reason}"
+        if reason
+        else f"{len(issues)} likely mislabelled of {n} images{capped} "
+        "(file, given label, the probe's suggestion)"
+    )
+    rows = {key: [r[key] for r in shown] for key in ("file", "given", "suggested")}
+    fig = viz.suspects_grid(pixels, rows["file"], rows["given"], rows["suggested"], title)
+    fig.savefig(out / "label_issues.png", dpi=100)
+    return f"sanity: label issues {reason}" if reason else label_issues.summary(report, SHOWN)
 
 
 if __name__ == "__main__":

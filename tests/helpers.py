@@ -348,3 +348,23 @@ def assert_resumes_to_the_baseline(
 def live_metrics(project: Path) -> dict:
     """DVCLive's last values (the timings, which differ between any two runs, are elsewhere)."""
     return json.loads((project / "results/train/live/metrics.json").read_text())
+
+
+def digits_folder(root: Path, moved: float, seed: int = 0) -> set[str]:
+    """scikit-learn's digits as an image folder (`root/<digit>/<i>.png`, 8x8 grayscale), with a
+    share `moved` of the files put in a wrong class's folder; the moved files' paths under
+    `root`, as the cache names them."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    rng = np.random.default_rng(seed)
+    wrong = set(rng.choice(len(digits.target), round(moved * len(digits.target)), replace=False))
+    paths = set()
+    for i, (image, label) in enumerate(zip(digits.images, digits.target, strict=True)):
+        folder = (label + rng.integers(1, 10)) % 10 if i in wrong else label
+        path = root / str(folder) / f"{i}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.round(image * (255 / 16)).astype(np.uint8)).save(path)
+        if i in wrong:
+            paths.add(f"{folder}/{i}.png")
+    return paths

@@ -106,10 +106,12 @@ class Prepare(Section):
     workers: int = Field(0, ge=0)  # 0 = one per core; any count makes the same cache bytes
     max_extract_mb: int = Field(ge=1)
     shard_images: int = Field(0, ge=0)  # 0 = one file per split; N: shards of at most N images
+    exclude: tuple[str, ...] = Field((), strict=False)  # files left out (paths under `path`)
 
 
 class Sanity(Section):
     per_class: int = Field(ge=1, le=32)
+    label_issues: bool | Literal["auto"] = "auto"  # rank the likely mislabelled images
 
 
 class Augment(Section):

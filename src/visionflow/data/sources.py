@@ -171,6 +171,35 @@ def torchvision_source(name: str, root: Path, download: bool) -> Source:
     return Source(images, labels, list(parts[0].classes), is_test, names)
 
 
+def exclude(source: Source, names: Sequence[str], where: str) -> Source:
+    """`source` without the images named in `names` (paths under the image folder, as the
+    label-issue list names them; `#i` for a built-in source). A name the source does not have
+    is a DataError naming it and `where` (the folder): a typo must not pass as excluded."""
+    wanted = [unicodedata.normalize("NFC", n) for n in names]
+    index = {unicodedata.normalize("NFC", n): i for i, n in enumerate(source.names)}
+    missing = [n for n in wanted if n not in index]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise DataError(
+            f"{shown}{more} not in {where} (names are paths under it, as label_issues.json "
+            "lists them): remove the entry, or fix its path",
+            setting="exclude",
+        )
+    keep = np.ones(len(source.names), dtype=bool)
+    keep[[index[n] for n in wanted]] = False
+    kept = np.flatnonzero(keep)
+    names_kept = [source.names[i] for i in kept]
+    if isinstance(source.images, Files):
+        images = Files(Path(source.images.root), names_kept)
+    else:
+        images = np.asarray(source.images)[kept]
+    is_test = source.is_test[kept] if source.is_test is not None else None
+    return source._replace(
+        images=images, labels=source.labels[kept], is_test=is_test, names=names_kept
+    )
+
+
 def load_source(name: str, path: Path, download: bool = False) -> Source:
     if name == "digits":
         return digits_source()

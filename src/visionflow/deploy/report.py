@@ -58,6 +58,11 @@ def data_line(made_from: dict) -> str:
         f"Source `{made_from.get('source', 'unknown')}`{path}, split train/val/test by {by} with "
         f"seed {made_from['seed']} (val {made_from['val_fraction']}, test "
         f"{made_from['test_fraction']})."
+        + (
+            f" {made_from['excluded']} files left out (`prepare.exclude`)."
+            if made_from.get("excluded")
+            else ""
+        )
     )
 
 
@@ -160,6 +165,9 @@ Classes ({len(meta["classes"])}, in output order): {", ".join(meta["classes"])}
 
 ## Data
 {data_line(manifest.get("made_from", {}))}
+Labels: [the images most likely mislabelled](../sanity/label_issues.png) and [their
+list](../sanity/label_issues.json) (file, split, given and suggested label), from the sanity stage
+before training (`sanity.label_issues`).
 Preprocessing: decode ({draft_words(spec)}), EXIF transpose, convert to {spec["color"]}, resize ({
         resize_words(spec)
     }) to

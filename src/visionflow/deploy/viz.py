@@ -125,6 +125,18 @@ def with_files(titles: list[list[str]], files: list[str] | None) -> list[list[st
     return [[*lines, name] for lines, name in zip(titles, files, strict=True)]
 
 
+def suspects_grid(
+    images: np.ndarray, files: list[str], given: list[str], suggested: list[str], title: str
+):
+    """The likeliest mislabelled images (float NCHW in 0..1), each titled with its file, the
+    label it has and the label the probe suggests."""
+    titles = [
+        [name, f"given {label}", f"suggested {guess}"]
+        for name, label, guess in zip(files, given, suggested, strict=True)
+    ]
+    return titled_grid(images, titles, title, "no suspects")
+
+
 def titled_grid(images: np.ndarray, titles: list[list[str]], title: str, empty: str):
     """Images (float NCHW in 0..1) in rows of 8, each titled by its lines, each line cut to fit
     its cell (however long the class names); `empty` when none."""
