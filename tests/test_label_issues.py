@@ -73,11 +73,11 @@ def test_folds_follow_the_smallest_class_and_refuse_one_image_or_one_class():
         label_issues.folds_for(np.zeros(9, dtype=np.int64), ["a"])
 
 
-def stage_params(tmp_path, **sanity):
+def stage_params(tmp_path, train: dict, **sanity):
     from visionflow.params import load_params
 
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
-    write_params(tmp_path, {"sanity": sanity})
+    write_params(tmp_path, {"sanity": sanity, "train": train})
     return load_params(tmp_path / "params.yaml")
 
 
@@ -94,21 +94,28 @@ def flip_cache(cache, share: float) -> set[str]:
     return {names[i] for i in flipped}
 
 
-def run_stage_part(tmp_path, cache, **sanity):
+def run_stage_part(tmp_path, cache, monkeypatch, train=None, **sanity):
+    """The stage's label-issue step in this process, its picture capped at 4 images (32 cost
+    seconds to draw)."""
+    import pipeline.sanity
     from pipeline.sanity import find_label_issues
     from visionflow.data import dataset
 
+    monkeypatch.setattr(pipeline.sanity, "SHOWN", 4)
+
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
-    params = stage_params(tmp_path, **sanity)
+    params = stage_params(tmp_path, train or {}, **sanity)
     line = find_label_issues(cache, dataset.read_cache_meta(cache), params, out)
     return line, json.loads((out / "label_issues.json").read_text()), out
 
 
-def test_the_stage_lists_and_draws_suspects_with_their_files_and_caps_the_picture(tmp_path):
+def test_the_stage_lists_and_draws_suspects_with_their_files_and_caps_the_picture(
+    tmp_path, monkeypatch
+):
     cache = digits_cache(tmp_path / "prepared")
-    flipped = flip_cache(cache, 0.15)  # about 180: more than the picture shows
-    line, report, out = run_stage_part(tmp_path, cache, label_issues=True)
+    flipped = flip_cache(cache, 0.05)  # about 60: more than the picture shows
+    line, report, out = run_stage_part(tmp_path, cache, monkeypatch, label_issues=True)
     assert report["ran"] and report["suspects"] == len(report["issues"])
     files = {row["file"] for row in report["issues"]}
     assert len(files & flipped) >= 0.7 * len(flipped)
@@ -119,21 +126,21 @@ def test_the_stage_lists_and_draws_suspects_with_their_files_and_caps_the_pictur
     shares = report["per_class"]
     assert sum(v["suspects"] for v in shares.values()) == report["suspects"]
     assert f"suspected label issues of {report['images']} images" in line
-    assert "; per class: " in line and "the picture shows the 32 likeliest" in line
+    assert "; per class: " in line and "the picture shows the 4 likeliest" in line
     assert (out / "label_issues.png").stat().st_size > 0
 
 
-def test_off_writes_the_files_saying_so_and_auto_runs_on_digits(tmp_path):
+def test_off_writes_the_files_saying_so_and_auto_runs_on_digits(tmp_path, monkeypatch):
     cache = digits_cache(tmp_path / "prepared")
-    line, report, out = run_stage_part(tmp_path, cache, label_issues=False)
+    line, report, out = run_stage_part(tmp_path, cache, monkeypatch, label_issues=False)
     assert line == "sanity: label issues off (sanity.label_issues: false)"
     assert not report["ran"] and report["issues"] == []
     assert (out / "label_issues.png").stat().st_size > 0
-    line, report, _ = run_stage_part(tmp_path, cache, label_issues="auto")
+    line, report, _ = run_stage_part(tmp_path, cache, monkeypatch, label_issues="auto")
     assert report["ran"] and report["work"]["share"] <= 0.2, report["work"]
 
 
-def test_a_class_of_other_classes_images_is_mostly_suspects_and_named(tmp_path):
+def test_a_class_of_other_classes_images_is_mostly_suspects_and_named(tmp_path, monkeypatch):
     from visionflow.data import sources
 
     digits = sources.load_source("digits", None)
@@ -142,7 +149,7 @@ def test_a_class_of_other_classes_images_is_mostly_suspects_and_named(tmp_path):
     labels[odd] = 10  # a class "x" of a 0, a 1, ... a 7
     source = digits._replace(labels=labels, classes=[*DIGITS, "x"])
     cache = digits_cache(tmp_path / "prepared", source)
-    line, report, _ = run_stage_part(tmp_path, cache, label_issues=True)
+    line, report, _ = run_stage_part(tmp_path, cache, monkeypatch, label_issues=True)
     x = report["per_class"]["x"]
     assert x["images"] == 8 and x["suspects"] >= 4
     assert f"half or more of a class are suspects: 'x' ({x['suspects']} of 8)" in line
@@ -195,3 +202,24 @@ def test_dvc_repro_sanity_finds_digits_moved_to_a_wrong_folder(reproduced_base, 
     found = {row["file"] for row in report["issues"]}
     assert len(found & moved) >= 0.7 * len(moved), (len(found & moved), len(moved))
     assert len(found & moved) >= 0.5 * len(found), (len(found & moved), len(found))
+
+
+def test_with_pretrained_weights_the_probe_reads_the_backbones_features(tmp_path, monkeypatch):
+    """train.pretrained: the features the network's last linear layer takes, from one frozen
+    forward pass, and a linear probe (a torchvision resnet18's random weights stand in)."""
+    import torch
+    from torchvision.models import resnet18
+
+    from visionflow.data import sources
+
+    torch.manual_seed(0)
+    torch.save(resnet18(num_classes=3).state_dict(), tmp_path / "weights.pt")
+    digits = sources.load_source("digits", None)
+    few = digits._replace(
+        images=digits.images[:400], labels=digits.labels[:400], names=digits.names[:400]
+    )
+    cache = digits_cache(tmp_path / "prepared", few)
+    train = {"model": "resnet18", "pretrained": str(tmp_path / "weights.pt")}
+    _, report, _ = run_stage_part(tmp_path, cache, monkeypatch, train, label_issues=True)
+    assert report["ran"] and report["probe"] == "resnet18 features, logistic regression"
+    assert report["work"]["probe_macs"] > 0 and report["folds"] == 5
