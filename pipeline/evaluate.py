@@ -79,24 +79,7 @@ def main() -> None:
     counts = scores.confusion(y, logits, len(classes))
     viz.confusion_figure(counts, classes).savefig(out / "confusion.png", dpi=100)
     dataset.write_json(out / "most_confused.json", scores.most_confused(counts, classes))
-    wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
-    probability = torch.softmax(logits, 1).max(1).values
-    viz.mistakes_grid(
-        as_seen(x[wrong], mean, std),
-        [classes[i] for i in y[wrong].tolist()],
-        [classes[predicted[i]] for i in wrong],
-        probability[wrong].tolist(),
-        [files[i] for i in wrong],
-    ).savefig(out / "misclassified.png", dpi=100)
-    worst, losses = scores.top_losses(y, logits, p.top_losses)
-    viz.top_losses_grid(
-        as_seen(x[worst], mean, std),
-        [classes[predicted[i]] for i in worst],
-        [classes[i] for i in y[worst].tolist()],
-        losses[worst].tolist(),
-        probability[worst].tolist(),
-        [files[i] for i in worst],
-    ).savefig(out / "top_losses.png", dpi=100)
+    failures(out, x, y, logits, classes, files, (mean, std), p)
     print(
         f"evaluate: test accuracy {metrics['accuracy']:.4f}, top-{p.top_k} "
         f"{metrics['top_k_accuracy']:.4f}, macro F1 {metrics['macro_f1']:.4f}, "
@@ -108,6 +91,30 @@ def main() -> None:
         )
     )
     say_absent(absent)
+
+
+def failures(out: Path, x, y, logits, classes: list[str], files: list[str], norm, p) -> None:
+    """misclassified.png (the most confidently wrong test images) and top_losses.png (the
+    highest-loss ones, right or wrong), each image titled with its classes and its file."""
+    predicted = logits.argmax(1).tolist()
+    wrong = scores.most_confident_mistakes(y, logits, p.misclassified)
+    probability = torch.softmax(logits, 1).max(1).values
+    viz.mistakes_grid(
+        as_seen(x[wrong], *norm),
+        [classes[i] for i in y[wrong].tolist()],
+        [classes[predicted[i]] for i in wrong],
+        probability[wrong].tolist(),
+        [files[i] for i in wrong],
+    ).savefig(out / "misclassified.png", dpi=100)
+    worst, losses = scores.top_losses(y, logits, p.top_losses)
+    viz.top_losses_grid(
+        as_seen(x[worst], *norm),
+        [classes[predicted[i]] for i in worst],
+        [classes[i] for i in y[worst].tolist()],
+        losses[worst].tolist(),
+        probability[worst].tolist(),
+        [files[i] for i in worst],
+    ).savefig(out / "top_losses.png", dpi=100)
 
 
 def say_absent(classes: list[str]) -> None:
