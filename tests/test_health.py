@@ -253,6 +253,61 @@ def test_overfitting_names_the_epoch_where_it_began():
     assert health.overfitting(both_rising, 3) is None
 
 
+def fine_tune(frozen: list[tuple], unfrozen: list[tuple]) -> list[dict]:
+    """Epoch records of a fine-tuning run: (train accuracy, val loss) per epoch, the backbone
+    frozen (lr_backbone 0) for the first ones."""
+    return [
+        {"train/loss": 1.0, "train/accuracy": a, "val/loss": v, "lr": 1e-3, "lr_backbone": b}
+        for (a, v), b in [(e, 0.0) for e in frozen] + [(e, 1e-4) for e in unfrozen]
+    ]
+
+
+def test_a_fine_tune_ruined_after_unfreezing_is_a_finding_and_unhealthy():
+    """#58: `lr: auto` measured on the head alone, that rate then on the whole backbone: val loss
+    386333 and train accuracy at chance (0.2, 5 classes) for five epochs after the frozen one,
+    and health said `no finding in 6 checks`. Fed through the monitor epoch by epoch, as the
+    train stage feeds it."""
+    five = [str(i) for i in range(5)]
+    metrics = {
+        "data_seconds": 0.0,
+        "seconds": 1.0,
+        "first_losses": [],
+        "first_labels": {},
+        "layer_grad_norms": {"w": 1.0},
+    }
+    ruined = fine_tune([(0.62, 0.95)], [(0.21, 386333.2222)] + [(0.2, 1.7)] * 4)
+    said = []
+    monitor = health.Monitor(limits(first_steps=4), five, said.append)
+    for epoch in range(1, len(ruined) + 1):
+        monitor.epoch(epoch, metrics, ruined[:epoch], 1e-3, False, frozen=epoch == 1)
+    report = monitor.report()
+    assert report["healthy"] is False and report["ruined_fine_tune"] is True
+    assert [d["epoch"] for d in report["details"] if d["check"] == "ruined_fine_tune"] == [2]
+    assert said[0].startswith(
+        "health: ruined fine-tune: after unfreezing the backbone at epoch 2, the val loss jumped "
+        "from 0.95 (the last frozen epoch's) to 3.86e+05"
+    )
+    assert "train.backbone_lr_factor 0.1" in said[0]
+
+    chance = health.guess([0.2] * 5)  # 5 balanced classes: loss 1.609, accuracy 0.2
+    stuck = [(0.22, 1.8), (0.2, 1.7), (0.19, 1.7)]
+    at_chance = fine_tune([(0.4, 1.5), (0.62, 1.2)], stuck)
+    finding = health.ruined_fine_tune(at_chance, chance)
+    assert (
+        "the train accuracy fell from 0.62 with the backbone frozen to 0.22 at best over the "
+        "last 3 epochs, a guess's (0.20)"
+    ) in finding.message
+    assert health.ruined_fine_tune(at_chance[:-1], chance) is None  # 2 epochs: not yet several
+    # a frozen phase that learned nothing either: at_chance's, not this check's
+    assert health.ruined_fine_tune(fine_tune([(0.2, 1.6)], stuck), chance) is None
+    healthy = fine_tune([(0.6, 1.1)], [(0.7, 0.9), (0.8, 0.7), (0.85, 0.6), (0.9, 0.65)])
+    assert all(health.ruined_fine_tune(healthy[:i], chance) is None for i in range(6))
+    small = fine_tune([(0.9, 0.02)], [(0.95, 0.3)])  # 15x a tiny loss: still far under a guess's
+    assert health.ruined_fine_tune(small, chance) is None
+    assert health.ruined_fine_tune(fine_tune([], [(0.2, 1e6)]), chance) is None  # nothing frozen
+    assert health.ruined_fine_tune(fine_tune([(0.6, 1.0)], [(0.2, math.nan)]), chance)
+
+
 def test_data_wait_over_the_limit_is_data_bound():
     assert health.data_bound(1, 1.0, 10.0, 0.5, mapped=False) is None
     finding = health.data_bound(1, 6.0, 10.0, 0.5, mapped=True)
@@ -274,7 +329,7 @@ def test_the_monitor_reports_each_finding_once_and_a_healthy_run_says_so():
     monitor.epoch(1, metrics, [{"train/loss": 1.0, "val/loss": 1.0}], 1e-3, False)
     assert said == [] and monitor.report()["healthy"] is True
     summary = monitor.summary("health.json", "timings/health.json")
-    assert summary.startswith("health: healthy: no finding in 7 checks (data wait 10% at most")
+    assert summary.startswith("health: healthy: no finding in 8 checks (data wait 10% at most")
     slow = {**metrics, "data_seconds": 0.9, "first_losses": []}
     monitor.epoch(2, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 2, 1e-3, False)
     monitor.epoch(3, slow, [{"train/loss": 1.0, "val/loss": 1.0}] * 3, 1e-3, False)
@@ -387,7 +442,7 @@ def only(report: dict) -> list[str]:
 def test_a_healthy_run_says_it_is_healthy(caches, tmp_path):
     code, log, report = train(caches, tmp_path, "digits", {})
     assert code == 0 and report["healthy"] is True and report["findings"] == 0, log
-    assert "health: healthy: no finding in 7 checks" in log
+    assert "health: healthy: no finding in 8 checks" in log
     assert report["loss_drop_first_steps"] > 0.05
 
 

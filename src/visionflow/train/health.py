@@ -22,6 +22,7 @@ CHECKS = (
     "gradients",
     "overfitting",
     "out_of_memory",
+    "ruined_fine_tune",
 )
 # A check that reads the clock: its finding and numbers differ between two runs of the same code,
 # data and params, so they go with the run's timings (Monitor.timings), never into health.json
@@ -283,6 +284,63 @@ def at_chance(history: list[dict], chance: Guess, epochs: int = 3) -> Finding | 
     )
 
 
+JUMP = 10.0  # a val loss this many times the frozen phase's last, and the chance level's: ruined
+AT_CHANCE_EPOCHS = 3  # unfrozen epochs in a row at chance's train accuracy, after the frozen phase
+
+
+def ruined_fine_tune(history: list[dict], chance: Guess) -> Finding | None:
+    """Fine-tuning (epochs whose `lr_backbone` is 0 had the backbone frozen): after unfreezing,
+    the val loss an order of magnitude over the last frozen epoch's and over 10x a guess's (or
+    not finite), or the train accuracy back at a guess's (plus a fifth of the way to 1) for
+    AT_CHANCE_EPOCHS epochs in a row after the frozen phase beat it. The backbone took a rate
+    that wrecked its pretrained features (#58: 2.15e-2 from a range test on the head alone, then
+    val loss 386333 and train accuracy at chance for five epochs), which neither the train loss
+    (near a guess's, not above it) nor the val accuracy kept by the best epoch shows."""
+    frozen = [i for i, h in enumerate(history) if h.get("lr_backbone") == 0.0]
+    if not frozen or frozen[-1] == len(history) - 1:
+        return None
+    before, after = history[frozen[-1]], history[frozen[-1] + 1 :]
+    unfrozen = frozen[-1] + 2  # the first unfrozen epoch, counted from 1
+    worst = max((h["val/loss"] for h in after), key=lambda v: v if math.isfinite(v) else math.inf)
+    limit = JUMP * max(before["val/loss"], chance.loss)
+    learned = max(history[i]["train/accuracy"] for i in frozen)
+    stuck = [h["train/accuracy"] for h in after[-AT_CHANCE_EPOCHS:]]
+    if not math.isfinite(worst) or worst > limit:
+        what = (
+            f"the val loss jumped from {before['val/loss']:.3g} (the last frozen epoch's) to "
+            f"{worst:.3g} (over {JUMP:g}x that and a guess's {chance.loss:.3f})"
+        )
+    elif (
+        learned > chance.above
+        and len(stuck) == AT_CHANCE_EPOCHS
+        and max(stuck) <= chance.above
+    ):
+        what = (
+            f"the train accuracy fell from {learned:.2f} with the backbone frozen to "
+            f"{max(stuck):.2f} at best over the last {AT_CHANCE_EPOCHS} epochs, a guess's "
+            f"({chance.accuracy:.2f})"
+        )
+    else:
+        return None
+    return Finding(
+        "ruined_fine_tune",
+        len(history),
+        f"ruined fine-tune: after unfreezing the backbone at epoch {unfrozen}, {what}: the "
+        "backbone's rate wrecked its pretrained features. Lower the backbone's rates: "
+        "train.backbone_lr_factor 0.1 and train.group_lr_factor 0.3 (what `train.lr: auto` "
+        "sets after a range test on the head alone), or a lower train.lr, or train.grad_clip",
+        {
+            "unfrozen_epoch": unfrozen,
+            "frozen_val_loss": before["val/loss"],
+            "val_loss": [h["val/loss"] for h in after],
+            "frozen_train_accuracy": learned,
+            "train_accuracy": [h["train/accuracy"] for h in after],
+            "chance_loss": chance.loss,
+            "chance_accuracy": chance.accuracy,
+        },
+    )
+
+
 def overfitting(history: list[dict], epochs: int) -> Finding | None:
     """Validation loss rising `epochs` epochs in a row while the train loss falls."""
     if len(history) < epochs + 1:
@@ -416,6 +474,7 @@ class Monitor:
                     f"{self.chance.accuracy:.2f}){memorising}"
                 )
         self.add(overfitting(history, c.overfit_epochs))
+        self.add(ruined_fine_tune(history, self.chance))
 
     def report(self) -> dict:
         """health.json: flat numbers first; `healthy` and `findings` also go to the train metrics."""
