@@ -14,6 +14,7 @@ Run:    python -m pipeline.check --out results/check      (or: dvc repro check)
 """
 
 import argparse
+import subprocess
 from pathlib import Path
 
 from pipeline import GateError, run
@@ -35,7 +36,7 @@ def network_problem(t: Train, image_size: int) -> str | None:
         return "train.pretrained: imagenet is resnet18's name for its weights: use DEFAULT"
     if t.pretrained and not zoo.is_weights_name(t.pretrained):
         if not Path(t.pretrained).is_file():
-            return f"train.pretrained: {t.pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
+            return missing_weights(t.pretrained)
         if problem := untracked(
             "train.pretrained", Path(t.pretrained), where=" (or move it into data/pretrained/)"
         ):
@@ -55,6 +56,71 @@ def network_problem(t: Train, image_size: int) -> str | None:
     # a file for another architecture, truncated, pickled: said now, not after DVC has
     # deleted the train stage's results
     return zoo.fit_problem(t.model, t.pretrained, zoo.input_size(t.model, image_size, t.pretrained))
+
+
+TEMP_COPIES = (".dvc", "tmp", "exps")  # where `dvc exp run --temp` and queued experiments run
+
+
+def missing_weights(pretrained: str) -> str:
+    """The line for a weights file that is not here. An experiment's temporary copy of the
+    project (`dvc exp run --temp`, a queued one: under the workspace's .dvc/tmp/exps/) holds only
+    what git and DVC track, so a file the workspace has but neither tracks stays behind (#58:
+    check said `... is not a file`, beside the file)."""
+    path, here = Path(pretrained), Path.cwd().resolve()
+    track = f"`dvc add {pretrained}` (and commit {pretrained}.dvc)"
+    copies = [i for i in range(len(here.parts)) if here.parts[i : i + 3] == TEMP_COPIES]
+    if Path(f"{pretrained}.dvc").is_file():  # tracked, not checked out
+        return f"train.pretrained: {pretrained} is tracked by DVC but not here: " + (
+            "an experiment that names a stage checks out that stage's deps only: name train, "
+            "or no stage"
+            if copies
+            else f"`dvc checkout {pretrained}` (or `dvc pull {pretrained}`)"
+        )
+    if copies and not path.is_absolute():
+        workspace = Path(*here.parts[: copies[-1]])
+        if (workspace / path).is_file():
+            return (
+                f"train.pretrained: {pretrained} is in the workspace ({workspace}) but not in "
+                "this experiment's temporary copy, which holds only what git and DVC track: "
+                f"run {track}, then the experiment again"
+            )
+    inside = not path.is_absolute() and not pretrained.startswith("..")
+    return (
+        f"train.pretrained: {pretrained} is not a file (a state_dict, or a weights name such as DEFAULT)"
+        + (
+            f"; an experiment's temporary copy (`dvc exp run --temp`, a queued one) has only what git "
+            f"and DVC track: {track} in the workspace"
+            if inside
+            else ""
+        )
+    )
+
+
+def untracked_weights(pretrained: str) -> str | None:
+    """The warning for a weights file here that neither git nor DVC tracks (a `.dvc` file for
+    it or a folder above it, or git's index): plain `dvc repro` reads it, but `dvc exp run
+    --temp`, queued experiments and other clones will not have it. None where git cannot tell
+    (no git, not a repository)."""
+    file = Path(pretrained).resolve()
+    if not file.is_relative_to(Path.cwd().resolve()):
+        return None  # outside the project: network_problem refuses it
+    relative = file.relative_to(Path.cwd().resolve())
+    if any(Path(f"{p}.dvc").is_file() for p in [relative, *relative.parents] if p != Path(".")):
+        return None
+    try:
+        git = subprocess.run(
+            ["git", "ls-files", "--error-unmatch", "--", str(relative)],
+            capture_output=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if git.returncode != 1:  # 0: tracked; 128: no repository here
+        return None
+    return (
+        f"train.pretrained {relative} is tracked by neither git nor DVC: `dvc exp run --temp`, "
+        f"queued experiments and other clones will not have it; `dvc add {relative}` tracks it"
+    )
 
 
 def tta_problem(params: Params) -> str | None:
@@ -125,6 +191,10 @@ def main() -> None:
         problem = network_problem(params.train, params.prepare.image_size)
         if problem:
             raise GateError(problem)
+    pretrained = params.train.pretrained
+    if pretrained and Path(pretrained).is_file():  # not a weights name
+        if warning := untracked_weights(pretrained):
+            print(f"check: warning: {warning}")
     problem = tta_problem(params)
     if problem:
         raise GateError(problem)

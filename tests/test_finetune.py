@@ -406,6 +406,58 @@ def test_weights_files_as_users_save_them_load_or_are_refused_by_check_in_one_li
         assert (problem is None) == (words is None), (model, name, problem)
 
 
+def test_a_weights_file_that_git_and_dvc_leave_untracked_is_named_with_its_dvc_add(
+    tmp_path, monkeypatch
+):
+    """#58: `dvc exp run --temp` copies only what git and DVC track: the README's offline weights
+    file, left untracked in data/pretrained/, stayed behind, and check said `... is not a file`
+    beside it. Now check says what to `dvc add`, in the temporary copy and where the file is."""
+    from pipeline.check import network_problem, untracked_weights
+    from visionflow.params import Train
+
+    base = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
+    weights = "data/pretrained/r18.pth"
+    train = Train(**{**base, "model": "resnet18", "pretrained": weights})
+    workspace = tmp_path / "project"
+    (workspace / "data/pretrained").mkdir(parents=True)
+    (workspace / weights).write_bytes(b"weights")
+    temporary = workspace / ".dvc/tmp/exps/tmpk2j8e1ab"  # where DVC makes a --temp copy
+    temporary.mkdir(parents=True)
+    monkeypatch.chdir(temporary)
+    assert network_problem(train, 64) == (
+        f"train.pretrained: {weights} is in the workspace ({workspace.resolve()}) but not in this "
+        "experiment's temporary copy, which holds only what git and DVC track: run `dvc add "
+        f"{weights}` (and commit {weights}.dvc), then the experiment again"
+    )
+    (temporary / "data/pretrained").mkdir(parents=True)  # tracked by DVC, not checked out
+    (temporary / f"{weights}.dvc").write_text("outs:\n- path: r18.pth\n")
+    assert network_problem(train, 64) == (
+        f"train.pretrained: {weights} is tracked by DVC but not here: an experiment that names "
+        "a stage checks out that stage's deps only: name train, or no stage"
+    )
+    (temporary / f"{weights}.dvc").unlink()
+    (workspace / weights).unlink()  # gone from the workspace too: not a file, and what to track
+    assert network_problem(train, 64) == (
+        f"train.pretrained: {weights} is not a file (a state_dict, or a weights name such as "
+        "DEFAULT); an experiment's temporary copy (`dvc exp run --temp`, a queued one) has only "
+        f"what git and DVC track: `dvc add {weights}` (and commit {weights}.dvc) in the workspace"
+    )
+
+    monkeypatch.chdir(workspace)  # where the file is: tracked by neither, or by one of them
+    (workspace / weights).write_bytes(b"weights")
+    assert untracked_weights(weights) is None  # no git repository: nothing to tell
+    sh(workspace, "git", "init", "-q")
+    assert untracked_weights(weights) == (
+        f"train.pretrained {weights} is tracked by neither git nor DVC: `dvc exp run --temp`, "
+        f"queued experiments and other clones will not have it; `dvc add {weights}` tracks it"
+    )
+    (workspace / f"{weights}.dvc").write_text("outs:\n- path: r18.pth\n")
+    assert untracked_weights(weights) is None
+    (workspace / f"{weights}.dvc").unlink()
+    sh(workspace, "git", "add", weights)
+    assert untracked_weights(weights) is None
+
+
 def test_a_weights_name_resumes_only_the_weights_it_names_today(tmp_path, monkeypatch):
     """A weights name is fingerprinted by the file torchvision resolves it to: DEFAULT is
     IMAGENET1K_V2 for resnet50 today, and a torchvision release that points it elsewhere must
