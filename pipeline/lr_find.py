@@ -13,7 +13,7 @@ import torch
 
 from pipeline import GateError, run
 from visionflow.data import dataset
-from visionflow.fit.lr_auto import no_rate, range_test_of
+from visionflow.fit.lr_auto import no_rate, range_test_of, spread_for, spread_line
 from visionflow.fit.setup import device_for, load_data, model_for, overfit_settings
 from visionflow.params import load_params
 from visionflow.train.lr_find import range_test_figure
@@ -37,6 +37,7 @@ def main() -> None:
     data = load_data(args.data, train, device)
     model, mean, std, _ = model_for(train, data, device, print)
     norm = torch.tensor(mean, device=device), torch.tensor(std, device=device)
+    train, spread = spread_for(train, model)  # measured as `train.lr: auto` trains
     found = range_test_of(train, model, data, norm, params.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     dataset.write_json(args.out / "lr_find.json", found)
@@ -49,6 +50,12 @@ def main() -> None:
         f"lr-find: suggested train.lr {found['suggestion']:.2e} ({train.model}, "
         f"{len(found['rates'])} steps; plot: {args.out / 'lr_find.png'})"
     )
+    if spread:  # a number in train.lr keeps factors of 1: the head's rate for the whole network
+        print(
+            f"lr-find: {spread_line(train, found['suggestion'])}; under `train.lr: auto`, or with "
+            + ", ".join(f"train.{key} {value:.2g}" for key, value in spread.items())
+            + " beside the number"
+        )
 
 
 if __name__ == "__main__":

@@ -148,6 +148,28 @@ def test_a_range_test_that_finds_no_rate_is_one_line_naming_the_key():
     assert valley(rates, falling) == rates[14]  # two thirds of the way down, then half a third
 
 
+def test_the_suggestion_and_the_plot_leave_out_the_settling_start_and_the_blow_up():
+    """#58: fastai's lr_find searches its valley from the test's tenth step to the fifth point
+    from its end, and plots without those last points; visionflow searched and plotted all of
+    them, its y axis running to 22.5 over a curve that fell from 2.3 (a flat line)."""
+    from visionflow.train.lr_find import range_test_figure, suggest, valley
+
+    rates = [1e-7 * 1e8 ** (i / 99) for i in range(86)]
+    settling = [3.0 - 0.07 * i for i in range(10)]  # the smoothed loss of the first batches
+    flat = [2.3 + 0.001 * (i % 2) for i in range(40)]
+    falling = [2.3 - 0.06 * i for i in range(30)]
+    losses = settling + flat + falling + [0.5 * 1.6**i for i in range(1, 6)] + [22.5]
+    assert valley(rates, losses) == rates[57]  # its stretch begun in the settling start
+    assert suggest(rates, losses) == rates[63]  # a third and a half down the fall itself
+    result = {"rates": rates, "losses": losses, "suggestion": rates[63]}
+    ax = range_test_figure(result, "test").axes[0]
+    curve, marked = ax.get_lines()[0], ax.get_lines()[-1]
+    assert len(curve.get_xdata()) == len(rates) - 5  # without the blow-up
+    assert 3.0 < ax.get_ylim()[1] < 4.0  # the start, what the loss fell from, is the top
+    assert list(marked.get_xdata()) == [rates[63]] and marked.get_label() == "suggested 1.23e-02"
+    assert any(list(line.get_xdata()) == [rates[63]] * 2 for line in ax.get_lines())  # a rule
+
+
 def test_onecycle_steps_per_optimizer_step_and_not_per_epoch():
     from visionflow.train.engine import Split, Step, make_scheduler, step_scheduler, train_one_epoch
 

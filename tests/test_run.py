@@ -59,6 +59,27 @@ def weights(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> tuple[Path, Path]:
+    """bench/photos.py's photo-like JPEGs (5 classes, 10 each) cached at 32 px RGB, and resnet18
+    weights in torchvision's layout (#58's network; any weights: what is tested is the rates)."""
+    from torchvision.models import get_model
+
+    from bench.photos import generate
+    from visionflow.data import dataset, sources
+
+    root = tmp_path_factory.mktemp("photos")
+    generate(root / "photos", 50, classes=5, size=(48, 36))
+    source = sources.load_source("imagefolder", root / "photos")
+    decode = dataset.Decode(32, "rgb")
+    dataset.build_cache(
+        source, root / "prepared", decode, val_fraction=0.2, test_fraction=0.2, seed=0
+    )
+    torch.manual_seed(1)
+    torch.save(get_model("resnet18").state_dict(), root / "resnet18.pth")
+    return root / "prepared", root / "resnet18.pth"
+
+
 @pytest.fixture(autouse=True)
 def handlers():
     """A run's StopRequest takes SIGINT and SIGTERM; the test's process gets them back."""
@@ -265,3 +286,34 @@ def test_overfit_batches_says_whether_the_loss_got_near_0(cache, tmp_path, capsy
     fitted = train(params(overfit_batches=1, epochs=30, lr=3e-3), cache, tmp_path / "fitted")
     assert fitted.progress.history[-1]["train/loss"] <= fitted.monitor.chance.loss / 10
     assert "the loop, model and data can fit these batches" in capsys.readouterr().out
+
+
+def test_lr_auto_on_the_frozen_head_spreads_the_backbones_rates_and_trains_on(
+    photos, tmp_path, capsys
+):
+    """#58: `train.lr: auto` with `train.freeze_epochs` measured the new head alone, and that
+    rate then reached the whole backbone once unfrozen (the group factors at 1): resnet18 on
+    photos, 2.15e-2, val loss 386333 and train accuracy at chance after unfreezing. Now the
+    backbone's groups learn at fastai's spread below the head's rate (measured so, its BatchNorm
+    layers included), and one-cycle with a frozen first epoch on made photos trains on."""
+    cache, weights = photos
+    change = {"model": "resnet18", "pretrained": str(weights), "lr": "auto", "freeze_epochs": 1}
+    change |= {"scheduler": "onecycle", "epochs": 2, "batch_size": 10}
+    run = train(params(**change), cache, tmp_path)
+    said = capsys.readouterr().out
+    rate = run.found["suggestion"]
+    assert run.train.lr == rate and run.train.backbone_lr_factor == 0.1
+    peaks = [group["max_lr"] for group in run.trainer.optimizer.param_groups]  # one-cycle's
+    assert peaks == pytest.approx([rate, rate / 10, rate / 10**1.5, rate / 100])
+    first, *unfrozen = run.progress.history
+    assert first["lr_backbone"] == 0 and all(
+        r["lr_backbone"] == pytest.approx(r["lr"] / 10) for r in unfrozen
+    )
+    assert (
+        f"train: the rate was measured on the new head alone (train.freeze_epochs 1): once "
+        f"unfrozen, the backbone's layer groups learn at {rate / 10:.2e} (the last) to "
+        f"{rate / 100:.2e} (the first)"
+    ) in said
+    report = json.loads((run.out / "health.json").read_text())
+    assert not report["diverging"] and not report["ruined_fine_tune"], report["messages"]
+    assert max(r["val/loss"] for r in unfrozen) < 2 * max(first["val/loss"], math.log(5))

@@ -7,6 +7,11 @@ on a copy of it, with generators of its own: the training that follows is the on
 `train.lr` set to the found rate makes. Under `train.lr: auto` the rate goes to the train log,
 metrics.json (`lr`), model.pt's meta and the model card, and into the run's state folder
 (lr_find.json): a resumed run takes it from there.
+
+A test with the backbone frozen measures the new head alone: its rate is the head's. The
+backbone, once unfrozen, takes fastai's `fine_tune` spread below it (`spread_for`): at the
+head's rate it wrecked a run (#58: resnet18 on photos, 2.15e-2 from the frozen test, then val
+loss 386333 and train accuracy at chance for five epochs after unfreezing).
 """
 
 import copy
@@ -25,9 +30,37 @@ from visionflow.train.augment import augment
 from visionflow.train.engine import Split
 from visionflow.train.lr_find import START, range_test
 from visionflow.train.training import patient_group
-from visionflow.train.zoo import FineTune
+from visionflow.train.zoo import LR_GROUPS, FineTune
 
 RECORD = "lr_find.json"  # in the run's state folder: the rate `train.lr: auto` found
+# the backbone's groups after a test on the head alone: fastai's fine_tune trains them at
+# slice(lr / 100, lr) once unfrozen; here its last group at a tenth of the head's rate, each
+# earlier one at 0.32x the next (the first, of 3, at a hundredth)
+SPREAD = {"backbone_lr_factor": 0.1, "group_lr_factor": 0.1**0.5}
+
+
+def spread_for(train: Train, model) -> tuple[Train, dict]:
+    """(train.* as a range test on the head alone is to be taken, what it changed): with the
+    backbone frozen for the test (train.freeze_epochs), each of train.backbone_lr_factor and
+    train.group_lr_factor left at 1 takes SPREAD's value, so that the head's rate never reaches
+    the backbone unchanged. A factor set below 1 is the user's and stays."""
+    if not (isinstance(model, FineTune) and train.freeze_epochs):
+        return train, {}
+    left = {key: share for key, share in SPREAD.items() if getattr(train, key) == 1.0}
+    return train.model_copy(update=left), left
+
+
+def spread_line(train: Train, rate: float) -> str:
+    """What the backbone's groups learn at after unfreezing, in one line."""
+    last = rate * train.backbone_lr_factor
+    first = last * train.group_lr_factor ** (LR_GROUPS - 1)
+    return (
+        f"the rate was measured on the new head alone (train.freeze_epochs "
+        f"{train.freeze_epochs}): once unfrozen, the backbone's layer groups learn at {last:.2e} "
+        f"(the last) to {first:.2e} (the first), fastai's fine_tune spread (train."
+        f"backbone_lr_factor {train.backbone_lr_factor:g}, train.group_lr_factor "
+        f"{train.group_lr_factor:.2g}; set them below 1 to choose)"
+    )
 
 
 def range_test_of(train: Train, model, data: Data, norm: tuple, seed: int) -> dict:
@@ -62,6 +95,7 @@ def rate_for(
     suggestion (rank 0's, sent to every rank); no suggestion is a GateError in one line."""
     if train.lr != "auto":
         return train, None
+    train, spread = spread_for(train, model)
     found, record = None, folder / RECORD
     if rank == 0:
         found = json.loads(record.read_text()) if record.exists() else None
@@ -70,6 +104,8 @@ def rate_for(
             found = range_test_of(train, model, data, norm, seed)
             how = f"{len(found['rates'])} steps; `visionflow lr-find` plots it"
         log(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
+        if spread and found["suggestion"] is not None:
+            log(f"train: {spread_line(train, found['suggestion'])}")
     if world > 1:
         shared = [found]
         dist.broadcast_object_list(shared, src=0, group=patient_group())

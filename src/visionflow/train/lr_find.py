@@ -1,6 +1,8 @@
 """The learning-rate range test (Smith, "Cyclical learning rates", 2015; fastai's `lr_find`): a
 short run whose rate rises exponentially, step by step, until the loss diverges; the suggested
-rate lies in the loss's longest downhill stretch (fastai's `valley`).
+rate lies in the loss's longest downhill stretch (fastai's `valley`), found as fastai finds it:
+past the test's first tenth of steps (the smoothed loss is still settling) and before its last 5
+(the blow-up that stopped it).
 
 Takes values (a model, its optimizer, a split): `fit/lr_auto.py` builds them from
 train.* as the train stage does, and runs this on a copy of the model.
@@ -19,6 +21,7 @@ STEPS = 100  # optimizer steps at most
 SMOOTHING = 0.98  # the loss's exponential moving average (bias-corrected), as fastai's
 DIVERGED = 4.0  # stop once the smoothed loss is this many times its lowest
 MIN_VALLEY = 5  # points in the longest downhill stretch below which there is no suggestion
+SKIP_END = 5  # the last points, the blow-up, are neither searched nor plotted (fastai's)
 
 
 def range_test(
@@ -51,7 +54,15 @@ def range_test(
         losses.append(average / (1 - SMOOTHING ** (i + 1)))
         if losses[-1] > DIVERGED * min(losses):
             break
-    return {"rates": rates, "losses": losses, "suggestion": valley(rates, losses)}
+    return {"rates": rates, "losses": losses, "suggestion": suggest(rates, losses, steps)}
+
+
+def suggest(rates: list[float], losses: list[float], steps: int = STEPS) -> float | None:
+    """`valley` over the points fastai's `lr_find` searches: from the test's tenth step (the
+    smoothed loss of its first steps is a few batches' noise) to the fifth point from its end
+    (the rise that stopped the test)."""
+    start, end = steps // 10, len(rates) - SKIP_END
+    return valley(rates[start:end], losses[start:end])
 
 
 def endless(split: Split, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -81,17 +92,26 @@ def valley(rates: list[float], losses: list[float]) -> float | None:
 
 
 def range_test_figure(result: dict, title: str):
-    """Loss against rate (log x), the suggestion marked: a matplotlib figure."""
+    """Loss against rate (log x) without the blow-up that stopped the test (its last SKIP_END
+    points, as fastai plots it; the y axis ends a little above the loss at the start), the
+    suggestion marked: a matplotlib figure."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
+    rates, losses = result["rates"], result["losses"]
+    shown = max(len(rates) - SKIP_END, min(len(rates), MIN_VALLEY))
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(result["rates"], result["losses"])
+    ax.plot(rates[:shown], losses[:shown])
+    if shown:
+        lowest = min(losses[:shown])
+        top = max(losses[: losses.index(lowest) + 1])  # the start: what the test fell from
+        ax.set_ylim(lowest - 0.1 * (top - lowest), top + 0.1 * (top - lowest) + 1e-6)
     suggestion = result["suggestion"]
     if suggestion is not None:
-        at = result["losses"][result["rates"].index(suggestion)]
+        at = losses[rates.index(suggestion)]
+        ax.axvline(suggestion, color="C3", linewidth=0.8, linestyle="--")
         ax.plot([suggestion], [at], "o", color="C3", label=f"suggested {suggestion:.2e}")
         ax.legend()
     ax.set_xscale("log")
