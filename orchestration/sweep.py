@@ -14,6 +14,7 @@ main metrics (MAIN_METRICS).
 """
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from prefect.states import Cancelled, Failed, State
 from orchestration.record import deployed
 from visionflow.data.files import flatten
 from visionflow.ops import repo
+from visionflow.ops.leftovers import cleared_line
 from visionflow.ops.repo import DvcBusy, DvcHung, StageFailed, dvc, readable
 from visionflow.ops.runner import Timeout, dvc_command, run_group
 
@@ -62,16 +64,23 @@ def exp_run_args(name: str, sets: list[str]) -> list[str]:
 @task(task_run_name="{name}")
 def run_experiment(root: Path, name: str, sets: list[str], timeout_s: float) -> dict | State:
     """`dvc exp run --temp` of one experiment, its output in the log; its state and main
-    metrics, or a Failed state (a Cancelled one when its deployment's run was cancelled)."""
+    metrics, or a Failed state (a Cancelled one when its deployment's run was cancelled).
+    A `dvc` killed before it recorded the end leaves no Running ghost: what it left is cleared
+    and said (visionflow.ops.leftovers), here or, if this process was killed first (Prefect's
+    runner kills a cancelled run's process after 30 s), by the reaper."""
     logger = get_run_logger()
     logger.info(f"{name} ({' '.join(sets)}): running")
     cmd = [*dvc_command(), *exp_run_args(name, sets), "--temp"]
+    clear = [sys.executable, "-m", "visionflow.ops.leftovers", str(root), name]
     try:
-        code, tail = run_group(cmd, root, timeout_s, readable(logger.info), not deployed())
+        code, tail = run_group(cmd, root, timeout_s, readable(logger.info), not deployed(), clear)
     except Timeout as error:
         return Failed(message=f"{name}: {error}")
     except TerminationSignal:  # that cancellation: the experiment was stopped as every stop is
         return Cancelled(message=f"{name}: stopped by its cancellation")
+    finally:
+        if line := cleared_line(root, name):  # the group is gone, whatever ended the call
+            logger.warning(line)
     if code != 0:
         return Failed(message=f"{name}: failed (exit {code}): {failure_line(tail)}")
     return experiment_result(name, Poll(root, logger.warning).results([name])[name])

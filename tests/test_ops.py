@@ -211,25 +211,133 @@ def test_a_group_past_its_timeout_is_stopped_and_killed_when_it_ignores_sigint(
 IGNORES_SIGINT = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN)"
 
 
-def test_the_reaper_ends_the_group_of_a_runner_that_died(tmp_path):
+# A leader that ignores SIGINT, as DVC does while a stage runs, under it a stage that does too;
+# when its stage dies it writes `recorded` (as DVC records a failed stage) and exits 1.
+RECORDS_ITS_STAGES_END = f"""\
+{IGNORES_SIGINT}; import subprocess, sys
+stage = subprocess.Popen([sys.executable, "-c", "{IGNORES_SIGINT}; time.sleep(600)"])
+print("ready", flush=True)
+stage.wait()
+open(sys.argv[1], "w").write(str(stage.returncode))
+sys.exit(1)
+"""
+
+
+def test_the_reaper_ends_the_group_of_a_runner_that_died_its_stage_before_dvc(tmp_path):
     """No "done" from the runner (its end of the pipe closed): SIGINT, the grace period, then
-    SIGKILL for a group that ignores SIGINT, as DVC does while a stage runs."""
+    SIGKILL for a group that ignores SIGINT, as DVC does while a stage runs: the stage first,
+    so that the leader (DVC) sees it die and records the end, then whatever is left. Then the
+    command the runner gave it runs (`after`: what DVC could not record, cleared)."""
+    recorded, after = tmp_path / "recorded", tmp_path / "after"
+    group = subprocess.Popen(
+        [sys.executable, "-c", RECORDS_ITS_STAGES_END, str(recorded)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert group.stdout.readline() == b"ready\n"
+    assert reaper.started(group.pid) is not None
+    touch = [sys.executable, "-c", f"open({str(after)!r}, 'w').close()"]
+    guard = subprocess.Popen(
+        [sys.executable, str(runner.REAPER), str(group.pid), "0", str(group.stdout.fileno())]
+        + touch,
+        stdin=subprocess.PIPE,
+        pass_fds=(group.stdout.fileno(),),
+    )
+    guard.stdin.close()  # the runner is gone
+    assert group.wait(timeout=120) == 1  # it outlived its stage, and ended on its own
+    assert recorded.read_text() == str(-signal.SIGKILL)
+    assert reaper.started(group.pid) is None
+    assert guard.wait(timeout=120) == 0
+    assert after.exists()
+
+
+def test_a_leader_with_nothing_under_it_past_the_grace_is_killed_at_once(tmp_path):
+    """DVC itself is what outlived the grace period (hashing a FIFO, say): no wait for it to
+    record anything."""
     group = subprocess.Popen(
         [sys.executable, "-c", f"{IGNORES_SIGINT}; print('ready', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE,
         start_new_session=True,
     )
     assert group.stdout.readline() == b"ready\n"
-    assert reaper.started(group.pid) is not None
-    guard = subprocess.Popen(
-        [sys.executable, str(runner.REAPER), str(group.pid), "0", str(group.stdout.fileno())],
-        stdin=subprocess.PIPE,
-        pass_fds=(group.stdout.fileno(),),
+    assert reaper.kill_stage_first(group.pid, record_s=600)
+    assert group.wait(timeout=60) == -signal.SIGKILL
+
+
+def experiment_project(root: Path, working: Path) -> Path:
+    """A git + DVC project of one stage that never reaches a safe point: it ignores SIGINT,
+    writes `working` once at work, and sleeps."""
+    from tests.helpers import commit, sh
+
+    root.mkdir()
+    (root / "work.py").write_text(
+        f"{IGNORES_SIGINT}\nopen({str(working)!r}, 'w').close()\ntime.sleep(600)\n"
     )
-    guard.stdin.close()  # the runner is gone
-    assert group.wait(timeout=120) == -signal.SIGKILL
-    assert reaper.started(group.pid) is None
-    assert guard.wait(timeout=120) == 0
+    (root / "params.yaml").write_text("lr: 1\n")
+    (root / "dvc.yaml").write_text(
+        "stages:\n  work:\n    cmd: python work.py > out.txt\n    deps: [work.py]\n"
+        "    params: [lr]\n    outs: [out.txt]\n"
+    )
+    sh(root, "git", "init", "-q")
+    sh(root, "dvc", "init", "-q")
+    commit(root, "one stage")
+    return root
+
+
+def running_and_copies(root: Path) -> tuple[list[str], list[str]]:
+    """The experiments `dvc exp show` calls running (asked in process: a second sooner), and
+    DVC's temporary copies on disk."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as dvc:
+        shown = dvc.experiments.show()
+    running = [
+        exp.name
+        for baseline in shown
+        for exp in baseline.experiments or []
+        if exp.executor and exp.executor.state == "running"
+    ]
+    copies = sorted(p.name for p in (root / ".dvc/tmp/exps/standalone").glob("tmp*"))
+    return running, copies
+
+
+def test_a_temporary_experiment_killed_past_its_grace_leaves_no_running_ghost(
+    tmp_path, monkeypatch
+):
+    """#57 (3): a `dvc exp run --temp` whose stage never reaches its safe point is killed after
+    the grace period, the stage before DVC: DVC records the end and removes its temporary copy
+    (killed with its stage, it left `dvc exp show` saying Running, and the copy, for good). And
+    a `dvc` killed outright (SIGKILL to everything) leaves that ghost, which `leftovers` clears
+    and names."""
+    from visionflow.ops import leftovers
+
+    working = tmp_path / "working"
+    root = experiment_project(tmp_path / "project", working)
+    monkeypatch.setenv("VISIONFLOW_STOP_GRACE_S", "0")
+    monkeypatch.setattr(faults, "FAULTS", faults.parse(f"runner.timer:pause={working}"))
+    monkeypatch.setattr(faults, "ACTIVE", True)
+    run = [*runner.dvc_command(), "exp", "run", "--temp", "--name"]
+    with pytest.raises(Timeout, match="ran past 1 s"):
+        runner.run_group([*run, "stopped", "-S", "lr=2"], root, 1, print)
+    assert running_and_copies(root) == ([], [])
+
+    working.unlink()
+    killed = subprocess.Popen(
+        [*run, "killed", "-S", "lr=3"], cwd=root, env=runner.environment(), start_new_session=True
+    )
+    while not working.exists():
+        assert killed.poll() is None, "the experiment ended before its stage was at work"
+        time.sleep(0.05)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    reaper.kill_family(killed.pid)  # the stage, which the group's kill reached too
+    running, [copy] = running_and_copies(root)
+    assert running == ["killed"]  # DVC's ghost: no process, and it says Running
+    line = leftovers.cleared_line(root, "killed")
+    assert line.startswith("killed: dvc was killed before it recorded the end"), line
+    assert f".dvc/tmp/exps/standalone/{copy}" in line
+    assert running_and_copies(root) == ([], [])
+    assert leftovers.cleared_line(root, "killed") is None  # nothing left to say
 
 
 def test_dvcs_addresses_lock_entries_and_hints_read_as_dvc_writes_them(tmp_path):

@@ -10,23 +10,35 @@ keeps the group's output pipe open (drained, so a stage can still print), asks t
 stop with SIGINT if the runner had not, waits out the grace period, then kills the group until
 none of it is left, zombies included (DVC takes a dead run's lock entry for a live one until its
 process is reaped), for at most 30 s; and, even when the group ended first, what it had started
-in sessions of their own (torchrun's ranks) as the reaper saw them when the runner died.
+in sessions of their own (torchrun's ranks) as the reaper saw them when the runner died. Then it
+runs the command after OUTPUT_FD, if any (`runner.run_group`'s `after`: what DVC could not
+record, cleared).
+
+A kill past the grace period spares `dvc`, the group's leader, at first (`kill_stage_first`):
+it kills the stage's processes, and DVC, seeing its stage die, records the end as after any
+failure (a `dvc exp run --temp` writes its experiment failed and removes its temporary copy;
+killed with its stage, it left `dvc exp show` saying Running, and the copy in .dvc/tmp/exps,
+for good). DVC gets RECORD_S for that, then it is killed too.
 """
 
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import psutil
 
+RECORD_S = 30.0  # seconds `dvc` gets to record the end of a stage killed under it (~3 s here)
+
 
 def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stop sent to every process (systemd's
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # control group) must not end the guard
     group, grace, output = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    after = sys.argv[4:]  # a command to run once the group is gone, if the runner died
     deadline, done = None, False
     for line in sys.stdin.buffer:
         if line.strip() == b"stop":
@@ -46,6 +58,7 @@ def main() -> None:
             while time.monotonic() < deadline:
                 os.killpg(group, 0)
                 time.sleep(0.1)
+            kill_stage_first(group)
         end = time.monotonic() + 30
         while time.monotonic() < end:
             kill_family(group)
@@ -54,6 +67,9 @@ def main() -> None:
             time.sleep(0.05)
     except (ProcessLookupError, PermissionError):
         kill_seen(seen)  # the group is gone: what it started may not be
+    if after and not done:
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            subprocess.run(after, stdin=subprocess.DEVNULL, timeout=600, check=False)
 
 
 def family(leader: int, group: bool = True) -> set[int]:
@@ -99,6 +115,34 @@ def kill_family(leader: int, group: bool = True) -> bool:
             break
         found |= again
     return bool(found)
+
+
+def kill_stage_first(leader: int, record_s: float = RECORD_S) -> bool:
+    """`kill_family(leader)`, letting `leader` (`dvc`) record the end first when anything runs
+    under it: what ran under it (the stage, and whatever that starts, until none is left) is
+    killed, not what `leader` starts afterwards (a failed stage's report: DVC's analytics
+    daemon, say), and `leader` gets `record_s` to end on its own before it is killed too. A
+    `leader` with nothing under it is what hangs: killed at once. True when there was anything
+    to kill."""
+    stage = family(leader) - {leader}
+    deadline = time.monotonic() + record_s
+    while stage and time.monotonic() < deadline and started(leader) is not None:
+        under = family(leader) - {leader}
+        later = {pid for pid in under - stage if parent(pid) == leader}
+        under -= set().union(*(family(pid, group=False) for pid in later))
+        for pid in under:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stage |= under
+        time.sleep(0.05)
+    return kill_family(leader) or bool(stage)
+
+
+def parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.Error:
+        return None
 
 
 def started(pid: int) -> str | None:

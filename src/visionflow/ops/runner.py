@@ -11,9 +11,11 @@ running, and a failed stage leaves its outputs deleted (they stay in DVC's cache
 - stop the group one way, whatever asked (Ctrl-C, SIGTERM, a timeout, a cancellation, the
   runner's death): SIGINT, which DVC ignores while a stage runs and on which training finishes
   its epoch and checkpoints it; SIGKILL only after a grace period (VISIONFLOW_STOP_GRACE_S),
-  to the group and to every process descended from it, wherever it is (torchrun starts each
-  rank in a session of its own); torchrun is given the same grace for its ranks
-  (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default is 30 s);
+  to every process descended from the group, wherever it is (torchrun starts each rank in a
+  session of its own), and to `dvc` last, once it has recorded its killed stage's end (a
+  `dvc exp run --temp` killed with its stage stays Running in `dvc exp show` for good:
+  reaper.kill_stage_first, visionflow.ops.leftovers); torchrun is given the same grace for its
+  ranks (TORCH_ELASTIC_SHUTDOWN_TIMEOUT; its own default is 30 s);
 - after a failed `dvc repro` (its exit code, not its words), run `dvc checkout --force`: the
   previous results come back from the cache. A run that may need that restore leaves a note
   in `.dvc/tmp` until it is done; a process killed before (Prefect SIGKILLs a cancelled flow
@@ -43,7 +45,7 @@ from pathlib import Path
 from visionflow import faults
 from visionflow.errors import NotAProject, Timeout
 from visionflow.ops.project import dvc_root, outs_of, pipeline, preflight
-from visionflow.ops.reaper import kill_family
+from visionflow.ops.reaper import kill_family, kill_stage_first
 
 DVC_RUNS_A_STAGE = "Running stage '"  # DVC's line as it starts a stage's command
 BUSY_EXIT = 75  # "skipped: another run holds the workspace" (EX_TEMPFAIL: try again later)
@@ -154,18 +156,21 @@ class Group:
             threading.Thread(target=self.end, daemon=True).start()
 
     def end(self) -> None:
-        """Stop the group, wait for it until the grace period is over, then kill what is left
-        (recorded in KILLED: the stage never reached its safe point)."""
+        """Stop the group, wait for it until the grace period is over, then kill what is left,
+        the stage before `dvc` so that DVC records the end (`kill_stage_first`; recorded in
+        KILLED: the stage never reached its safe point)."""
         self.stop()
         while self.signal(0) and time.monotonic() < self.deadline:
             time.sleep(0.1)
-        if kill_family(self.pid):
+        if kill_stage_first(self.pid):
             KILLED.append(self.grace_s)
 
 
-def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]:
+def start_group(
+    cmd: list[str], workdir: Path, after: list[str] = ()
+) -> tuple[subprocess.Popen, Group]:
     """`cmd` started in its own process group, its output piped, and the reaper that stops the
-    group if this process dies."""
+    group if this process dies, then runs `after`."""
     process = subprocess.Popen(
         cmd,
         cwd=workdir,
@@ -178,7 +183,7 @@ def start_group(cmd: list[str], workdir: Path) -> tuple[subprocess.Popen, Group]
     )
     grace_s, output = stop_grace_s(), process.stdout.fileno()
     reaper = subprocess.Popen(  # the standard library alone: no PYTHONPATH of ours
-        [sys.executable, str(REAPER), str(process.pid), str(grace_s), str(output)],
+        [sys.executable, str(REAPER), str(process.pid), str(grace_s), str(output), *after],
         stdin=subprocess.PIPE,
         pass_fds=(*HELD, output),  # the workspace lock stays held until the group is gone
         start_new_session=True,  # not killed with this process's group
@@ -233,6 +238,7 @@ def run_group(
     timeout_s: float,
     log: Callable[[str], None],
     sigterm: bool = True,
+    after: list[str] = (),
 ) -> tuple[int, str]:
     """Run `cmd` in its own process group, streaming lines to `log`. Every way of stopping it
     goes through `Group.end`: SIGINT, a grace period for the stage's safe point
@@ -242,11 +248,13 @@ def run_group(
     (cancellation, an error). If this process dies, the reaper does the same. When `cmd` ends on
     its own, whatever is left of its group is killed at once; when it was stopped or killed, the
     rest of the group gets the grace period. With `sigterm` off, SIGTERM is left to the
-    handler in place (Prefect's, whose exception is an early end of this call).
+    handler in place (Prefect's, whose exception is an early end of this call). `after` is a
+    command the reaper runs once the group is gone, should this process die first (a caller
+    that lives does its own cleanup).
 
     Returns the exit code and the output's last 4,000 characters.
     """
-    process, group = start_group(cmd, workdir)
+    process, group = start_group(cmd, workdir, after)
     watcher, call_done, timed_out = supervise(process, group, timeout_s)
     handlers = (
         (signal.SIGINT, signal.SIGTERM)[: 2 if sigterm else 1]
