@@ -170,6 +170,15 @@ def test_the_suggestion_and_the_plot_leave_out_the_settling_start_and_the_blow_u
     assert any(list(line.get_xdata()) == [rates[63]] * 2 for line in ax.get_lines())  # a rule
 
 
+def test_the_suggestion_is_fastais_valley_on_fastais_own_curve():
+    """Parity with fastai's `lr_find`: its recorded rates and smoothed losses (tests/data, #58's
+    photos), and the valley it suggested. The rule before #58 (every point) said 3.98e-4."""
+    from visionflow.train.lr_find import suggest
+
+    recorded = json.loads((ROOT / "tests/data/fastai_lr_find.json").read_text())
+    assert suggest(recorded["rates"], recorded["losses"]) == pytest.approx(recorded["valley"])
+
+
 def test_onecycle_steps_per_optimizer_step_and_not_per_epoch():
     from visionflow.train.engine import Split, Step, make_scheduler, step_scheduler, train_one_epoch
 
