@@ -51,10 +51,11 @@ def main() -> None:
         f"{len(found['rates'])} steps; plot: {args.out / 'lr_find.png'})"
     )
     if spread:  # a number in train.lr keeps factors of 1: the head's rate for the whole network
+        factors = " and ".join(f"train.{key} {value:.2g}" for key, value in spread.items())
         print(
-            f"lr-find: {spread_line(train, found['suggestion'])}; under `train.lr: auto`, or with "
-            + ", ".join(f"train.{key} {value:.2g}" for key, value in spread.items())
-            + " beside the number"
+            f"lr-find: measured on the new head alone (train.freeze_epochs {train.freeze_epochs}):"
+            f" under `train.lr: auto`, {spread_line(train, found['suggestion'])}; with a number "
+            f"in train.lr, set {factors} beside it"
         )
 
 

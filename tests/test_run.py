@@ -310,7 +310,7 @@ def test_lr_auto_on_the_frozen_head_spreads_the_backbones_rates_and_trains_on(
         r["lr_backbone"] == pytest.approx(r["lr"] / 10) for r in unfrozen
     )
     assert (
-        f"train: the rate was measured on the new head alone (train.freeze_epochs 1): once "
+        "train: train.lr auto was measured on the new head alone (train.freeze_epochs 1): once "
         f"unfrozen, the backbone's layer groups learn at {rate / 10:.2e} (the last) to "
         f"{rate / 100:.2e} (the first)"
     ) in said

@@ -51,15 +51,14 @@ def spread_for(train: Train, model) -> tuple[Train, dict]:
 
 
 def spread_line(train: Train, rate: float) -> str:
-    """What the backbone's groups learn at after unfreezing, in one line."""
+    """What the backbone's groups learn at after unfreezing, for the log's line."""
     last = rate * train.backbone_lr_factor
     first = last * train.group_lr_factor ** (LR_GROUPS - 1)
     return (
-        f"the rate was measured on the new head alone (train.freeze_epochs "
-        f"{train.freeze_epochs}): once unfrozen, the backbone's layer groups learn at {last:.2e} "
-        f"(the last) to {first:.2e} (the first), fastai's fine_tune spread (train."
-        f"backbone_lr_factor {train.backbone_lr_factor:g}, train.group_lr_factor "
-        f"{train.group_lr_factor:.2g}; set them below 1 to choose)"
+        f"once unfrozen, the backbone's layer groups learn at {last:.2e} (the last) to "
+        f"{first:.2e} (the first), fastai's fine_tune spread (train.backbone_lr_factor "
+        f"{train.backbone_lr_factor:g}, train.group_lr_factor {train.group_lr_factor:.2g}; set "
+        "them below 1 to choose)"
     )
 
 
@@ -105,7 +104,10 @@ def rate_for(
             how = f"{len(found['rates'])} steps; `visionflow lr-find` plots it"
         log(f"train: train.lr auto: {found['suggestion'] or 0:.2e}, the range test's ({how})")
         if spread and found["suggestion"] is not None:
-            log(f"train: {spread_line(train, found['suggestion'])}")
+            log(
+                "train: train.lr auto was measured on the new head alone (train.freeze_epochs "
+                f"{train.freeze_epochs}): {spread_line(train, found['suggestion'])}"
+            )
     if world > 1:
         shared = [found]
         dist.broadcast_object_list(shared, src=0, group=patient_group())
