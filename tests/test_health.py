@@ -305,6 +305,9 @@ def test_a_fine_tune_ruined_after_unfreezing_is_a_finding_and_unhealthy():
     small = fine_tune([(0.9, 0.02)], [(0.95, 0.3)])  # 15x a tiny loss: still far under a guess's
     assert health.ruined_fine_tune(small, chance) is None
     assert health.ruined_fine_tune(fine_tune([], [(0.2, 1e6)]), chance) is None  # nothing frozen
+    annealed = fine_tune([(0.6, 1.0)], [(0.2, 1e5), (0.3, 2.0)])
+    annealed[-1]["lr_backbone"] = 0.0  # a schedule's last rate, 0: not a frozen epoch
+    assert health.ruined_fine_tune(annealed, chance).evidence["unfrozen_epoch"] == 2
     assert health.ruined_fine_tune(fine_tune([(0.6, 1.0)], [(0.2, math.nan)]), chance)
 
 

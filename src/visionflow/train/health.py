@@ -12,7 +12,7 @@ same code, data and params must give byte for byte.
 
 import math
 from dataclasses import asdict, dataclass, field
-from itertools import pairwise
+from itertools import pairwise, takewhile
 from statistics import fmean
 
 CHECKS = (
@@ -289,32 +289,28 @@ AT_CHANCE_EPOCHS = 3  # unfrozen epochs in a row at chance's train accuracy, aft
 
 
 def ruined_fine_tune(history: list[dict], chance: Guess) -> Finding | None:
-    """Fine-tuning (epochs whose `lr_backbone` is 0 had the backbone frozen): after unfreezing,
+    """Fine-tuning (the first epochs, whose `lr_backbone` is 0, had the backbone frozen; a
+    schedule that anneals to 0 at the end freezes nothing): after unfreezing,
     the val loss an order of magnitude over the last frozen epoch's and over 10x a guess's (or
     not finite), or the train accuracy back at a guess's (plus a fifth of the way to 1) for
     AT_CHANCE_EPOCHS epochs in a row after the frozen phase beat it. The backbone took a rate
     that wrecked its pretrained features (#58: 2.15e-2 from a range test on the head alone, then
     val loss 386333 and train accuracy at chance for five epochs), which neither the train loss
     (near a guess's, not above it) nor the val accuracy kept by the best epoch shows."""
-    frozen = [i for i, h in enumerate(history) if h.get("lr_backbone") == 0.0]
-    if not frozen or frozen[-1] == len(history) - 1:
+    frozen = sum(1 for _ in takewhile(lambda h: h.get("lr_backbone") == 0.0, history))
+    if frozen in (0, len(history)):
         return None
-    before, after = history[frozen[-1]], history[frozen[-1] + 1 :]
-    unfrozen = frozen[-1] + 2  # the first unfrozen epoch, counted from 1
+    before, after = history[frozen - 1], history[frozen:]
     worst = max((h["val/loss"] for h in after), key=lambda v: v if math.isfinite(v) else math.inf)
     limit = JUMP * max(before["val/loss"], chance.loss)
-    learned = max(history[i]["train/accuracy"] for i in frozen)
+    learned = max(h["train/accuracy"] for h in history[:frozen])
     stuck = [h["train/accuracy"] for h in after[-AT_CHANCE_EPOCHS:]]
     if not math.isfinite(worst) or worst > limit:
         what = (
             f"the val loss jumped from {before['val/loss']:.3g} (the last frozen epoch's) to "
             f"{worst:.3g} (over {JUMP:g}x that and a guess's {chance.loss:.3f})"
         )
-    elif (
-        learned > chance.above
-        and len(stuck) == AT_CHANCE_EPOCHS
-        and max(stuck) <= chance.above
-    ):
+    elif learned > chance.above and len(stuck) == AT_CHANCE_EPOCHS and max(stuck) <= chance.above:
         what = (
             f"the train accuracy fell from {learned:.2f} with the backbone frozen to "
             f"{max(stuck):.2f} at best over the last {AT_CHANCE_EPOCHS} epochs, a guess's "
@@ -325,12 +321,12 @@ def ruined_fine_tune(history: list[dict], chance: Guess) -> Finding | None:
     return Finding(
         "ruined_fine_tune",
         len(history),
-        f"ruined fine-tune: after unfreezing the backbone at epoch {unfrozen}, {what}: the "
+        f"ruined fine-tune: after unfreezing the backbone at epoch {frozen + 1}, {what}: the "
         "backbone's rate wrecked its pretrained features. Lower the backbone's rates: "
         "train.backbone_lr_factor 0.1 and train.group_lr_factor 0.3 (what `train.lr: auto` "
         "sets after a range test on the head alone), or a lower train.lr, or train.grad_clip",
         {
-            "unfrozen_epoch": unfrozen,
+            "unfrozen_epoch": frozen + 1,
             "frozen_val_loss": before["val/loss"],
             "val_loss": [h["val/loss"] for h in after],
             "frozen_train_accuracy": learned,
