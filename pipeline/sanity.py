@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from pipeline import GateError, run, staged
 from visionflow.data import dataset, label_issues, splits
@@ -157,8 +158,8 @@ def pool(cache: Path) -> tuple[list, np.ndarray, list[str], list[str]]:
 
 
 def network(params: Params, meta: dataset.Cache, channels: int, size: int):
-    """The network train builds (with train.pretrained's weights, if any) and the mean/std it is
-    fed with, as fit.setup makes them."""
+    """The network train builds (with train.pretrained's weights, or at random weights drawn
+    from the seed) and the mean/std it is fed with, as fit.setup makes them."""
     t, mean, std, net = params.train, meta.mean, meta.std, None
     if from_torchvision(t.model, t.pretrained):
         net = {
@@ -172,22 +173,57 @@ def network(params: Params, meta: dataset.Cache, channels: int, size: int):
         mean, std = net["mean"], net["std"]
         if channels == 1:  # FineTune spreads one channel over the network's three
             mean, std = [sum(mean) / 3], [sum(std) / 3]
+    torch.manual_seed(params.seed)
     model = build_model(t.model, channels, len(meta.classes), size, 0.0, False, net, t.pretrained)
     return model, torch.tensor(mean), torch.tensor(std)
 
 
-def work(params: Params, model, xs: list, classes: int, linear: bool) -> dict:
-    """The probe's and the train stage's estimated multiply-adds: train's 3 passes (forward,
-    backward) of the network per train image and epoch; the probe's features (a backbone's
-    forward pass per image, when pretrained) and fits (`label_issues.probe_macs`)."""
+def probes(params: Params, model, xs: list, mean, std, pretrained: bool) -> dict:
+    """The label-issue probes' features (`label_issues.find`), each name -> (features, linear):
+    with train.pretrained, the backbone's (its head's input, one frozen forward pass); from
+    scratch, the pixels and the train network's last convolution at random weights, pooled."""
+
+    def at(kind, take) -> np.ndarray:
+        layer = features.last(model, kind)
+        return np.concatenate([features.taken_at(model, layer, take, x, mean, std) for x in xs])
+
+    name = params.train.model
+    if pretrained:
+        return {
+            f"{name}'s pretrained features, logistic regression": (
+                at(nn.Linear, features.head_input),
+                True,
+            )
+        }
+    pixels = np.concatenate([features.pixels(x, mean, std) for x in xs])
+    found = {"pixels, PCA + kNN": (pixels, False)}
+    try:
+        random = at(nn.Conv2d, features.pooled)
+        found[f"{name} at random weights, its last conv pooled, logistic regression"] = (
+            random,
+            True,
+        )
+    except ValueError:  # a network without a convolution (a ViT): the pixels alone
+        pass
+    return found
+
+
+def work(params: Params, model, xs: list, classes: int, pretrained: bool) -> dict:
+    """The probes' and the train stage's estimated multiply-adds: train's 3 passes (forward,
+    backward) of the network per train image and epoch; each probe's features (a forward pass
+    of the network per image) and fits (`label_issues.probe_macs`)."""
     size, channels = xs[0].shape[1], xs[0].shape[3]
     macs, images = features.forward_macs(model, channels, size), sum(len(x) for x in xs)
     train = 3 * macs * len(xs[0]) * params.train.epochs
     side = min(size, features.PIXEL_SIDE)
-    dims = features.last_linear(model).in_features if linear else channels * side * side
-    probe = label_issues.probe_macs(images, dims, classes, linear) + (
-        macs * images if linear else 0
-    )
+    pixels = label_issues.probe_macs(images, channels * side * side, classes, False)
+    try:
+        layer = features.last(model, nn.Linear if pretrained else nn.Conv2d)
+        dims = layer.in_features if pretrained else 2 * layer.out_channels
+        linear = macs * images + label_issues.probe_macs(images, dims, classes, True)
+    except ValueError:  # no such layer: the pixels' probe alone
+        linear = 0
+    probe = linear + (0 if pretrained else pixels)
     return {"probe_macs": probe, "train_macs": train, "share": round(probe / train, 4)}
 
 
@@ -195,7 +231,7 @@ def find_label_issues(cache: Path, meta: dataset.Cache, params: Params, out: Pat
     """label_issues.json and label_issues.png (sanity.label_issues); the log line."""
     setting, t, classes = params.sanity.label_issues, params.train, meta.classes
     xs, labels, names, where = pool(cache)
-    linear = bool(t.pretrained) and from_torchvision(t.model, t.pretrained)
+    pretrained = bool(t.pretrained) and from_torchvision(t.model, t.pretrained)
     report = {"setting": setting, "ran": False, "images": len(labels), "issues": []}
     if setting is False:
         return write_issues(out, report, "off (sanity.label_issues: false)", xs)
@@ -204,24 +240,23 @@ def find_label_issues(cache: Path, meta: dataset.Cache, params: Params, out: Pat
     except (Unavailable, ValueError) as error:  # train names these itself, with its key
         reason = f"skipped: no network to estimate its cost with ({error})"
         return write_issues(out, report, reason, xs)
-    report["work"] = work(params, model, xs, len(classes), linear)
+    report["work"] = work(params, model, xs, len(classes), pretrained)
     if setting == "auto" and report["work"]["share"] > AUTO_SHARE:
         reason = (
             f"skipped: its estimated work is {report['work']['share']:.0%} of train's, over "
             f"auto's {AUTO_SHARE:.0%} (sanity.label_issues: true runs it)"
         )
         return write_issues(out, report, reason, xs)
-    if linear:  # a pretrained backbone's features, one frozen forward pass
-        pooled = np.concatenate([features.penultimate(model, x, mean, std) for x in xs])
-    else:
-        pooled = np.concatenate([features.pixels(x, mean, std) for x in xs])
     try:
-        found = label_issues.find(pooled, labels, classes, linear, params.seed)
+        found = label_issues.find(
+            probes(params, model, xs, mean, std, pretrained), labels, classes, params.seed
+        )
     except ValueError as error:  # one class, a class of one image
         return write_issues(out, report, f"skipped: {error}", xs)
     report |= {
         "ran": True,
-        "probe": f"{t.model} features, logistic regression" if linear else "pixels, PCA + kNN",
+        "probe": found.probe,
+        "probe_accuracy": found.accuracy,  # out of sample, against the given labels
         "folds": found.folds,
         "suspects": len(found.index),
         "per_class": label_issues.class_shares(labels, found, classes),

@@ -36,10 +36,10 @@ def precision_recall(found: np.ndarray, flipped: np.ndarray) -> tuple[float, flo
 
 def test_the_probe_finds_most_flipped_digits_and_little_else():
     x, labels, flipped = flipped_digits(0.03)
-    found = label_issues.find(x, labels, DIGITS, linear=False, seed=0)
+    found = label_issues.find({"pixels": (x, False)}, labels, DIGITS, seed=0)
     precision, recall = precision_recall(found.index, flipped)
     assert recall >= 0.7 and precision >= 0.7, (precision, recall)
-    assert found.folds == label_issues.FOLDS
+    assert found.folds == label_issues.FOLDS and found.probe == "pixels"
     assert np.all(np.diff(found.score) >= 0)  # the least confident first
     right = np.isin(found.index, flipped)  # for a flipped digit, the probe suggests its digit
     truth = np.asarray(__import__("sklearn.datasets").datasets.load_digits().target)
@@ -57,9 +57,13 @@ def test_probabilities_that_are_not_out_of_sample_find_nothing_to_trust():
     assert precision_recall(shuffled.index, flipped)[0] < 0.2  # flags hundreds, mostly right
 
 
-def test_the_linear_probe_finds_flipped_digits_too():
+def test_the_probe_that_agrees_with_the_labels_most_ranks():
+    """Given a useless probe (features of noise) beside a good one, the good one ranks; the
+    linear probe finds flipped digits too."""
     x, labels, flipped = flipped_digits(0.05)
-    found = label_issues.find(x, labels, DIGITS, linear=True, seed=0)
+    noise = np.random.default_rng(0).normal(size=x.shape)
+    found = label_issues.find({"noise": (noise, True), "linear": (x, True)}, labels, DIGITS, seed=0)
+    assert found.probe == "linear" and found.accuracy["noise"] < 0.3 < found.accuracy["linear"]
     precision, recall = precision_recall(found.index, flipped)
     assert recall >= 0.6 and precision >= 0.6, (precision, recall)
 
@@ -117,6 +121,10 @@ def test_the_stage_lists_and_draws_suspects_with_their_files_and_caps_the_pictur
     flipped = flip_cache(cache, 0.05)  # about 60: more than the picture shows
     line, report, out = run_stage_part(tmp_path, cache, monkeypatch, label_issues=True)
     assert report["ran"] and report["suspects"] == len(report["issues"])
+    assert set(report["probe_accuracy"]) == {
+        "pixels, PCA + kNN",
+        "simple_cnn at random weights, its last conv pooled, logistic regression",
+    }
     files = {row["file"] for row in report["issues"]}
     assert len(files & flipped) >= 0.7 * len(flipped)
     row = report["issues"][0]
@@ -221,5 +229,8 @@ def test_with_pretrained_weights_the_probe_reads_the_backbones_features(tmp_path
     cache = digits_cache(tmp_path / "prepared", few)
     train = {"model": "resnet18", "pretrained": str(tmp_path / "weights.pt")}
     _, report, _ = run_stage_part(tmp_path, cache, monkeypatch, train, label_issues=True)
-    assert report["ran"] and report["probe"] == "resnet18 features, logistic regression"
+    assert (
+        report["ran"] and report["probe"] == "resnet18's pretrained features, logistic regression"
+    )
+    assert list(report["probe_accuracy"]) == [report["probe"]]
     assert report["work"]["probe_macs"] > 0 and report["folds"] == 5

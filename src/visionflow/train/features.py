@@ -1,6 +1,7 @@
-"""What a network computes per image, for the label-issue probe (`visionflow.data.label_issues`):
-the features its last linear layer takes (a pretrained backbone's, frozen) and its multiply-adds
-per image (what a train epoch costs, for `sanity.label_issues: auto`)."""
+"""What the label-issue probe (`visionflow.data.label_issues`) reads of the images: the features
+a network's linear layers take (a pretrained backbone's, frozen; or the network's at random
+weights), the normalised pixels; and a network's multiply-adds per image (what a train epoch
+costs, for `sanity.label_issues: auto`)."""
 
 import math
 
@@ -11,24 +12,37 @@ from torch import nn
 from visionflow.train import loading
 
 
-def last_linear(model: nn.Module) -> nn.Linear:
-    """The network's last nn.Linear: the classifier head of torchvision's classifiers and the
-    project's own networks (`fc`, `classifier.1`, `heads.head`)."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
-        raise ValueError(f"{type(model).__name__} has no linear layer to take features from")
-    return linears[-1]
+def last(model: nn.Module, kind: type) -> nn.Module:
+    """The network's last layer of `kind`: its last nn.Linear is the classifier head of
+    torchvision's classifiers and the project's own networks (`fc`, `classifier.3`,
+    `heads.head`); its last nn.Conv2d gives the convolutional features."""
+    layers = [m for m in model.modules() if isinstance(m, kind)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no {kind.__name__} layer")
+    return layers[-1]
+
+
+def head_input(args, out) -> torch.Tensor:
+    """What a classifier head takes: a pretrained backbone's features."""
+    return args[0].flatten(1)
+
+
+def pooled(args, out) -> torch.Tensor:
+    """A convolution's output, its mean and maximum over the image per channel: texture and
+    colour statistics, whatever the image's size (a random network's, for the probe from
+    scratch: bench/label_issues_bench.py measured it)."""
+    return torch.cat([out.mean(dim=(2, 3)), out.amax(dim=(2, 3))], dim=1)
 
 
 @torch.no_grad()
-def penultimate(
-    model: nn.Module, x, mean: torch.Tensor, std: torch.Tensor, batch_size: int = 256
+def taken_at(
+    model: nn.Module, layer: nn.Module, take, x, mean, std, batch_size: int = 256
 ) -> np.ndarray:
-    """(n, d) float32: the input of `model`'s last linear layer for uint8 NHWC images `x` (an
+    """(n, d) float32: `take(args, out)` of `layer` in `model` for uint8 NHWC images `x` (an
     array, memory-mapped or not), normalised with `mean`/`std` as train feeds them; eval mode,
     one forward pass a batch, nothing trained."""
-    head, taken = last_linear(model), []
-    hook = head.register_forward_hook(lambda m, args, out: taken.append(args[0].flatten(1)))
+    taken = []
+    hook = layer.register_forward_hook(lambda m, args, out: taken.append(take(args, out)))
     model.eval()
     try:
         for start in range(0, len(x), batch_size):
@@ -36,7 +50,7 @@ def penultimate(
             model(loading.to_model_input(chunk, mean, std))
     finally:
         hook.remove()
-    return torch.cat(taken).float().numpy() if taken else np.zeros((0, head.in_features))
+    return torch.cat(taken).float().numpy()
 
 
 def forward_macs(model: nn.Module, channels: int, size: int) -> int:
