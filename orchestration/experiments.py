@@ -64,7 +64,9 @@ def experiments(
     (one `experiment` each, a child of this one), run by whichever worker takes it in its own
     checkout of this commit; each pushes to the git remote `remote` (and the default DVC remote),
     and this flow pulls them; the table says where each ran, and why one did not succeed. One
-    whose heartbeat stops for `lost_after_s` lost its worker or machine: it is marked Crashed.
+    whose heartbeat stops for `lost_after_s` lost its worker or machine: it is cancelled, its row
+    `crashed`; so is one left Pending, and one no worker took while none of the pool's was
+    online for `lost_after_s` (`not started`).
     This workspace is not held.
     Example overrides: [["train.lr=3e-4"], ["train.lr=1e-3", "train.epochs=30"]].
     """
@@ -182,7 +184,8 @@ def main() -> None:
         type=float,
         default=LOST_AFTER_S,
         help="with --spread: seconds without a heartbeat before an experiment's worker counts "
-        f"as lost and the experiment is marked Crashed ({LOST_AFTER_S:.0f})",
+        "as lost and the experiment is cancelled, and without any worker of the pool online "
+        f"before those no worker took are ({LOST_AFTER_S:.0f})",
     )
     args = parser.parse_args()
     overrides = [split_overrides(text) for text in args.experiment]

@@ -8,8 +8,12 @@ show` here, and on any clone after `dvc exp pull`, has the whole sweep. This wor
 held: a worker may run an experiment in this very checkout, and takes its lock.
 
 An experiment's liveness comes from the experiment: while it runs (waiting for its checkout's
-lock, training, pushing) it counts up a label of its flow run (HEARTBEAT); the sweep marks one
-whose count has not moved for `lost_after_s` Crashed: its worker or machine was lost.
+lock, training, pushing) it counts up a label of its flow run (HEARTBEAT); the sweep gives up on
+one whose count has not moved for `lost_after_s` (its worker or machine was lost), on one a
+worker took but did not start in STARTUP_S (that worker was lost), and on one no worker took
+while none of the pool's was online for `lost_after_s`: each is cancelled (a worker that comes
+back stops it), its row says why, and the sweep goes on. One that had pushed its result anyway
+shows that result.
 """
 
 import re
@@ -23,9 +27,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound, TerminationSignal
-from prefect.states import Cancelling, Completed, Crashed, State
+from prefect.states import Cancelled, Cancelling, Completed, Crashed, State
 
 from orchestration.record import record_holder, stopped_run
 from orchestration.sweep import Outcomes, Plan, overrides, run_experiment, sweep_table
@@ -36,6 +41,9 @@ from visionflow.ops.runner import find_root, workspace_lock
 EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one experiment
 UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
 LOST_AFTER_S = 60.0  # a spread experiment whose heartbeat stopped this long is lost
+NOTICE_S = 10.0  # a cancelled lost one's live worker starts stopping it within this (~1 s here)
+STARTUP_S = 120.0  # one a worker took (Pending) and did not start this long: the worker was lost
+# (its process, the pull step and the imports: about 8 s on idle 2 cores)
 BEATS = 6  # heartbeats per LOST_AFTER_S: a few late ones are not a loss
 HEARTBEAT = "visionflow.heartbeat"  # labels of a spread experiment's flow run: a count that
 RAN_ON = "visionflow.ran-on"  # goes up while it lives, and the worker's host:checkout
@@ -58,8 +66,8 @@ def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcom
             f"runs commit {commit[:8]}, and a worker in this checkout refuses until they are "
             "committed or stashed"
         )
-    require_deployment(deployment)
-    runs, ends, stopped = {}, {}, None
+    pool = require_deployment(deployment)
+    runs, ends, lost, stopped = {}, {}, {}, None
     try:
         for name, sets in plan.experiments.items():
             parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=plan.timeout_s)
@@ -68,26 +76,28 @@ def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcom
                 deployment, parameters=parameters, flow_run_name=name, timeout=0
             )
             logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
-        if not wait_for_children(runs, ends, lost_after_s):
+        if not wait_for_children(runs, ends, lost, lost_after_s, pool):
             stopped = "cancelled: the experiments not ended were cancelled"
     except (KeyboardInterrupt, TerminationSignal):
         stopped = "the sweep's experiments that had not ended were stopped"
     finally:
         cancel_unended(runs, ends)
     if stopped:
-        return Outcomes(stopped_rows(plan, ends), stopped)
-    succeeded = [name for name, run in ends.items() if run.state.is_completed()]
+        return Outcomes(stopped_rows(plan, ends, latest(runs, ends)), stopped)
+    pushed = settle_lost(ends, lost, lambda names: on_remote(root, remote, commit, names))
+    succeeded = [name for name, run in ends.items() if run.state.is_completed() or name in pushed]
     pull_experiments(root, succeeded, remote, plan.timeout_s)
     rows = sweep_table(plan)
     for row in rows:
-        row |= where_and_why(ends[row["experiment"]])
+        row |= where_and_why(ends[row["experiment"]], row["experiment"] in pushed)
     return Outcomes(rows)
 
 
-def require_deployment(deployment: str) -> None:
+def require_deployment(deployment: str) -> str:
+    """The name of `deployment`'s work pool; refused in one line when the server lacks it."""
     with get_client(sync_client=True) as client:
         try:
-            client.read_deployment_by_name(deployment)
+            return client.read_deployment_by_name(deployment).work_pool_name
         except ObjectNotFound:
             raise StageFailed(
                 f"no deployment {deployment} on the Prefect server: `prefect deploy --all` in "
@@ -158,14 +168,18 @@ def heartbeat(where: str, every_s: float) -> Iterator[None]:
         thread.join(timeout=every_s)  # not for a beat the API is slow to take
 
 
-def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
+def wait_for_children(
+    runs: dict, ends: dict, lost: dict, lost_after_s: float, pool: str | None = None
+) -> bool:
     """Each child's ended flow run into `ends`, said in the log as it comes; False when this run
     is cancelled meanwhile (`prefect flow-run cancel` of a sweep started from a terminal: no
-    runner stops it). A running one whose heartbeat did not move for `lost_after_s` has lost its
-    worker or machine: marked Crashed, saying so (`crash_if_silent`). Said once: the ones no
+    runner stops it). One the sweep gives up on (`gave_up`: its worker or machine lost, or no
+    worker of `pool` online to take it) is cancelled and ends here with a row that says why
+    (`give_up`); those a worker had taken go into `lost` (name -> when). Said once: the ones no
     worker took in UNTAKEN_S."""
     logger = get_run_logger()
-    start, warned_untaken, beats = time.monotonic(), False, {}  # name -> (count, seen at)
+    start, warned_untaken, beats = time.monotonic(), False, {}  # name -> (mark, seen at)
+    no_worker_since = None  # on this process's clock: since when none of the pool's is online
     with get_client(sync_client=True) as client:
         while len(ends) < len(runs):
             if runtime.flow_run.id:
@@ -175,14 +189,20 @@ def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
             now = {
                 name: client.read_flow_run(run.id) for name, run in runs.items() if name not in ends
             }
+            untaken = [name for name, run in now.items() if run.state and run.state.is_scheduled()]
+            if untaken and pool and not pool_online(client, pool):
+                no_worker_since = no_worker_since or time.monotonic()
+            else:
+                no_worker_since = None
+            no_worker_s = time.monotonic() - no_worker_since if no_worker_since else 0.0
             for name, run in now.items():
-                if run.state and run.state.is_running():
-                    crash_if_silent(client, name, run, beats, lost_after_s)
+                if why := gave_up(name, run, beats, lost_after_s, no_worker_s, pool):
+                    if give_up(client, run, why) and run.state.is_crashed():
+                        lost[name] = time.monotonic()
                 if run.state and run.state.is_final():
                     ends[name] = run
                     message = run.state.message or ""
                     logger.info(f"{name}: {run.state.name}: {message}".rstrip(": "))
-            untaken = [name for name, run in now.items() if run.state and run.state.is_scheduled()]
             if untaken and not warned_untaken and time.monotonic() - start > UNTAKEN_S:
                 logger.warning(
                     f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
@@ -193,24 +213,106 @@ def wait_for_children(runs: dict, ends: dict, lost_after_s: float) -> bool:
     return True
 
 
-def crash_if_silent(client, name: str, run, beats: dict, lost_after_s: float) -> None:
-    """A running child whose heartbeat has not moved for `lost_after_s` (`silent`) is marked
-    Crashed, on the server and in `run`."""
-    if silent(beats, name, (run.labels or {}).get(HEARTBEAT), lost_after_s):
+def pool_online(client, pool: str) -> bool:
+    """Whether any worker of `pool` is online (the server marks one offline after it missed
+    heartbeats for 90 s)."""
+    return any(
+        worker.status and worker.status.value == "ONLINE"
+        for worker in client.read_workers_for_work_pool(pool)
+    )
+
+
+def gave_up(
+    name: str, run, beats: dict, lost_after_s: float, no_worker_s: float, pool: str | None = None
+) -> str | None:
+    """Why the sweep gives up on its child `run` now (None: it waits on):
+    - running, its heartbeat unchanged for `lost_after_s`: its worker or machine was lost;
+    - Pending (a worker took it) and not started (no heartbeat) in max(`lost_after_s`,
+      STARTUP_S): that worker was lost before it started the experiment;
+    - Scheduled (no worker took it) while no worker of `pool` was online for `lost_after_s`
+      (`no_worker_s`, on the sweep's clock).
+    Silence is judged on this process's clock (`silent`), from the run's state and count."""
+    state = run.state
+    if state is None or state.is_final():
+        return None
+    count = (run.labels or {}).get(HEARTBEAT)
+    if state.is_scheduled():
+        if no_worker_s > lost_after_s:
+            return (
+                f"no worker of pool {pool} online for {lost_after_s:.0f} s to take it "
+                f"(`prefect worker start --pool {pool}`)"
+            )
+        return None
+    if state.type == StateType.PENDING:
+        limit = max(lost_after_s, STARTUP_S)
+        if silent(beats, name, (state.type, count), limit):
+            worker = (run.labels or {}).get("prefect.worker.name", "its worker")
+            return (
+                f"left Pending for {limit:.0f} s: the worker that took it ({worker}) was lost "
+                "before it started"
+            )
+        return None
+    if state.is_running() and silent(beats, name, (state.type, count), lost_after_s):
         where = (run.labels or {}).get(RAN_ON, "a worker")
-        message = f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
-        crashed = Crashed(message=message)
-        client.set_flow_run_state(run.id, crashed, force=True)
-        run.state = crashed
+        return f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
+    return None
+
+
+def give_up(client, run, why: str) -> bool:
+    """Cancel the child `run` the sweep gave up on, saying `why`, and end it in `run` for the
+    table: one no worker took is Cancelled at once (it has no process to stop), its row `not
+    started`; one a worker took goes Cancelling (that worker, if it
+    comes back, stops it), its row `crashed`. False when the run ended meanwhile."""
+    scheduled = run.state.is_scheduled()
+    ending = Cancelled(message=why, name="Not started") if scheduled else Cancelling(message=why)
+    result = client.set_flow_run_state(run.id, ending)
+    if result.status.value != "ACCEPT":  # ended or taken meanwhile: the next look reads how
+        return False
+    run.state = ending if scheduled else Crashed(message=why)
+    return True
 
 
 def silent(beats: dict, name: str, count, lost_after_s: float) -> bool:
-    """Whether `name`'s heartbeat `count` has not moved for `lost_after_s`, on this process's
-    clock; notes the count in `beats` (name -> (count, when this process saw it change))."""
+    """Whether `name`'s heartbeat `count` (any mark of its progress) has not moved for
+    `lost_after_s`, on this process's clock; notes the count in `beats` (name -> (count, when
+    this process saw it change))."""
     if name not in beats or beats[name][0] != count:
         beats[name] = (count, time.monotonic())
         return False
     return time.monotonic() - beats[name][1] > lost_after_s
+
+
+def settle_lost(ends: dict, lost: dict, on_remote, notice_s: float = NOTICE_S) -> set[str]:
+    """The lost experiments' ends (`lost`: name -> when it was cancelled), once the others have
+    ended: one whose run has come back and completed takes that end; one still not ended after
+    `notice_s` (no worker began to stop it: it is dead) is marked Crashed, so it does not stay
+    Cancelling on the server for good. Returns the lost ones whose result is on the git remote
+    anyway (`on_remote(names)`): they succeeded."""
+    if not lost:
+        return set()
+    time.sleep(max(0.0, notice_s - (time.monotonic() - max(lost.values()))))
+    with get_client(sync_client=True) as client:
+        for name in sorted(lost):
+            run = client.read_flow_run(ends[name].id)
+            if run.state and run.state.is_completed():
+                ends[name] = run
+            elif run.state is None or not run.state.is_final():
+                client.set_flow_run_state(run.id, ends[name].state, force=True)
+    return set(on_remote(sorted(name for name in lost if not ends[name].state.is_completed())))
+
+
+def on_remote(root: Path, remote: str, commit: str, names: list[str]) -> list[str]:
+    """Those of `names` that the git `remote` has as experiments of `commit` (`dvc exp list`)."""
+    if not names:
+        return []
+    listed = dvc_waiting(
+        root,
+        *("exp", "list", remote, "--rev", commit, "--name-only"),
+        doing=f"listing the experiments on {remote}",
+        timeout_s=300,
+    )
+    found = set(listed.split())
+    return [name for name in names if name in found]
 
 
 def cancel_unended(runs: dict, ends: dict) -> None:
@@ -221,28 +323,55 @@ def cancel_unended(runs: dict, ends: dict) -> None:
                 client.set_flow_run_state(run.id, Cancelling(message="its sweep ended first"))
 
 
-def where_and_why(run) -> dict:
+def latest(runs: dict, ends: dict) -> dict:
+    """The flow runs not ended, as the server has them now (their labels say where they ran)."""
+    with get_client(sync_client=True) as client:
+        return {
+            name: client.read_flow_run(run.id) for name, run in runs.items() if name not in ends
+        }
+
+
+def where_and_why(run, pushed: bool = False) -> dict:
     """A spread experiment's own columns, from its flow run: `ran on` (its worker's host and
-    checkout), and for one that did not succeed its state and `why` (the line it failed with)."""
+    checkout), and for one that did not succeed its state and `why` (the line it failed with).
+    `pushed`: one the sweep gave up on whose result reached the remote anyway succeeded."""
     found = {"ran on": (run.labels or {}).get(RAN_ON)}
     state = run.state
     if state.is_completed():
         return found | {"state": "success", "why": None}
     reason = re.sub(r"^Flow run encountered an exception: \w+: ", "", state.message or "")
+    if pushed:
+        return found | {"state": "success", "why": f"{reason}; it pushed its result anyway"}
     return found | {"state": state.name.lower(), "why": reason or None}
 
 
-def stopped_rows(plan: Plan, ends: dict) -> list[dict]:
+def stopped_rows(plan: Plan, ends: dict, running: dict | None = None) -> list[dict]:
     """The table of a stopped spread sweep, from the server alone: those ended as they ended
-    (the ones that succeeded were pushed: `dvc exp pull` fetches them), the rest `stopped`."""
+    (the ones that succeeded were pushed: `dvc exp pull` fetches them), the rest `stopped`,
+    with where each ran as `running` (the runs not ended, read at the stop) has it, or why it
+    ran nowhere."""
     keys = sorted({key for sets in plan.experiments.values() for key in overrides(sets)})
     rows = []
     for name, sets in plan.experiments.items():
         row = {"experiment": name, "state": "stopped"}
         row |= {key: overrides(sets).get(key) for key in keys}
-        row |= where_and_why(ends[name]) if name in ends else {"ran on": None, "why": None}
+        if name in ends:
+            row |= where_and_why(ends[name])
+        else:
+            row |= stopped_where((running or {}).get(name))
         rows.append(row)
     return rows
+
+
+def stopped_where(run) -> dict:
+    """`ran on` and `why` of an experiment stopped before it ended: where it ran, or why it
+    ran nowhere (no worker had taken it; the worker that took it had not started it)."""
+    labels = (run.labels or {}) if run else {}
+    if where := labels.get(RAN_ON):
+        return {"ran on": where, "why": "stopped while it ran"}
+    if worker := labels.get("prefect.worker.name"):
+        return {"ran on": None, "why": f"stopped before it started on {worker}, which took it"}
+    return {"ran on": None, "why": "stopped before any worker took it"}
 
 
 # --- the checkouts and the remotes: each experiment runs in the checkout of the worker that

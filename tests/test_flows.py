@@ -976,6 +976,8 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
             None,
         )
         assert crashed["why"].startswith("no heartbeat for 20 s: its worker or machine was lost")
+        with get_client(sync_client=True) as client:  # cancelled; its worker dead: not left
+            assert client.read_flow_run(lost.id).state.is_crashed()  # Running nor Cancelling
         assert (done["state"], done["ran on"], done["why"]) == (
             "success",
             f"{host}:{project}",
@@ -991,6 +993,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         assert sweep.returncode == 130, err[-3000:]
         [row] = [json.loads(line) for line in out.splitlines()]  # the table so far
         assert (row["state"], row["sanity.per_class"]) == ("stopped", 8)
+        assert (row["ran on"], row["why"]) == (f"{host}:{project}", "stopped while it ran")
         with get_client(sync_client=True) as client:
             [run] = [r for r in client.read_flow_runs() if row["experiment"][6:14] in str(r.id)]
         assert run.state.is_cancelled(), run.state  # it was Crashed

@@ -23,7 +23,7 @@ import pytest
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import disable_run_logger
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
-from prefect.states import Cancelled, Completed, Crashed, Failed, Running
+from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, Scheduled
 
 from orchestration import experiments, in_turn, queued, record, reproduce, server, spread, sweep
 from tests.helpers import ROOT, commit, python_path, sh
@@ -367,21 +367,44 @@ def a_flow_run(state, **labels) -> FlowRun:
     return FlowRun(id=uuid4(), flow_id=uuid4(), name="e1", labels=labels, state=state)
 
 
-def test_a_spread_experiment_is_lost_only_when_its_heartbeat_stops_for_lost_after_s():
-    beats = {}
-    assert not spread.silent(beats, "e1", 1, lost_after_s=60)  # first seen: its clock starts
-    seen_at = beats["e1"][1]
-    beats["e1"] = (1, seen_at - 100)  # the same count, 100 s ago on this process's clock
-    assert not spread.silent(beats, "e1", 1, lost_after_s=600)
-    assert spread.silent(beats, "e1", 1, lost_after_s=60)
-    assert not spread.silent(beats, "e1", 2, lost_after_s=60)  # it beat: alive, clock restarted
-    assert beats["e1"][0] == 2 and beats["e1"][1] >= seen_at
-    assert not spread.silent(beats, "e1", 2, lost_after_s=60)
-    beats["e2"] = (None, seen_at - 100)  # running, and never a beat since it was first seen
-    assert spread.silent(beats, "e2", None, lost_after_s=60)
-    run = a_flow_run(Running(), **{spread.HEARTBEAT: 5})
-    spread.crash_if_silent(None, "e3", run, beats, lost_after_s=60)  # seen once: no server asked
-    assert beats["e3"][0] == 5 and run.state.is_running()
+def test_a_spread_experiment_is_given_up_on_only_after_its_stated_silence():
+    """Lost: running with its heartbeat unchanged for lost_after_s; Pending (a worker took it)
+    and not started in STARTUP_S; Scheduled while no worker of the pool was online for
+    lost_after_s (before, one no worker took, or one a dead worker left Pending, was waited on
+    for good). Each on the sweep's own clock, restarted by any beat or change of state."""
+    beats, where = {}, "worker-2:/srv/checkout"
+    running = a_flow_run(Running(), **{spread.HEARTBEAT: 1, spread.RAN_ON: where})
+    assert not spread.gave_up("e1", running, beats, 60, 0)  # first seen: its clock starts
+    mark, seen_at = beats["e1"]
+    beats["e1"] = (mark, seen_at - 100)  # the same count, 100 s ago on this process's clock
+    assert not spread.gave_up("e1", running, beats, 600, 0)
+    assert spread.gave_up("e1", running, beats, 60, 0) == (
+        f"no heartbeat for 60 s: its worker or machine was lost ({where})"
+    )
+    running.labels[spread.HEARTBEAT] = 2  # it beat: alive, clock restarted
+    assert not spread.gave_up("e1", running, beats, 60, 0)
+    assert beats["e1"][1] >= seen_at
+
+    worker = {"prefect.worker.name": "ProcessWorker 1a2b"}
+    pending = a_flow_run(Pending(), **worker)
+    assert not spread.gave_up("e2", pending, beats, 60, 0)
+    beats["e2"] = (beats["e2"][0], beats["e2"][1] - 100)  # a slow start is no loss
+    assert not spread.gave_up("e2", pending, beats, 60, 0)
+    beats["e2"] = (beats["e2"][0], beats["e2"][1] - spread.STARTUP_S)
+    assert spread.gave_up("e2", pending, beats, 60, 0) == (
+        f"left Pending for {spread.STARTUP_S:.0f} s: the worker that took it (ProcessWorker "
+        "1a2b) was lost before it started"
+    )
+    started = a_flow_run(Running(), **worker)  # Pending long, then running: its clock restarts
+    assert not spread.gave_up("e2", started, beats, 60, 0)
+
+    scheduled = a_flow_run(Scheduled())
+    assert not spread.gave_up("e3", scheduled, beats, 60, 59, "visionflow")  # a worker was online
+    assert spread.gave_up("e3", scheduled, beats, 60, 61, "visionflow") == (
+        "no worker of pool visionflow online for 60 s to take it "
+        "(`prefect worker start --pool visionflow`)"
+    )
+    assert not spread.gave_up("e4", a_flow_run(Completed()), beats, 60, 600)
 
 
 LOST_AFTER_S = 4.0  # the sweep's --lost-after here; a loaded machine can hold a beat 1-2 s
@@ -389,11 +412,11 @@ EVERY_S = LOST_AFTER_S / 20  # more beats per window than the sweep's BEATS: no 
 
 
 def parents_look(client, run_id, beats: dict) -> FlowRun:
-    """What the sweep does with a running child each time it looks (`wait_for_children`): read
-    the flow run from the server, and mark it Crashed when its heartbeat is silent."""
+    """What the sweep does with a child each time it looks (`wait_for_children`): read the flow
+    run from the server, and give up on it (cancel it, its row crashed) when it is silent."""
     run = client.read_flow_run(run_id)
-    if run.state and run.state.is_running():
-        spread.crash_if_silent(client, run.name, run, beats, LOST_AFTER_S)
+    if why := spread.gave_up(run.name, run, beats, LOST_AFTER_S, 0):
+        spread.give_up(client, run, why)
     return run
 
 
@@ -441,11 +464,22 @@ def test_a_spread_experiments_heartbeat_keeps_it_alive_on_the_server_until_it_st
                 assert time.monotonic() < deadline, f"still alive, beats {beats}"
                 run = parents_look(client, run_id, beats)
                 time.sleep(EVERY_S)
-            crashed = client.read_flow_run(run_id).state
-        assert crashed.is_crashed(), crashed
-        assert crashed.message == (
-            f"no heartbeat for {LOST_AFTER_S:.0f} s: its worker or machine was lost ({where})"
-        )
+            why = f"no heartbeat for {LOST_AFTER_S:.0f} s: its worker or machine was lost ({where})"
+            assert (run.state.name, run.state.message) == ("Crashed", why)  # its row
+            cancelling = client.read_flow_run(run_id).state  # its worker, if alive, stops it
+            assert (cancelling.is_cancelling(), cancelling.message) == (True, why)
+            finish.set()  # it comes back and ends: the cancellation stands (Prefect's rule)
+            experiment.join(120)
+            ends = {run.name: run}
+            lost = {run.name: time.monotonic()}  # no worker to notice the cancellation
+            assert spread.settle_lost(ends, lost, lambda names: [], notice_s=0) == set()
+            ended = client.read_flow_run(run_id).state  # not left Cancelling for good
+        assert ended.is_final() and not ended.is_completed(), ended
+        row = spread.where_and_why(ends[run.name])
+        assert row == {"ran on": where, "state": "crashed", "why": why}
+        pushed = spread.settle_lost(ends, lost, lambda names: names, 0)  # its result reached
+        assert pushed == {run.name}  # the remote anyway: it succeeded
+        assert spread.where_and_why(ends[run.name], True)["state"] == "success"
     finally:
         stop_beating.set()
         finish.set()
@@ -469,17 +503,30 @@ def test_a_spread_sweeps_table_says_where_each_ran_and_why_one_did_not_succeed(t
         "state": "crashed",
         "why": "no heartbeat for 60 s: its worker or machine was lost",
     }
-    plan = a_plan(tmp_path, {"e1": ["train.lr=3e-3"], "e2": ["train.epochs=3"], "e3": []})
-    rows = spread.stopped_rows(plan, {"e1": done, "e2": failed})
-    assert [(row["experiment"], row["state"], row["why"]) for row in rows] == [
-        ("e1", "success", None),
-        ("e2", "failed", "stage train failed (exit 1)"),
-        ("e3", "stopped", None),
+    assert spread.where_and_why(lost, pushed=True) == {  # lost, and its result on the remote
+        "ran on": None,
+        "state": "success",
+        "why": "no heartbeat for 60 s: its worker or machine was lost; it pushed its result anyway",
+    }
+    plan = a_plan(tmp_path, {f"e{n}": [] for n in range(1, 6)} | {"e1": ["train.lr=3e-3"]})
+    plan.experiments["e2"] = ["train.epochs=3"]
+    running = {  # the runs not ended, as the server had them at the stop
+        "e3": a_flow_run(Running(), **where),
+        "e4": a_flow_run(Pending(), **{"prefect.worker.name": "ProcessWorker 1a2b"}),
+        "e5": a_flow_run(Scheduled()),
+    }
+    rows = spread.stopped_rows(plan, {"e1": done, "e2": failed}, running)
+    assert [(row["experiment"], row["state"], row["ran on"], row["why"]) for row in rows] == [
+        ("e1", "success", where[spread.RAN_ON], None),
+        ("e2", "failed", where[spread.RAN_ON], "stage train failed (exit 1)"),
+        ("e3", "stopped", where[spread.RAN_ON], "stopped while it ran"),  # it said null
+        ("e4", "stopped", None, "stopped before it started on ProcessWorker 1a2b, which took it"),
+        ("e5", "stopped", None, "stopped before any worker took it"),
     ]
-    assert [(row["train.lr"], row["train.epochs"], row["ran on"]) for row in rows] == [
-        (0.003, None, "worker-2:/srv/checkout"),
-        (None, 3, "worker-2:/srv/checkout"),
-        (None, None, None),
+    assert [(row["train.lr"], row["train.epochs"]) for row in rows[:3]] == [
+        (0.003, None),
+        (None, 3),
+        (None, None),
     ]
 
 
@@ -516,6 +563,18 @@ def test_a_checkout_without_the_remotes_or_the_pushed_commit_cannot_start_a_spre
     )
     sh(checkout, "git", "push", "-q", "origin", "HEAD:refs/heads/main")
     assert spread.spread_problem(checkout, "origin") is None
+
+
+def test_a_lost_experiments_result_is_looked_for_on_the_git_remote(checkout):
+    """A lost experiment that came back and pushed succeeded: `dvc exp list` of the remote
+    finds it by name (DVC's ref of an experiment of this commit, pushed as `dvc exp push`
+    pushes it); one that never pushed is not there."""
+    head = sh(checkout, "git", "rev-parse", "HEAD").stdout.strip()
+    sh(checkout, "git", "update-ref", f"refs/exps/{head[:2]}/{head[2:]}/sweep-x-1", "HEAD")
+    sh(checkout, "git", "push", "-q", "origin", "refs/exps/*:refs/exps/*")
+    names = ["sweep-x-1", "sweep-x-2"]
+    assert spread.on_remote(checkout, "origin", head, names) == ["sweep-x-1"]
+    assert spread.on_remote(checkout, "origin", head, []) == []  # nothing lost: DVC not asked
 
 
 def test_a_commit_pushed_to_another_remote_is_not_on_the_named_one_for_a_spread_sweep(checkout):
