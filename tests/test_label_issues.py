@@ -234,3 +234,43 @@ def test_with_pretrained_weights_the_probe_reads_the_backbones_features(tmp_path
     )
     assert list(report["probe_accuracy"]) == [report["probe"]]
     assert report["work"]["probe_macs"] > 0 and report["folds"] == 5
+
+
+def test_textures_from_scratch_rank_by_the_random_network_not_the_pixels(tmp_path, monkeypatch):
+    """Classes that differ by texture, not by where the ink is (noise at three block sizes): the
+    pixels' neighbours cannot tell them apart, the random network's pooled features can, and
+    their probe ranks."""
+    from PIL import Image
+
+    from visionflow.data import sources
+
+    rng = np.random.default_rng(0)
+    labels = np.arange(240) % 3
+    images = np.stack(
+        [
+            np.asarray(
+                Image.fromarray((rng.random((2 << c, 2 << c)) * 255).astype(np.uint8)).resize(
+                    (32, 32), Image.NEAREST
+                )
+            )
+            for c in labels
+        ]
+    )
+    names = [f"#{i}" for i in range(len(labels))]
+    source = sources.Source(images, labels.astype(np.int64), ["a", "b", "c"], None, names)
+    cache = digits_cache(tmp_path / "prepared", source)
+    y = np.load(cache / "train_y.npy")
+    y[:6] = (y[:6] + 1) % 3  # six wrong labels
+    np.save(cache / "train_y.npy", y)
+    wrong = set(dataset_names(cache)[:6])
+    _, report, _ = run_stage_part(tmp_path, cache, monkeypatch, label_issues=True)
+    accuracy = report["probe_accuracy"]
+    assert report["probe"].startswith("simple_cnn at random weights"), accuracy
+    assert accuracy[report["probe"]] > accuracy["pixels, PCA + kNN"] + 0.1
+    assert len(wrong & {row["file"] for row in report["issues"]}) >= 5
+
+
+def dataset_names(cache) -> list[str]:
+    from visionflow.data import dataset
+
+    return dataset.read_names(cache, "train")
