@@ -304,13 +304,13 @@ def running_and_copies(root: Path) -> tuple[list[str], list[str]]:
 
 
 def test_a_temporary_experiment_killed_past_its_grace_leaves_no_running_ghost(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capfd
 ):
     """#57 (3): a `dvc exp run --temp` whose stage never reaches its safe point is killed after
     the grace period, the stage before DVC: DVC records the end and removes its temporary copy
     (killed with its stage, it left `dvc exp show` saying Running, and the copy, for good). And
-    a `dvc` killed outright (SIGKILL to everything) leaves that ghost, which `leftovers` clears
-    and names."""
+    a `dvc` killed outright (SIGKILL to its group) leaves that ghost, which the reaper, once the
+    runner is gone too, clears and names (`leftovers`, the command the runner gave it)."""
     from visionflow.ops import leftovers
 
     working = tmp_path / "working"
@@ -323,23 +323,25 @@ def test_a_temporary_experiment_killed_past_its_grace_leaves_no_running_ghost(
         runner.run_group([*run, "stopped", "-S", "lr=2"], root, 1, print)
     assert running_and_copies(root) == ([], [])
 
-    working.unlink()
-    killed = subprocess.Popen(
-        [*run, "killed", "-S", "lr=3"], cwd=root, env=runner.environment(), start_new_session=True
-    )
+    working.unlink()  # now `dvc` killed outright, then its runner: the reaper clears the ghost
+    clear = [sys.executable, "-m", "visionflow.ops.leftovers", str(root), "killed"]
+    process, group = runner.start_group([*run, "killed", "-S", "lr=3"], root, after=clear)
     while not working.exists():
-        assert killed.poll() is None, "the experiment ended before its stage was at work"
+        assert process.poll() is None, process.stdout.read()
         time.sleep(0.05)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait()
-    reaper.kill_family(killed.pid)  # the stage, which the group's kill reached too
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    reaper.kill_family(process.pid)  # the stage, which the group's kill reached too
     running, [copy] = running_and_copies(root)
     assert running == ["killed"]  # DVC's ghost: no process, and it says Running
-    line = leftovers.cleared_line(root, "killed")
-    assert line.startswith("killed: dvc was killed before it recorded the end"), line
-    assert f".dvc/tmp/exps/standalone/{copy}" in line
+    group.tell_reaper(None)  # the runner is gone
+    assert group.reaper.wait(timeout=120) == 0
     assert running_and_copies(root) == ([], [])
+    said = capfd.readouterr().err  # the runner's stderr, which the reaper inherited
+    assert "killed: dvc was killed before it recorded the end: its record written failed" in said
+    assert f"its temporary copy removed (.dvc/tmp/exps/standalone/{copy})" in said
     assert leftovers.cleared_line(root, "killed") is None  # nothing left to say
+    process.stdout.close()
 
 
 def test_dvcs_addresses_lock_entries_and_hints_read_as_dvc_writes_them(tmp_path):
