@@ -42,8 +42,9 @@ EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one ex
 UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
 LOST_AFTER_S = 60.0  # a spread experiment whose heartbeat stopped this long is lost
 NOTICE_S = 10.0  # a cancelled lost one's live worker starts stopping it within this (~1 s here)
-STARTUP_S = 120.0  # one a worker took (Pending) and did not start this long: the worker was lost
-# (its process, the pull step and the imports: about 8 s on idle 2 cores)
+STARTUP_S = 600.0  # one a worker took (Pending) and did not start this long: the worker was lost
+# (a process worker's start, pull step and imports take about 8 s on idle 2 cores; a Docker or
+# Kubernetes worker's first pull of a torch image, minutes)
 BEATS = 6  # heartbeats per LOST_AFTER_S: a few late ones are not a loss
 HEARTBEAT = "visionflow.heartbeat"  # labels of a spread experiment's flow run: a count that
 RAN_ON = "visionflow.ran-on"  # goes up while it lives, and the worker's host:checkout
@@ -324,11 +325,16 @@ def cancel_unended(runs: dict, ends: dict) -> None:
 
 
 def latest(runs: dict, ends: dict) -> dict:
-    """The flow runs not ended, as the server has them now (their labels say where they ran)."""
-    with get_client(sync_client=True) as client:
-        return {
-            name: client.read_flow_run(run.id) for name, run in runs.items() if name not in ends
-        }
+    """The flow runs not ended, as the server has them now (their labels say where they ran);
+    as they were sent when the server does not answer (a stop must still print its table)."""
+    try:
+        with get_client(sync_client=True) as client:
+            return {
+                name: client.read_flow_run(run.id) for name, run in runs.items() if name not in ends
+            }
+    except Exception as error:  # the API away: say so, and use what the sweep had
+        get_run_logger().warning(f"where the stopped experiments ran is unknown: {error}")
+        return {name: run for name, run in runs.items() if name not in ends}
 
 
 def where_and_why(run, pushed: bool = False) -> dict:
