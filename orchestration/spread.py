@@ -227,7 +227,8 @@ def gave_up(
     name: str, run, beats: dict, lost_after_s: float, no_worker_s: float, pool: str | None = None
 ) -> str | None:
     """Why the sweep gives up on its child `run` now (None: it waits on):
-    - running, its heartbeat unchanged for `lost_after_s`: its worker or machine was lost;
+    - running (or Cancelling: stopped by hand), its heartbeat unchanged for `lost_after_s`:
+      its worker or machine was lost;
     - Pending (a worker took it) and not started (no heartbeat) in max(`lost_after_s`,
       STARTUP_S): that worker was lost before it started the experiment;
     - Scheduled (no worker took it) while no worker of `pool` was online for `lost_after_s`
@@ -253,8 +254,11 @@ def gave_up(
                 "before it started"
             )
         return None
-    if state.is_running() and silent(beats, name, (state.type, count), lost_after_s):
+    alive = state.is_running() or state.is_cancelling()  # cancelled by hand: its worker stops it
+    if alive and silent(beats, name, (state.type, count), lost_after_s):
         where = (run.labels or {}).get(RAN_ON, "a worker")
+        if state.is_cancelling():
+            return f"cancelled, and no heartbeat for {lost_after_s:.0f} s since ({where})"
         return f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
     return None
 
@@ -262,13 +266,14 @@ def gave_up(
 def give_up(client, run, why: str) -> bool:
     """Cancel the child `run` the sweep gave up on, saying `why`, and end it in `run` for the
     table: one no worker took is Cancelled at once (it has no process to stop), its row `not
-    started`; one a worker took goes Cancelling (that worker, if it
-    comes back, stops it), its row `crashed`. False when the run ended meanwhile."""
+    started`; one a worker took goes Cancelling (that worker, if it comes back, stops it), its
+    row `crashed`. False when the run ended meanwhile."""
     scheduled = run.state.is_scheduled()
     ending = Cancelled(message=why, name="Not started") if scheduled else Cancelling(message=why)
-    result = client.set_flow_run_state(run.id, ending)
-    if result.status.value != "ACCEPT":  # ended or taken meanwhile: the next look reads how
-        return False
+    if not run.state.is_cancelling():  # one cancelled already: no worker answered
+        result = client.set_flow_run_state(run.id, ending)
+        if result.status.value != "ACCEPT":  # ended or taken meanwhile: the next look reads how
+            return False
     run.state = ending if scheduled else Crashed(message=why)
     return True
 

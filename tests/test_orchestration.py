@@ -23,7 +23,16 @@ import pytest
 from prefect.client.schemas.objects import FlowRun
 from prefect.logging import disable_run_logger
 from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, temporary_settings
-from prefect.states import Cancelled, Completed, Crashed, Failed, Pending, Running, Scheduled
+from prefect.states import (
+    Cancelled,
+    Cancelling,
+    Completed,
+    Crashed,
+    Failed,
+    Pending,
+    Running,
+    Scheduled,
+)
 
 from orchestration import experiments, in_turn, queued, record, reproduce, server, spread, sweep
 from tests.helpers import ROOT, commit, python_path, sh
@@ -405,6 +414,10 @@ def test_a_spread_experiment_is_given_up_on_only_after_its_stated_silence():
         "(`prefect worker start --pool visionflow`)"
     )
     assert not spread.gave_up("e4", a_flow_run(Completed()), beats, 60, 600)
+    cancelling = a_flow_run(Cancelling(), **{spread.HEARTBEAT: 3})  # stopped by hand, and its
+    assert not spread.gave_up("e5", cancelling, beats, 60, 0)  # worker is dead: not waited on
+    beats["e5"] = (beats["e5"][0], beats["e5"][1] - 100)  # for good
+    assert spread.gave_up("e5", cancelling, beats, 60, 0).startswith("cancelled, and no heartbeat")
 
 
 LOST_AFTER_S = 4.0  # the sweep's --lost-after here; a loaded machine can hold a beat 1-2 s
