@@ -274,3 +274,25 @@ def dataset_names(cache) -> list[str]:
     from visionflow.data import dataset
 
     return dataset.read_names(cache, "train")
+
+
+def test_the_multiply_adds_equal_torchs_count_and_pixels_are_averaged_down():
+    """forward_macs (auto's estimate) against torch's FlopCounterMode, for the project's CNN and
+    a torchvision resnet; the pixel features of a 64 px image are averaged to 32 px a side."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from torchvision.models import resnet18
+
+    from visionflow.train import features
+    from visionflow.train.models import build_model
+
+    for model, channels, size in ((build_model("simple_cnn", 1, 10, 16), 1, 16),
+                                  (resnet18(num_classes=5), 3, 32)):  # fmt: skip
+        counter = FlopCounterMode(display=False)
+        with torch.no_grad(), counter:
+            model.eval()(torch.zeros(1, channels, size, size))
+        assert features.forward_macs(model, channels, size) == counter.get_total_flops() // 2
+    x = np.random.default_rng(0).integers(0, 256, (3, 64, 64, 3), dtype=np.uint8)
+    pixels = features.pixels(x, torch.zeros(3), torch.ones(3))
+    assert pixels.shape == (3, 3 * features.PIXEL_SIDE**2)
+    assert np.allclose(pixels[0, 0], x[0, :2, :2, 0].mean() / 255, atol=1e-6)
