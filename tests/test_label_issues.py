@@ -296,3 +296,20 @@ def test_the_multiply_adds_equal_torchs_count_and_pixels_are_averaged_down():
     pixels = features.pixels(x, torch.zeros(3), torch.ones(3))
     assert pixels.shape == (3, 3 * features.PIXEL_SIDE**2)
     assert np.allclose(pixels[0, 0], x[0, :2, :2, 0].mean() / 255, atol=1e-6)
+
+
+def test_a_sharded_cache_names_each_image_in_its_shards_order(tmp_path):
+    from visionflow.data import dataset, sources
+
+    source = sources.load_source("digits", None)
+    cache = tmp_path / "prepared"
+    dataset.build_cache(
+        source, cache, dataset.Decode(8, "grayscale"), val_fraction=0.15, test_fraction=0.2,
+        seed=0, shard_images=100,
+    )  # fmt: skip
+    for split in ("train", "val", "test"):
+        names = dataset.read_names(cache, split)
+        x, y = dataset.read_split(cache, split)
+        index = [int(name.removeprefix("#")) for name in names]
+        assert source.labels[index].tolist() == y.tolist()
+        assert np.array_equal(x[..., 0], source.images[index])  # the same images, in order
