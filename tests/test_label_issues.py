@@ -313,3 +313,28 @@ def test_a_sharded_cache_names_each_image_in_its_shards_order(tmp_path):
         index = [int(name.removeprefix("#")) for name in names]
         assert source.labels[index].tolist() == y.tolist()
         assert np.array_equal(x[..., 0], source.images[index])  # the same images, in order
+
+
+def test_prepare_leaves_out_the_excluded_files_and_refuses_one_not_in_the_folder(
+    tmp_path, image_folder
+):
+    """prepare.exclude through the stage's build: the files are not in the cache, the manifest
+    counts them; a name not in the folder is the error the stage prefixes with its key."""
+    from pipeline.prepare import build
+    from visionflow.data import dataset
+    from visionflow.params import load_params
+
+    shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
+    change = {"source": "imagefolder", "path": str(image_folder), "image_size": 8,
+              "max_bad_fraction": 0.5, "min_per_class": 1, "workers": 1}  # fmt: skip
+    write_params(tmp_path, {"prepare": change | {"exclude": ["red/3.png", "blue/nested/1.jpg"]}})
+    manifest = build(load_params(tmp_path / "params.yaml"), tmp_path / "prepared")
+    names = sum(
+        (dataset.read_names(tmp_path / "prepared", s) for s in ("train", "val", "test")), []
+    )
+    assert len(names) == 22 and not {"red/3.png", "blue/nested/1.jpg"} & set(names)
+    assert manifest["made_from"]["excluded"] == 2
+    write_params(tmp_path, {"prepare": {"exclude": ["red/9.png"]}})
+    with pytest.raises(DataError, match=r"^'red/9\.png' not in .*images") as error:
+        build(load_params(tmp_path / "params.yaml"), tmp_path / "again")
+    assert error.value.setting == "exclude"
