@@ -209,17 +209,18 @@ def accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> float:
     return hits / len(x)
 
 
-def pretrain(epochs: int, seed: int) -> tuple[dict, dict]:
-    """mobilenet_v3_small on task A: its state_dict (23-class head) and what it reached."""
+def pretrain(epochs: int, seed: int, arch: str = ARCH, per_class: int = 140) -> tuple[dict, dict]:
+    """`arch` on task A, `per_class` images per class: its state_dict (22-class head) and what
+    it reached."""
     from torchvision.models import get_model
 
     started = time.perf_counter()
-    x, y = shapes_task(140, seed)
+    x, y = shapes_task(per_class, seed)
     xt, yt = shapes_task(40, seed + 1)  # held out
     drawn = time.perf_counter() - started
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    model = get_model(ARCH, num_classes=len(SHAPES)).to(memory_format=torch.channels_last)
+    model = get_model(arch, num_classes=len(SHAPES)).to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     steps = epochs * math.ceil(len(x) / 64)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, 3e-3, total_steps=steps)
