@@ -56,11 +56,14 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     prepare |= {"min_per_class": 2, "val_fraction": 0.25, "test_fraction": 0.25}
     train = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/mnv3.pth"}
     train |= {"freeze_epochs": 1, "epochs": 1, "batch_size": 8, "backbone_lr_factor": 0.1}
+    train |= {"scheduler": "none"}  # the rates below as set; one-cycle's would not extend it
     write_params(project, {"prepare": prepare, "train": train})
-    out = sh(project, "dvc", "repro", "train").stdout  # the recipe (label smoothing), train_bn
+    out = sh(project, "dvc", "repro", "train").stdout  # the recipe, train_bn
     assert "train: the network sees a 56 px centre crop of the 64 px cache" in out
-    # what the recipe set (params.yaml says 0.0) is said, in model.pt and the model card too
-    assert "train: the fine-tuning recipe sets train.label_smoothing 0.1 " in out
+    # what the recipe set (params.yaml says otherwise) is said, in model.pt and the model card too
+    recipe = {"label_smoothing": 0.1, "optimizer": "adamw", "weight_decay": 0.01}
+    said = ", ".join(f"train.{k} {v}" for k, v in recipe.items())
+    assert f"train: the fine-tuning recipe sets {said} (train.recipe: scratch keeps" in out
     assert (  # 80x60 photos: their centre square, then ImageNet's crop
         "train: warning: at evaluation the network sees 57% of each photo on average "
         "(prepare.fit: crop keeps 75% of each photo, then the 56 px centre crop 77% of the 64 px "
@@ -87,7 +90,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     meta = saved["meta"]
     assert meta["network"]["input_size"] == 56  # ImageNet's 224 of 256, of a 64 px cache
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["network"]["weights"] == "mnv3.pth"
-    assert meta["train"]["recipe"] == {"label_smoothing": 0.1}
+    assert meta["train"]["recipe"] == recipe
     assert "label smoothing 0.1 (the fine-tuning recipe's)," in training_line(meta)
     report = json.loads((project / "results/train/health.json").read_text())
     assert not any("dead ReLUs" in m for m in report["messages"])  # of a backbone that is frozen

@@ -103,7 +103,7 @@ def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     )
     assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
     assert (
-        "1 epoch, batch 128, lr 0.001, weight decay 0.0, dropout 0.25, label smoothing 0.1 (the "
+        "1 epoch, batch 128, lr 0.001, weight decay 0.01, dropout 0.25, label smoothing 0.1 (the "
         "fine-tuning recipe's), seed 0."
     ) in card
     seen = "network sees a 7 px centre crop of the 8 px cache (77% of its area; random resized"

@@ -251,8 +251,9 @@ def test_batchnorm_trains_while_the_backbone_is_frozen_unless_train_bn_is_off():
 
 def test_with_pretrained_weights_recipe_auto_makes_the_defaults_the_fine_tuning_recipe():
     """The default (train.recipe auto): with train.pretrained, the keys left at their
-    from-scratch defaults take the recipe's values (label smoothing 0.1, what
-    bench/recipe_bench.py measured best); without it, the digits pipeline's defaults as they are."""
+    from-scratch defaults take the recipe's values (one-cycle, AdamW with weight decay 0.01, label
+    smoothing 0.1: what bench/fastai_peer_bench.py measured best, #58); without it, the digits
+    pipeline's defaults as they are."""
     from visionflow.params import FINETUNE, parse_params
 
     shipped = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]
@@ -263,11 +264,14 @@ def test_with_pretrained_weights_recipe_auto_makes_the_defaults_the_fine_tuning_
     tuned = {"model": "mobilenet_v3_small", "pretrained": "data/pretrained/w.pth"}
     t = parse_params(params_with(tuned)).train
     assert {k: getattr(t, k) for k in FINETUNE} == {k: f for k, (_, f) in FINETUNE.items()}
-    assert t.label_smoothing == 0.1
-    assert (t.scheduler, t.freeze_epochs, t.optimizer) == ("plateau", 0, "adam")  # no gain measured
-    mine = parse_params(params_with(tuned | {"label_smoothing": 0.2, "scheduler": "onecycle"}))
-    assert (mine.train.label_smoothing, mine.train.scheduler) == (0.2, "onecycle")
+    recipe = (t.label_smoothing, t.scheduler, t.optimizer, t.weight_decay)
+    assert recipe == (0.1, "onecycle", "adamw", 0.01)
+    assert (t.lr, t.freeze_epochs, t.backbone_lr_factor, t.group_lr_factor) == (1e-3, 0, 1.0, 1.0)
+    mine = parse_params(params_with(tuned | {"label_smoothing": 0.2, "scheduler": "cosine"}))
+    assert (mine.train.label_smoothing, mine.train.scheduler) == (0.2, "cosine")
+    assert mine.train.optimizer == "adamw"  # the keys left alone: the recipe's
     plain = parse_params(params_with(tuned | {"recipe": "scratch"})).train
     assert (plain.label_smoothing, plain.scheduler, plain.freeze_epochs) == (0.0, "plateau", 0)
+    assert (plain.optimizer, plain.weight_decay) == ("adam", 0.0)
     asked = parse_params(params_with(tuned | {"recipe": "finetune"})).train
     assert asked.label_smoothing == 0.1
