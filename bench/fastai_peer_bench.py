@@ -342,6 +342,8 @@ def print_tables(runs: list[dict], names: list[str]) -> None:
             np.mean([r[n]["test_accuracy"] for r in cells if n in r] or [np.nan]) for n in names
         ]
         print(f"| {task} | {family} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
+    if not any("fastai" in r for r in runs):
+        return  # nothing to pair with
     print("\n| contender | pairs | mean acc | fastai | mean diff [95% CI] | McNemar pooled "
           "(only vf / only fastai, p) | TTA gain (fastai's) | wall / train / peak RSS ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
@@ -412,7 +414,7 @@ def main() -> None:
                 cells.setdefault((r["task"], r["family"], r["seed"]), {}).update(r)
         runs = list(cells.values())
         names = list(dict.fromkeys(n for r in runs for n in r if isinstance(r[n], dict)))
-        names = [n for n in names if n != "fastai"] + ["fastai"]
+        names = [n for n in names if n != "fastai"] + ["fastai"] * ("fastai" in names)
         print_tables(runs, names)
         if args.out:
             summaries = {n: summary(runs, n) for n in names if n != "fastai"}
