@@ -133,6 +133,18 @@ def test_a_boolean_is_not_a_number():
     assert parse_params(params_with(train={"lr": 1})).train.lr == 1.0  # an int is a float
 
 
+def test_a_value_no_member_of_a_union_takes_is_one_line_naming_each():
+    """`sanity.label_issues: maybe` was two lines under pydantic's member names
+    (`sanity.label_issues.bool: ...`, `sanity.label_issues.literal['auto']: ...`)."""
+    with pytest.raises(ParamsError) as raised:
+        parse_params(params_with(sanity={"label_issues": "maybe"}, train={"channels_last": 2}))
+    lines = str(raised.value).splitlines()[1:]
+    assert lines == [
+        "  sanity.label_issues: must be true or false, or 'auto' (got 'maybe')",
+        "  train.channels_last: must be 'auto', or true or false (got 2)",
+    ]
+
+
 def test_duplicate_keys_and_missing_sections_are_refused(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(SHIPPED.replace("  lr: 1.0e-3", "  lr: 1.0e-3\n  lr: 3.0e-3"))

@@ -361,6 +361,31 @@ def _describe(error: dict) -> str:
     return f"{key}: unknown key; {hint}valid keys here: {', '.join(valid)}"
 
 
+# what a union's member (pydantic's last `loc` part, `bool | Literal["auto"]`) accepts, in words
+MEMBERS = {"bool": "true or false", "float": "a number", "int": "a whole number", "str": "text"}
+
+
+def _merge_unions(errors: list[dict]) -> list[str]:
+    """One line per key: a value that fits no member of a union (`train.lr: auto | a number`) is
+    one line naming every member, not a line per member under the member's type name."""
+    lines, unions = [], {}
+    for error in errors:
+        *where, last = (str(p) for p in error["loc"])
+        if where and (last in MEMBERS or last.startswith("literal[")):
+            accepted = MEMBERS.get(last) or last.removeprefix("literal[").removesuffix("]")
+            unions.setdefault(".".join(where), (error["input"], []))[1].append(accepted)
+            if len(unions[".".join(where)][1]) == 1:
+                lines.append(".".join(where))  # its place among the lines
+        else:
+            lines.append(_describe(error))
+    return [
+        f"{line}: must be {', or '.join(unions[line][1])} (got {unions[line][0]!r})"
+        if line in unions
+        else line
+        for line in lines
+    ]
+
+
 def parse_params(raw: object) -> Params:
     """Validate a mapping (as read from YAML) into `Params`, or raise ParamsError naming the keys."""
     if not isinstance(raw, dict):
@@ -368,7 +393,7 @@ def parse_params(raw: object) -> Params:
     try:
         return Params.model_validate(raw)
     except ValidationError as error:
-        lines = [_describe(err) for err in error.errors()]
+        lines = _merge_unions(error.errors())
         raise ParamsError("invalid params:\n  " + "\n  ".join(lines)) from None
 
 
