@@ -307,12 +307,16 @@ def state_folder(project: Path) -> Path:
 
 
 def file_hashes(project: Path) -> dict[str, str]:
-    """sha256 of every file of the project but git's and DVC's own scratch folders."""
+    """sha256 of every file of the project but git's and DVC's own scratch folders and Python's
+    bytecode (any import may write it; git and .dvcignore ignore it: a fresh venv's first
+    `visionflow repro` wrote cli's, runner's and reaper's)."""
     skip = (project / ".git", project / ".dvc" / "tmp")
     return {
         str(p.relative_to(project)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(project.rglob("*"))
-        if p.is_file() and not any(p.is_relative_to(s) for s in skip)
+        if p.is_file()
+        and not any(p.is_relative_to(s) for s in skip)
+        and "__pycache__" not in p.parts
     }
 
 

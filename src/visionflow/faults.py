@@ -29,7 +29,6 @@ that the poll's timeout applies). Unset, the normal case, a point costs one test
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -68,7 +67,9 @@ def fault(point: str, value=None, **where):
             continue
         if action == "oom" and argument and where["batch"] <= int(argument):
             continue  # this batch fits
-        print(f"fault: {action} at {point} {where}", file=sys.stderr, flush=True)
+        # os.write, not print: a fault point may be reached in a signal handler (train.stop),
+        # where a print landing on the loop's own print re-enters stderr's buffer
+        os.write(2, f"fault: {action} at {point} {where}\n".encode())
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "raise":
