@@ -125,6 +125,10 @@ class Group:
 
     def __init__(self, pid: int, grace_s: float, reaper: subprocess.Popen):
         self.pid, self.grace_s, self.reaper = pid, grace_s, reaper
+        # one end at a time: the stop's thread and the caller's finish both end the group, and a
+        # second kill_stage_first that found the stage already killed would kill dvc at once,
+        # before it recorded the end (a Running ghost, #57)
+        self.ending = threading.Lock()
         self.deadline: float | None = None  # set by the first stop
 
     def signal(self, signum: int) -> bool:
@@ -160,10 +164,11 @@ class Group:
         the stage before `dvc` so that DVC records the end (`kill_stage_first`; recorded in
         KILLED: the stage never reached its safe point)."""
         self.stop()
-        while self.signal(0) and time.monotonic() < self.deadline:
-            time.sleep(0.1)
-        if kill_stage_first(self.pid):
-            KILLED.append(self.grace_s)
+        with self.ending:
+            while self.signal(0) and time.monotonic() < self.deadline:
+                time.sleep(0.1)
+            if kill_stage_first(self.pid):
+                KILLED.append(self.grace_s)
 
 
 def start_group(
