@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from finetune_bench import make_project  # noqa: E402  (a committed copy of the project)
 from PIL import Image
-from project_files import FILES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,19 +56,6 @@ def sh(project: Path, *cmd: str) -> float:
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {result.returncode}\n{result.stderr}")
     return time.perf_counter() - started
-
-
-def make_project(dest: Path) -> None:
-    for name in FILES:
-        src, target = ROOT / name, dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
-            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(src, target)
-    sh(dest, "git", "init", "-q", "-b", "main")
-    sh(dest, "git", "add", "-A")
-    sh(dest, "git", "-c", "user.name=b", "-c", "user.email=b@b", "commit", "-qm", "init")
 
 
 def set_params(project: Path, change: dict) -> None:
