@@ -5,6 +5,7 @@ committed page is not what it writes.
     .venv/bin/python docs/make_reference.py [PARAMS] [OUT]
 """
 
+import json
 import re
 import sys
 import types
@@ -32,6 +33,13 @@ def comments(params: Path) -> dict[str, str]:
         path = [*path[:depth], match["key"]]
         found[".".join(path)] = (match["comment"] or "").strip()
     return found
+
+
+def as_yaml(value: object) -> str:
+    """A default as params.yaml writes it: false, null, [] (not Python's False, None, ())."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
 def kind(annotation) -> str:
@@ -63,7 +71,7 @@ def rows(model: type[BaseModel], prefix: str, said: dict[str, str]) -> list[str]
             for rule_type, rule in BOUNDS.items()
             if isinstance(m, rule_type)
         ]
-        default = "required" if field.default is PydanticUndefined else f"`{field.default}`"
+        default = "required" if field.default is PydanticUndefined else f"`{as_yaml(field.default)}`"
         meaning = said.get(key, "").replace("|", "\\|")
         found.append(
             f"| `{key}` | {kind(annotation)} | {', '.join(bounds)} | {default} | {meaning} |"
