@@ -73,7 +73,8 @@ def build(params: Params, out: Path) -> dict:
         source = sources.load_source(p.source, path, p.download)
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         if p.exclude:  # files a user confirmed mislabelled (sanity's label_issues.json)
-            source = sources.exclude(source, p.exclude, p.path)
+            where = p.path if p.source == "imagefolder" else f"the {p.source} images (#i)"
+            source = sources.exclude(source, p.exclude, where)
             print(f"prepare: {len(p.exclude)} files left out (prepare.exclude)")
         for warning in sources.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
