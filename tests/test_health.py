@@ -66,6 +66,21 @@ def test_a_rising_or_non_finite_loss_is_divergence():
     assert "train loss 2e+13, over 10x the chance level 2.300" in exploded.message
 
 
+def test_the_rate_a_divergence_quotes_is_the_one_set_not_one_cycles_warm_up():
+    import torch
+
+    from visionflow.train.training import Trainer
+
+    weights = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weights], lr=0.02)
+    torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=100)
+    trainer = SimpleNamespace(optimizer=optimizer)
+    assert optimizer.param_groups[0]["lr"] < 0.001  # the first steps run at a 25th of the peak
+    assert Trainer.set_lr.fget(trainer) == 0.02  # what "divide train.lr by 10" is about
+    plain = SimpleNamespace(optimizer=torch.optim.SGD([weights], lr=0.003))
+    assert Trainer.set_lr.fget(plain) == 0.003
+
+
 def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
     # efficientnet_b0 from scratch on 600 photos: the first steps fell from far above chance,
     # then every epoch stayed at a guess's loss, and no other check fired

@@ -151,6 +151,12 @@ class Trainer:
         return self.optimizer.param_groups[0]["lr"]
 
     @property
+    def set_lr(self) -> float:
+        """The rate train.lr set (the head's): one-cycle's peak, not where its warm-up is now."""
+        group = self.optimizer.param_groups[0]
+        return group.get("max_lr", group.get("initial_lr", group["lr"]))
+
+    @property
     def backbone_lr(self) -> float | None:
         groups = self.optimizer.param_groups
         return groups[1]["lr"] if len(groups) > 1 else None
