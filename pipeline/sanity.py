@@ -110,7 +110,8 @@ def main() -> None:
         out / "labels.png", dpi=100
     )
     generator = torch.Generator().manual_seed(params.seed)
-    augmented = augment(loading.to_unit(chosen), generator, **params.train.augment.model_dump())
+    per_image = params.train.augment.model_dump(exclude={"mixup", "cutmix"})  # not batch mixing
+    augmented = augment(loading.to_unit(chosen), generator, **per_image)
     shown = loading.from_model_input(loading.normalise(augmented, mean, std), mean, std)
     fig = viz.label_grid(shown.numpy(), y[pick].numpy(), meta.classes, k)
     fig.suptitle("train split with the training augmentation (train.augment)")

@@ -119,6 +119,8 @@ class Augment(Section):
     hflip: bool = False
     rotation: float = Field(10.0, ge=0, le=180)
     color_jitter: float = Field(0.0, ge=0, lt=1)
+    mixup: float = Field(0.0, ge=0)  # Beta(alpha, alpha): torchvision's MixUp of batch pairs
+    cutmix: float = Field(0.0, ge=0)  # the same for CutMix; both on: one of them per batch
 
 
 class Health(Section):

@@ -94,6 +94,7 @@ class Run:
             self.world,
             data.image_size,
             len(data.y_train),
+            len(data.meta.classes),
         )
         self.meta = setup.model_metadata(train, params.seed, data, mean, std, network)
         self.meta["train"]["lr_found"] = self.found is not None  # train.lr: auto

@@ -18,6 +18,7 @@ from visionflow.data import dataset
 from visionflow.errors import DataError, GateError, Unavailable
 from visionflow.params import Augment, Train, recipe_values
 from visionflow.train import from_torchvision, health, loading
+from visionflow.train.augment import mixing
 from visionflow.train.engine import (
     Step,
     make_optimizer,
@@ -91,7 +92,9 @@ OVERFIT = {  # train.overfit_batches: each of these keeps the loss of a few batc
     "dropout": 0.0,
     "label_smoothing": 0.0,
     "weight_decay": 0.0,
-    "augment": Augment(crop_padding=0, hflip=False, rotation=0.0, color_jitter=0.0),
+    "augment": Augment(
+        crop_padding=0, hflip=False, rotation=0.0, color_jitter=0.0, mixup=0.0, cutmix=0.0
+    ),
 }
 
 
@@ -289,10 +292,12 @@ def trainer_for(
     world: int,
     image_size: int,
     images: int,
+    classes: int | None = None,
 ) -> Trainer:
     """The model, what steps it (DDP and/or compiled), its optimizer, schedule and scaler, and
     the generators of the batch order and the augmentation, as train.* says (`images`: the
-    training images, for a per-step schedule's length)."""
+    training images, for a per-step schedule's length; `classes`: the soft targets' width
+    when train.augment mixes batches)."""
     device = next(model.parameters()).device
     net = stepping(model, world, train.compile)
     optimizer = make_optimizer(
@@ -327,7 +332,7 @@ def trainer_for(
     )
     shuffle = torch.Generator().manual_seed(seed)
     augment_rng = torch.Generator().manual_seed(seed + rank)
-    augment = train.augment.model_dump()
+    augment = train.augment.model_dump(exclude={"mixup", "cutmix"})  # `augment.augment`'s
     if isinstance(model, FineTune) and model.size < image_size:
         augment["resized_crop"] = model.size  # the weights' crop: random while training
     return Trainer(
@@ -345,6 +350,7 @@ def trainer_for(
         world,
         compiled=train.compile,
         freeze_epochs=train.freeze_epochs if isinstance(model, FineTune) else 0,
+        mix=mixing(train.augment.mixup, train.augment.cutmix, classes),
     )
 
 

@@ -4,12 +4,16 @@ torchvision's v2 transforms draw one set of random parameters per call, so on a 
 every image gets the same crop and flip; calling them image by image costs more than the training
 step on small images. Here one `affine_grid` + `grid_sample` does the random shift (a crop with zero
 padding) and rotation of the whole batch, and flips and colour jitter are per-image masks and factors.
+Batch mixing (`mixing`: MixUp, CutMix) is torchvision's own: it blends images in pairs and their
+labels into soft targets, one draw per batch.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms import v2
 
 
 def augment(
@@ -82,3 +86,17 @@ def random_resized_crop(x: torch.Tensor, size: int, degrees: torch.Tensor, unifo
     v = ((torch.arange(size, device=x.device) * 2 + 1) / size - 1).view(1, size, 1)
     grid = torch.stack([sx * (cos * u - sin * v) + dx, sy * (sin * u + cos * v) + dy], dim=-1)
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+def mixing(
+    mixup: float, cutmix: float, classes: int | None
+) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """torchvision's MixUp and/or CutMix (each its Beta(alpha, alpha) mixing weight; 0 = off),
+    one picked per batch when both are on (as torchvision's references do), or None when both
+    are off: (images, int64 labels) -> (images mixed in pairs, soft targets whose rows sum to 1).
+    Their draws come from torch's global generator (the one a checkpoint saves as "torch")."""
+    chosen = [v2.MixUp(alpha=mixup, num_classes=classes)] if mixup else []
+    chosen += [v2.CutMix(alpha=cutmix, num_classes=classes)] if cutmix else []
+    if len(chosen) < 2:
+        return chosen[0] if chosen else None
+    return v2.RandomChoice(chosen)

@@ -202,7 +202,8 @@ class Step:
 class Split:
     """A rank's shard of the training split as the loop reads it: uint8 NHWC images and labels
     (on the device, or memory-mapped), the normalisation, the shuffle (the same generator state on
-    every rank), the augmentation (float NCHW in 0..1 -> augmented, before normalisation) and the
+    every rank), the augmentation (float NCHW in 0..1 -> augmented, before normalisation), the
+    batch mixing (`augment.mixing`: images and labels -> mixed images and soft targets) and the
     shard (`batches` says how ranks share a split)."""
 
     x: torch.Tensor | np.ndarray
@@ -213,6 +214,7 @@ class Split:
     augment: Callable[[torch.Tensor], torch.Tensor] | None = None
     rank: int = 0
     world: int = 1
+    mix: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def batches(self, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         device = self.mean.device
@@ -224,6 +226,14 @@ class Split:
         if self.augment is not None:
             images = self.augment(images)
         return normalise(images, self.mean, self.std)
+
+    def mixed(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what the model is fed, the loss's targets): `inputs(x)` and the labels `y`, or with
+        `mix` the images blended in pairs and soft targets (each row sums to 1). Mixing after
+        normalising equals mixing before: a blend or a pasted box commutes with it."""
+        if self.mix is None:
+            return self.inputs(x), y
+        return self.mix(self.inputs(x), y)
 
 
 def train_one_epoch(
@@ -260,8 +270,11 @@ def train_one_epoch(
             for i, (x, y) in enumerate(group):
                 last = i == len(group) - 1 and not step.agree_on_memory
                 with sync_only_on_last(model, last):
-                    loss, logits = forward(model, split.inputs(x), y, step)
-                    loss = stats.micro_batch(loss, logits, y)  # divided: equal ones by count
+                    inputs, targets = split.mixed(x, y)
+                    loss, logits = forward(model, inputs, targets, step)
+                    # mixed: accuracy and the health's labels against each image's larger share
+                    labels = targets if targets.ndim == 1 else targets.argmax(1)
+                    loss = stats.micro_batch(loss, logits, labels)  # divided: equal ones by count
                     scaler.scale(loss / (images / len(y))).backward()
             flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
         # the step's one sync, which skipping a non-finite step needs (train.max_nonfinite_steps)
@@ -338,7 +351,8 @@ def skip_nonfinite(model: nn.Module, kept: list, stats: EpochStats, most: int) -
 
 
 def forward(model, inputs, y, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, logits) of one micro-batch, under the step's autocast."""
+    """(loss, logits) of one micro-batch, under the step's autocast; `y` class indices or soft
+    targets (mixed batches), label smoothing applied to either."""
     with torch.autocast(
         inputs.device.type, dtype=step.dtype or torch.float32, enabled=step.dtype is not None
     ):

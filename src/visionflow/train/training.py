@@ -144,6 +144,7 @@ class Trainer:
     retried: bool = False  # auto_batch retries once per run
     compiled: bool = False  # train.compile: `net` is compiled
     freeze_epochs: int = 0  # fine-tuning (zoo.FineTune): the new head alone for these epochs
+    mix: object = None  # `augment.mixing`'s MixUp/CutMix (train.augment.mixup, cutmix), or None
 
     @property
     def lr(self) -> float:
@@ -244,7 +245,7 @@ class Trainer:
             torch.save(self.state(), saved)
         while True:
             draws = partial(augment, generator=self.augment_rng, **self.augment)
-            split = Split(x, y, mean, std, self.shuffle, draws, self.rank, self.world)
+            split = Split(x, y, mean, std, self.shuffle, draws, self.rank, self.world, self.mix)
             try:
                 return train_one_epoch(
                     self.net,
