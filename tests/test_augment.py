@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from tests.helpers import ROOT
 from visionflow.train.augment import augment
 
 
@@ -103,3 +105,77 @@ def test_draws_the_same_distribution_as_torchvision_rotation_and_padded_crop():
         (angle.std(), angle_t.std()),
     ):
         assert abs(spread / expected - 1) < 0.08
+
+
+def mixed_epoch(mix, labels, logits_bias, label_smoothing=0.0):
+    """One epoch of the training loop over 32 images of `labels` with `mix`, on a linear model
+    whose prediction is its bias (`logits_bias`: its weights 0, and nothing moves at lr 0)."""
+    import torch.nn as nn
+
+    from visionflow.train.engine import Split, Step, train_one_epoch
+
+    x = torch.randint(0, 256, (32, 4, 4, 3), dtype=torch.uint8, generator=torch.Generator())
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, len(logits_bias)))
+    with torch.no_grad():
+        model[1].weight.zero_()
+        model[1].bias.copy_(torch.tensor(logits_bias))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    split = Split(x, labels, torch.zeros(3), torch.ones(3), torch.Generator(), mix=mix)
+    return train_one_epoch(model, optimizer, split, Step(8, label_smoothing=label_smoothing))
+
+
+def test_mixing_is_off_unless_asked_and_mixes_pairs_into_targets_that_sum_to_1():
+    from visionflow.train.augment import mixing
+
+    assert mixing(0.0, 0.0, 5) is None  # params.yaml's default: the loop's own path
+    torch.manual_seed(0)
+    x, y = torch.rand(15, 3, 10, 10), torch.arange(15) % 5  # y[-1] is not y[0]
+    for mix in (mixing(0.4, 0.0, 5), mixing(0.0, 1.0, 5), mixing(0.4, 1.0, 5)):
+        images, targets = mix(x, y)
+        assert images.shape == x.shape and not torch.equal(images, x)
+        assert targets.shape == (15, 5) and torch.allclose(targets.sum(1), torch.ones(15))
+        # each image a blend of itself and the one before it, labels in the same shares
+        lam = targets[0, y[0]]
+        assert torch.allclose(targets[0, y[-1]], 1 - lam) and 0 < lam < 1
+    # the draws are torch's global generator's, which a checkpoint saves ("torch")
+    both = mixing(0.4, 1.0, 5)
+    torch.manual_seed(3)
+    first = [both(x, y)[1] for _ in range(6)]
+    torch.manual_seed(3)
+    assert all(torch.equal(a, both(x, y)[1]) for a in first)
+
+
+def test_training_accuracy_counts_each_mixed_image_as_its_larger_share():
+    """A model that always says class 0, on images labelled 1: without mixing its train accuracy
+    is 0; with a mix that gives every image 0.7 of class 0, it is 1 (the larger share), and the
+    loss is the soft targets' cross-entropy with label smoothing applied on top."""
+    y = torch.ones(32, dtype=torch.int64)
+
+    def mostly_zero(images, labels):  # a stand-in mix with known targets
+        soft = torch.nn.functional.one_hot(labels, 3).float() * 0.3
+        soft[:, 0] += 0.7
+        return images, soft
+
+    plain = mixed_epoch(None, y, [5.0, 0.0, 0.0])
+    mixed = mixed_epoch(mostly_zero, y, [5.0, 0.0, 0.0], label_smoothing=0.1)
+    assert plain["accuracy"] == 0.0 and mixed["accuracy"] == 1.0
+    log_p = torch.log_softmax(torch.tensor([5.0, 0.0, 0.0]), 0)
+    smoothed = torch.tensor([0.7, 0.3, 0.0]) * 0.9 + 0.1 / 3
+    assert mixed["loss"] == pytest.approx(-(smoothed * log_p).sum().item(), rel=1e-5)
+
+
+def test_the_trainer_mixes_its_batches_only_when_params_yaml_asks():
+    """The stage's trainer (`trainer_for`, from params.yaml): no mixing by default; with
+    train.augment.mixup its training batches are mixed (`Trainer.epoch`'s Split), and the
+    per-image augmentation, which the sanity grid and the range test share, takes no mixing
+    keys. Evaluation reads the splits as they are (`engine.evaluate` has no augmentation)."""
+    from visionflow.fit.setup import trainer_for
+    from visionflow.params import load_params
+
+    t = load_params(ROOT / "params.yaml").train
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 4))
+    trainer = trainer_for(model, t, seed=0, rank=0, world=1, image_size=4, images=32, classes=4)
+    assert trainer.mix is None
+    on = t.model_copy(update={"augment": t.augment.model_copy(update={"mixup": 0.2})})
+    trainer = trainer_for(model, on, seed=0, rank=0, world=1, image_size=4, images=32, classes=4)
+    assert trainer.mix is not None and not {"mixup", "cutmix"} & set(trainer.augment)

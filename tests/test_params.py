@@ -1,3 +1,4 @@
+import math
 import os
 import runpy
 import subprocess
@@ -207,3 +208,13 @@ def test_the_parameter_reference_in_the_docs_is_the_params_models_and_file():
     assert "| `train.lr` | float \\| `auto` |  | required | learning rate (> 0) \\| auto" in made
     committed = (ROOT / "docs/reference.md").read_text()
     assert committed == made, "run: .venv/bin/python docs/make_reference.py"
+
+
+@pytest.mark.parametrize("key", ["mixup", "cutmix"])
+def test_a_batch_mixing_alpha_is_a_finite_number_not_below_0(key):
+    """train.augment.mixup and cutmix: a Beta(alpha, alpha) weight, 0 = off (the default)."""
+    assert getattr(load_params(ROOT / "params.yaml").train.augment, key) == 0.0
+    for bad, said in ((-0.2, r"greater than or equal to 0 \(got -0.2\)"), (math.inf, "finite")):
+        with pytest.raises(ParamsError, match=rf"train.augment.{key}: .*{said}"):
+            parse_params(params_with(train={"augment": {key: bad}}))
+    assert getattr(parse_params(params_with(train={"augment": {key: 0.4}})).train.augment, key)

@@ -4,7 +4,7 @@ state is compared (weights, optimizer, scheduler, GradScaler, every generator, t
 records, the best epoch, the early-stop count, the health monitor's findings and first losses),
 and so are the outputs (model.pt, metrics.json, health.json), for every schedule and with
 `train.lr: auto`, frozen epochs (a stop on each side of the boundary), accumulation, label
-smoothing and early stop, pairwise.
+smoothing, early stop and batch mixing (MixUp, CutMix), pairwise.
 
 Each run is the train stage's own `Run` (visionflow.fit.run), on a real digits cache; the stop
 is the stage's own fault point after an epoch's checkpoint (`train.epoch_end`), as a kill there
@@ -174,6 +174,11 @@ CASES = {  # train.* beyond BASE, and the epoch after which the run is killed
     "none-early_stop-smoothing": (
         {"scheduler": "none", "early_stop": 2, "label_smoothing": 0.1},
         1,
+    ),
+    # MixUp and CutMix, one per batch: their draws come from torch's generator, which is saved
+    "plateau-mixup-cutmix-smoothing": (
+        {"augment": {"mixup": 0.2, "cutmix": 1.0}, "label_smoothing": 0.1},
+        2,
     ),
     "step-fp16_scaler-accumulate": (
         # fp16 on the CPU is slow: two batches of the cache (overfit_batches) are enough for
