@@ -823,6 +823,64 @@ def test_ddp_all_reduces_the_gradients_once_per_optimizer_step(tmp_path):
     assert per_step >= 1 and accumulated == steps * per_step, counts
 
 
+def wait_on_rank_0(rank: int, port: int, folder: Path) -> None:
+    """Two gloo ranks whose default group gives up after 2 s (NCCL's gives up after 10 minutes)
+    run the two waits on rank 0's work alone: the cache's hash (`verify_once`) and train.lr:
+    auto's rate (`rate_for`). Rank 0 pauses in each until rank 1 has outlived a canary: a
+    collective of 6 s's timeout that rank 0 never joins, started as rank 1 starts to wait.
+    Each rank writes the rate it took to folder/rate-<rank>.json."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from visionflow.fit.lr_auto import RECORD, rate_for
+    from visionflow.fit.setup import verify_once
+    from visionflow.params import load_params
+
+    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    short = timedelta(seconds=2)  # the default group's timeout, as NCCL's 10 minutes
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=short)
+    faults.FAULTS = faults.parse(
+        f"train.verify@rank=0:pause={folder}/hashed;train.lr_find@rank=0:pause={folder}/found"
+    )
+    faults.ACTIVE = True
+
+    def outlive(canary, done: Path) -> None:
+        try:
+            dist.barrier(group=canary)  # rank 0 never comes: this gives up after 3 x short
+        except RuntimeError:
+            done.touch()
+
+    train = load_params(ROOT / "params.yaml").train.model_copy(update={"lr": "auto"})
+    (folder / RECORD).write_text(json.dumps({"suggestion": 3e-3, "rates": [1e-4, 3e-3]}))
+    waits = {
+        "hashed": lambda: verify_once(folder, rank, 2),
+        "found": lambda: rate_for(train, nn.Linear(1, 1), None, None, 0, folder, rank, 2, print),
+    }
+    for done, wait in waits.items():
+        canary = dist.new_group(backend="gloo", timeout=3 * short)  # every rank makes a group
+        if rank == 1:
+            threading.Thread(target=outlive, args=(canary, folder / done), daemon=True).start()
+        result = wait()
+    (folder / f"rate-{rank}.json").write_text(json.dumps(result[0].lr))
+    os._exit(0)  # the canary's broken group would hold destroy_process_group
+
+
+@pytest.mark.slow
+def test_ranks_wait_on_rank_0s_hash_and_range_test_longer_than_the_default_timeout(tmp_path):
+    """Rank 0 alone hashes the cache and runs the range test while the others wait; under NCCL
+    the default group gives up after 10 minutes, which a large cache or model can take. The
+    waiting rank must outlive its default group's timeout in both waits and take rank 0's rate."""
+    import torch.multiprocessing as mp
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {}}))  # a cache of no files
+    mp.spawn(wait_on_rank_0, args=(free_port(), tmp_path), nprocs=2)
+    assert (tmp_path / "hashed").exists() and (tmp_path / "found").exists()  # the canaries
+    rates = [json.loads((tmp_path / f"rate-{rank}.json").read_text()) for rank in (0, 1)]
+    assert rates == [3e-3, 3e-3]
+
+
 def start_two_nodes(nodes: list[Path], out: str, state: str, fault: str = "") -> list:
     """The train stage on two "machines": a `torchrun --nnodes 2 --node_rank K` per folder (its
     own params, data and checkpoints), one process each, joined by a static rendezvous on

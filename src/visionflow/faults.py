@@ -17,7 +17,7 @@
 
 The points: stage.import (stage: its modules are being imported), stage.start (stage), stage.snapshot (stage, rank: the mid-run guard's start stat was
 taken), stage.published (stage: its outputs are in place), train.verify (rank: the cache is
-re-hashed), train.batch
+re-hashed), train.lr_find (rank: rank 0 finds train.lr: auto's rate), train.batch
 (epoch, step), train.loss (epoch, step, batch), train.epoch_end (epoch), train.stop (a stop was
 asked), checkpoint.write (epoch), export.int8 (the INT8 model's logits as the gate scores them),
 export.quantize (before the INT8 file is made),

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from visionflow import faults
 from visionflow.data import dataset
 from visionflow.errors import GateError
 from visionflow.fit.setup import Data, trainer_for
@@ -97,6 +98,8 @@ def rate_for(
     train, spread = spread_for(train, model)
     found, record = None, folder / RECORD
     if rank == 0:
+        if faults.ACTIVE:
+            faults.fault("train.lr_find", rank=rank)
         found = json.loads(record.read_text()) if record.exists() else None
         how = f"recorded in {record}"
         if found is None:
