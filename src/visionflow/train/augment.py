@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torchvision.transforms import v2
 
 
 def augment(
@@ -95,8 +94,12 @@ def mixing(
     one picked per batch when both are on (as torchvision's references do), or None when both
     are off: (images, int64 labels) -> (images mixed in pairs, soft targets whose rows sum to 1).
     Their draws come from torch's global generator (the one a checkpoint saves as "torch")."""
+    if not (mixup or cutmix):
+        return None
+    # here, not at the top: importing torchvision imports torch's compiler (seconds), which the
+    # train and sanity stages do not import otherwise
+    from torchvision.transforms import v2
+
     chosen = [v2.MixUp(alpha=mixup, num_classes=classes)] if mixup else []
     chosen += [v2.CutMix(alpha=cutmix, num_classes=classes)] if cutmix else []
-    if len(chosen) < 2:
-        return chosen[0] if chosen else None
-    return v2.RandomChoice(chosen)
+    return chosen[0] if len(chosen) == 1 else v2.RandomChoice(chosen)

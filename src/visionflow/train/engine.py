@@ -268,13 +268,10 @@ def train_one_epoch(
         images = sum(len(y) for _, y in group)  # this rank's; every rank has as many
         with memory.said():
             for i, (x, y) in enumerate(group):
-                last = i == len(group) - 1 and not step.agree_on_memory
-                with sync_only_on_last(model, last):
-                    inputs, targets = split.mixed(x, y)
+                with sync_only_on_last(model, i == len(group) - 1 and not step.agree_on_memory):
+                    inputs, targets = split.mixed(x, y)  # soft targets when batches are mixed
                     loss, logits = forward(model, inputs, targets, step)
-                    # mixed: accuracy and the health's labels against each image's larger share
-                    labels = targets if targets.ndim == 1 else targets.argmax(1)
-                    loss = stats.micro_batch(loss, logits, labels)  # divided: equal ones by count
+                    loss = stats.micro_batch(loss, logits, targets)  # divided: equal ones by count
                     scaler.scale(loss / (images / len(y))).backward()
             flat = flat_gradients(model) if step.agree_on_memory else None  # it allocates
         # the step's one sync, which skipping a non-finite step needs (train.max_nonfinite_steps)

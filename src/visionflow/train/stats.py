@@ -102,7 +102,10 @@ class EpochStats:
             yield batch
 
     def micro_batch(self, loss: torch.Tensor, logits: torch.Tensor, y: torch.Tensor):
-        """Counts one micro-batch's loss and correct answers (a non-finite one counts 0)."""
+        """Counts one micro-batch's loss and correct answers (a non-finite one counts 0). `y`:
+        class indices, or a mixed batch's soft targets: then each image's label is its larger
+        share (`augment.mixing`), for the accuracy and the health checks."""
+        y = y if y.ndim == 1 else y.argmax(1)
         self.micro_batches += 1
         if faults.ACTIVE:
             where = {"epoch": self.epoch, "step": self.micro_batches, "batch": len(y)}
