@@ -31,7 +31,7 @@ from orchestration import in_turn, queued
 from orchestration import spread as spread_mode
 from orchestration.record import stopped_run
 from orchestration.server import patient_server
-from orchestration.spread import EXPERIMENT, LOST_AFTER_S
+from orchestration.spread import EXPERIMENT, LEAST_LOST_AFTER_S, LOST_AFTER_S
 from orchestration.sweep import Plan, Poll
 from visionflow.ops.project import preflight
 from visionflow.ops.repo import StageFailed
@@ -64,7 +64,8 @@ def experiments(
     (one `experiment` each, a child of this one), run by whichever worker takes it in its own
     checkout of this commit; each pushes to the git remote `remote` (and the default DVC remote),
     and this flow pulls them; the table says where each ran, and why one did not succeed. One
-    whose heartbeat stops for `lost_after_s` lost its worker or machine: it is cancelled, its row
+    whose heartbeats (Prefect's) stop for `lost_after_s` lost its worker or machine: it is
+    cancelled (the server's automation marks it Crashed even with no sweep watching), its row
     `crashed`; so is one left Pending, and one no worker took while none of the pool's was
     online for `lost_after_s` (`not started`).
     This workspace is not held.
@@ -130,8 +131,11 @@ def input_problems(
         problems.append(f"workers is {workers}: 0 runs them in turn, N > 0 N at a time")
     if not timeout_s > 0:
         problems.append(f"timeout is {timeout_s} s: it must be above 0")
-    if not lost_after_s > 0:
-        problems.append(f"lost after is {lost_after_s} s: it must be above 0")
+    if not lost_after_s >= LEAST_LOST_AFTER_S:  # Prefect's heartbeats are 30 s apart at least
+        problems.append(
+            f"lost after is {lost_after_s} s: it must be {LEAST_LOST_AFTER_S} or more (two of "
+            "Prefect's flow-run heartbeats, which come 30 s apart at the least)"
+        )
     return problems
 
 
@@ -185,7 +189,7 @@ def main() -> None:
         default=LOST_AFTER_S,
         help="with --spread: seconds without a heartbeat before an experiment's worker counts "
         "as lost and the experiment is cancelled, and without any worker of the pool online "
-        f"before those no worker took are ({LOST_AFTER_S:.0f})",
+        f"before those no worker took are ({LOST_AFTER_S:.0f}; {LEAST_LOST_AFTER_S} or more)",
     )
     args = parser.parse_args()
     overrides = [split_overrides(text) for text in args.experiment]

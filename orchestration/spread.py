@@ -7,28 +7,39 @@ default DVC remote); the sweep waits for them all and pulls the ones that succee
 show` here, and on any clone after `dvc exp pull`, has the whole sweep. This workspace is not
 held: a worker may run an experiment in this very checkout, and takes its lock.
 
-An experiment's liveness comes from the experiment: while it runs (waiting for its checkout's
-lock, training, pushing) it counts up a label of its flow run (HEARTBEAT); the sweep gives up on
-one whose count has not moved for `lost_after_s` (its worker or machine was lost), on one a
-worker took but did not start in STARTUP_S (that worker was lost), and on one no worker took
-while none of the pool's was online for `lost_after_s`: each is cancelled (a worker that comes
-back stops it), its row says why, and the sweep goes on. One that had pushed its result anyway
-shows that result.
+An experiment's liveness is Prefect's own: while its flow runs (waiting for its checkout's lock,
+training, pushing) Prefect's engine sends a `prefect.flow-run.heartbeat` event every
+`beat_s(lost_after_s)` from a thread of its own (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, set on each
+run). The sweep gives up on one whose latest heartbeat has not changed for `lost_after_s` (its
+worker or machine was lost), on one a worker took but did not start in STARTUP_S (that worker was
+lost), and on one no worker took while none of the pool's was online for `lost_after_s`: each is
+cancelled (a worker that comes back stops it), its row says why, and the sweep goes on. One that
+had pushed its result anyway shows that result. With no sweep watching (it was killed, its
+machine lost), the server itself marks a silent experiment Crashed: Prefect's documented
+zombie-run automation (`crash_silent_runs`), which the sweep creates once.
 """
 
 import re
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from prefect import flow, get_run_logger, runtime
+from prefect.automations import Automation
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.deployments import run_deployment
+from prefect.events.actions import ChangeFlowRunState
+from prefect.events.filters import (
+    EventFilter,
+    EventNameFilter,
+    EventOccurredFilter,
+    EventResourceFilter,
+)
+from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.events.schemas.events import ResourceSpecification
 from prefect.exceptions import ObjectNotFound, TerminationSignal
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, State
 
@@ -40,14 +51,21 @@ from visionflow.ops.runner import find_root, workspace_lock
 
 EXPERIMENT = "experiment/pool-experiment"  # prefect.yaml's deployment of one experiment
 UNTAKEN_S = 60.0  # a spread experiment no worker took this long is said in the log
-LOST_AFTER_S = 60.0  # a spread experiment whose heartbeat stopped this long is lost
+LOST_AFTER_S = 90.0  # a spread experiment whose heartbeats stopped this long is lost
 NOTICE_S = 10.0  # a cancelled lost one's live worker starts stopping it within this (~1 s here)
 STARTUP_S = 600.0  # one a worker took (Pending) and did not start this long: the worker was lost
 # (a process worker's start, pull step and imports take about 8 s on idle 2 cores; a Docker or
 # Kubernetes worker's first pull of a torch image, minutes)
-BEATS = 6  # heartbeats per LOST_AFTER_S: a few late ones are not a loss
-HEARTBEAT = "visionflow.heartbeat"  # labels of a spread experiment's flow run: a count that
-RAN_ON = "visionflow.ran-on"  # goes up while it lives, and the worker's host:checkout
+BEATS = 3  # Prefect heartbeats per lost_after_s: one late beat is not a loss
+LEAST_BEAT_S = 30  # Prefect's least PREFECT_FLOWS_HEARTBEAT_FREQUENCY (its settings refuse less)
+LEAST_LOST_AFTER_S = 2 * LEAST_BEAT_S  # so at least two beats fall in a lost_after_s
+HEARTBEAT = "prefect.flow-run.heartbeat"  # Prefect's event, sent while a flow run's body runs
+BEAT_SETTING = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"  # seconds between them, read at the run's start
+SILENT = "visionflow.silent-{}s"  # the tag of the runs crash_silent_runs watches, by seconds
+FINAL_STATES = ("Completed", "Failed", "Cancelled", "Crashed")  # the ends' event names
+LOST = "its worker or machine was lost"  # in the message of a lost one's Crashed state
+# a label of a spread experiment's flow run: the host and checkout of the worker that runs it
+RAN_ON = "visionflow.ran-on"
 
 
 def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcomes:
@@ -67,14 +85,21 @@ def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcom
             f"runs commit {commit[:8]}, and a worker in this checkout refuses until they are "
             "committed or stashed"
         )
-    pool = require_deployment(deployment)
+    pool, env = require_deployment(deployment)
+    env = env | {BEAT_SETTING: str(beat_s(lost_after_s))}  # Prefect's heartbeats, at this pace
+    watched = crash_silent_runs(lost_after_s + beat_s(lost_after_s))  # one beat after the sweep
     runs, ends, lost, stopped = {}, {}, {}, None
     try:
         for name, sets in plan.experiments.items():
             parameters = dict(name=name, sets=sets, baseline=commit, timeout_s=plan.timeout_s)
-            parameters |= dict(remote=remote, heartbeat_s=lost_after_s / BEATS)
+            parameters |= dict(remote=remote)
             runs[name] = run_deployment(
-                deployment, parameters=parameters, flow_run_name=name, timeout=0
+                deployment,
+                parameters=parameters,
+                flow_run_name=name,
+                timeout=0,
+                tags=[watched],
+                job_variables={"env": env},
             )
             logger.info(f"{name} ({' '.join(sets)}): sent to {deployment}")
         if not wait_for_children(runs, ends, lost, lost_after_s, pool):
@@ -94,11 +119,13 @@ def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcom
     return Outcomes(rows)
 
 
-def require_deployment(deployment: str) -> str:
-    """The name of `deployment`'s work pool; refused in one line when the server lacks it."""
+def require_deployment(deployment: str) -> tuple[str, dict]:
+    """The name of `deployment`'s work pool and the environment its runs get (its job variables'
+    `env`: a run's own `env` replaces it); refused in one line when the server lacks it."""
     with get_client(sync_client=True) as client:
         try:
-            return client.read_deployment_by_name(deployment).work_pool_name
+            found = client.read_deployment_by_name(deployment)
+            return found.work_pool_name, dict((found.job_variables or {}).get("env") or {})
         except ObjectNotFound:
             raise StageFailed(
                 f"no deployment {deployment} on the Prefect server: `prefect deploy --all` in "
@@ -114,21 +141,20 @@ def experiment(
     workdir: str = ".",
     timeout_s: float = 3600,
     remote: str = "origin",
-    heartbeat_s: float = LOST_AFTER_S / BEATS,
 ) -> dict | State:
     """One experiment of a spread sweep, on the worker that took it: `dvc exp run` in this
     worker's checkout, then `dvc exp push` to the git remote `remote` and the default DVC
     remote. A checkout that is not at the sweep's `baseline` commit, has uncommitted changes or
     lacks a remote refuses first, in one line. Completed with where it ran in its message.
-    A heartbeat every `heartbeat_s` tells the sweep it lives, whatever it waits on (this
-    checkout's lock, training, the push)."""
+    Prefect's heartbeats tell the sweep it lives, whatever it waits on (this checkout's lock,
+    training, the push); its RAN_ON label says where."""
     logger = get_run_logger()
     root = find_root(Path(workdir))
-    with (
-        heartbeat(f"{socket.gethostname()}:{root}", heartbeat_s),
-        workspace_lock(root, wait=True, log=logger.warning),
-        record_holder(root),
-    ):
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(
+            runtime.flow_run.id, {RAN_ON: f"{socket.gethostname()}:{root}"}
+        )
+    with workspace_lock(root, wait=True, log=logger.warning), record_holder(root):
         if problem := spread_problem(root, remote, baseline):
             raise StageFailed(problem)
         state = run_experiment(root, name, sets, timeout_s, return_state=True)
@@ -141,32 +167,62 @@ def experiment(
     return Completed(message=f"{name} ran on {socket.gethostname()}:{root}", data=state.result())
 
 
-@contextmanager
-def heartbeat(where: str, every_s: float) -> Iterator[None]:
-    """While the block runs, a thread counts up this flow run's HEARTBEAT label every
-    `every_s` (and sets RAN_ON to `where`). The sweep judges the count moving on its own clock:
-    the machines' clocks need not agree. A beat the server missed is made up by the next."""
-    run_id, logger = runtime.flow_run.id, get_run_logger()
-    stop = threading.Event()
+def beat_s(lost_after_s: float) -> int:
+    """Seconds between Prefect's heartbeats of a spread experiment: BEATS in `lost_after_s`, and
+    not under LEAST_BEAT_S."""
+    return max(LEAST_BEAT_S, int(lost_after_s // BEATS))
 
-    def send_beats() -> None:
-        with get_client(sync_client=True) as client:
-            count = 0
-            while not stop.is_set():
-                count += 1
-                try:
-                    client.update_flow_run_labels(run_id, {RAN_ON: where, HEARTBEAT: count})
-                except Exception as error:  # the API away a while: the sweep waits lost_after_s
-                    logger.debug(f"heartbeat not sent: {error}")
-                stop.wait(every_s)
 
-    thread = threading.Thread(target=send_beats, name="heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=every_s)  # not for a beat the API is slow to take
+def crash_silent_runs(within_s: float) -> str:
+    """The tag of flow runs that the server marks Crashed when their heartbeats stop for
+    `within_s`, even with no sweep watching: Prefect's documented zombie-run automation
+    (docs.prefect.io/v3/advanced/detect-zombie-flows), kept to runs with the tag and made once per
+    `within_s` (found again by its name). A run that heartbeats, or ends, within each `within_s`
+    of its last heartbeat is left alone; so is one that never beat (Pending: `gave_up`)."""
+    seconds = round(within_s)
+    tag = SILENT.format(seconds)
+    name = f"visionflow: crash flow runs tagged {tag} silent for {seconds} s"
+    with get_client(sync_client=True) as client:
+        if client.read_automations_by_name(name):
+            return tag
+    Automation(
+        name=name,
+        description="Prefect's zombie-run automation, for spread experiments (spread.py)",
+        trigger=EventTrigger(
+            after={HEARTBEAT},
+            expect={HEARTBEAT} | {f"prefect.flow-run.{end}" for end in FINAL_STATES},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification(
+                {"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{tag}"}
+            ),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive,
+            threshold=1,
+            within=timedelta(seconds=seconds),
+        ),
+        actions=[
+            ChangeFlowRunState(
+                state=StateType.CRASHED,
+                message=f"no heartbeat for {seconds} s: {LOST}",
+                force=True,  # from Cancelling too: a cancelled run no worker answered
+            )
+        ],
+    ).create()
+    return tag
+
+
+def last_beat(client, run_id) -> str | None:
+    """The id of the latest heartbeat event of flow run `run_id` on the server (None: none)."""
+    ahead = datetime.now(UTC) + timedelta(days=1)  # the worker's clock may run ahead
+    found = client.read_events(
+        EventFilter(
+            event=EventNameFilter(name=[HEARTBEAT]),
+            resource=EventResourceFilter(id=[f"prefect.flow-run.{run_id}"]),
+            occurred=EventOccurredFilter(until=ahead),
+        ),
+        limit=1,  # the newest first
+    )
+    return str(found.events[0].id) if found.events else None
 
 
 def wait_for_children(
@@ -197,9 +253,13 @@ def wait_for_children(
                 no_worker_since = None
             no_worker_s = time.monotonic() - no_worker_since if no_worker_since else 0.0
             for name, run in now.items():
-                if why := gave_up(name, run, beats, lost_after_s, no_worker_s, pool):
+                watch = run.state and (run.state.is_running() or run.state.is_cancelling())
+                beat = last_beat(client, run.id) if watch else None
+                if why := gave_up(name, run, beat, beats, lost_after_s, no_worker_s, pool):
                     if give_up(client, run, why) and run.state.is_crashed():
                         lost[name] = time.monotonic()
+                elif run.state and run.state.is_crashed() and LOST in (run.state.message or ""):
+                    lost[name] = time.monotonic()  # the server's automation was first
                 if run.state and run.state.is_final():
                     ends[name] = run
                     message = run.state.message or ""
@@ -224,20 +284,27 @@ def pool_online(client, pool: str) -> bool:
 
 
 def gave_up(
-    name: str, run, beats: dict, lost_after_s: float, no_worker_s: float, pool: str | None = None
+    name: str,
+    run,
+    beat: str | None,
+    beats: dict,
+    lost_after_s: float,
+    no_worker_s: float,
+    pool: str | None = None,
 ) -> str | None:
-    """Why the sweep gives up on its child `run` now (None: it waits on):
+    """Why the sweep gives up on its child `run` now (None: it waits on), `beat` being its
+    latest heartbeat (`last_beat`, read while it runs):
     - running (or Cancelling: stopped by hand), its heartbeat unchanged for `lost_after_s`:
       its worker or machine was lost;
     - Pending (a worker took it) and not started (no heartbeat) in max(`lost_after_s`,
       STARTUP_S): that worker was lost before it started the experiment;
     - Scheduled (no worker took it) while no worker of `pool` was online for `lost_after_s`
       (`no_worker_s`, on the sweep's clock).
-    Silence is judged on this process's clock (`silent`), from the run's state and count."""
+    Silence is judged on this process's clock (`silent`), from the run's state and heartbeat
+    (the machines' clocks need not agree)."""
     state = run.state
     if state is None or state.is_final():
         return None
-    count = (run.labels or {}).get(HEARTBEAT)
     if state.is_scheduled():
         if no_worker_s > lost_after_s:
             return (
@@ -247,7 +314,7 @@ def gave_up(
         return None
     if state.type == StateType.PENDING:
         limit = max(lost_after_s, STARTUP_S)
-        if silent(beats, name, (state.type, count), limit):
+        if silent(beats, name, (state.type, beat), limit):
             worker = (run.labels or {}).get("prefect.worker.name", "its worker")
             return (
                 f"left Pending for {limit:.0f} s: the worker that took it ({worker}) was lost "
@@ -255,11 +322,11 @@ def gave_up(
             )
         return None
     alive = state.is_running() or state.is_cancelling()  # cancelled by hand: its worker stops it
-    if alive and silent(beats, name, (state.type, count), lost_after_s):
+    if alive and silent(beats, name, (state.type, beat), lost_after_s):
         where = (run.labels or {}).get(RAN_ON, "a worker")
         if state.is_cancelling():
             return f"cancelled, and no heartbeat for {lost_after_s:.0f} s since ({where})"
-        return f"no heartbeat for {lost_after_s:.0f} s: its worker or machine was lost ({where})"
+        return f"no heartbeat for {lost_after_s:.0f} s: {LOST} ({where})"
     return None
 
 
@@ -279,8 +346,8 @@ def give_up(client, run, why: str) -> bool:
 
 
 def silent(beats: dict, name: str, count, lost_after_s: float) -> bool:
-    """Whether `name`'s heartbeat `count` (any mark of its progress) has not moved for
-    `lost_after_s`, on this process's clock; notes the count in `beats` (name -> (count, when
+    """Whether `name`'s mark `count` (its state and latest heartbeat) has not moved for
+    `lost_after_s`, on this process's clock; notes the mark in `beats` (name -> (mark, when
     this process saw it change))."""
     if name not in beats or beats[name][0] != count:
         beats[name] = (count, time.monotonic())

@@ -825,8 +825,8 @@ def spread_sweep(project: Path, *args: str) -> subprocess.Popen:
 
 
 def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
-    """The spread experiments running now that sent at least `beats` heartbeats, by name (the
-    sweep still going)."""
+    """The spread experiments running now that sent at least `beats` heartbeats (Prefect's
+    events), by name (the sweep still going)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -834,8 +834,14 @@ def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
         FlowRunFilterState,
         FlowRunFilterStateType,
     )
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
     from orchestration.spread import HEARTBEAT
+
+    def beats_of(client, run) -> int:
+        of_run = EventResourceFilter(id=[f"prefect.flow-run.{run.id}"])
+        found = EventFilter(event=EventNameFilter(name=[HEARTBEAT]), resource=of_run)
+        return client.read_events(found, limit=1).total
 
     assert sweep.poll() is None, sweep.communicate()
     running = FlowRunFilter(
@@ -844,7 +850,7 @@ def running_experiments(sweep: subprocess.Popen, beats: int) -> dict:
     )
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=running)
-    return {run.name: run for run in runs if run.labels.get(HEARTBEAT, 0) >= beats}
+        return {run.name: run for run in runs if beats_of(client, run) >= beats}
 
 
 @pytest.mark.longest
@@ -854,9 +860,9 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
     """Deployed from one checkout, run by workers whose VISIONFLOW_WORKDIR names their own: the
     working directory is the worker's, read when the run starts (two machines, two paths). A
     spread sweep of 2 runs on both workers, and both clones see both (`dvc exp pull`). Then
-    experiments that wait for their checkout live on by their heartbeat; one whose machine
-    dies is marked crashed in a minute's stead (--lost-after), its row saying why; a sweep
-    stopped with SIGTERM ends Cancelled with its table so far."""
+    experiments that wait for their checkout live on by their heartbeats (Prefect's); one whose
+    machine dies is marked crashed in a minute's stead (--lost-after 60), its row saying why; a
+    sweep stopped with SIGTERM ends Cancelled with its table so far."""
     from prefect.client.orchestration import get_client
 
     from orchestration.experiments import experiments
@@ -946,15 +952,15 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
             assert names <= found, (checkout, found)
 
         # Both checkouts held by another run: each experiment waits for its lock, alive by its
-        # heartbeat past --lost-after (it was marked Crashed 61 s after it showed Running)
+        # heartbeats past --lost-after (it was marked Crashed 61 s after it showed Running)
         release = hold(project / ".dvc/tmp/visionflow-run.lock")
         hold(clone / ".dvc/tmp/visionflow-run.lock")
         two = ("-e", "sanity.per_class=6", "-e", "sanity.per_class=7")
-        # 20 s: a loaded machine can keep one heartbeat from the server for seconds
-        sweep = spread_sweep(project, "--lost-after", "20", *two)
-        # 8 beats, 20/6 s apart: each has waited over 20 s
-        wait_for(lambda: len(running_experiments(sweep, 8)) == 2, what="8 beats from each")
-        waiting = running_experiments(sweep, 8)
+        # 60 s, the least: Prefect's heartbeats come 30 s apart at the least
+        sweep = spread_sweep(project, "--lost-after", "60", *two)
+        # 4 beats, 30 s apart (the first at its start): each has waited over 60 s
+        wait_for(lambda: len(running_experiments(sweep, 4)) == 2, 600, "4 beats from each")
+        waiting = running_experiments(sweep, 4)
         # then the clone's machine dies: its worker, and the run it started in a session of its own
         [lost] = [run for run in waiting.values() if run.labels[RAN_ON] == f"{host}:{clone}"]
         os.killpg(workers[-1].pid, signal.SIGKILL)
@@ -966,7 +972,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
         assert sweep.returncode == 1, err[-3000:]
         said = err.rstrip().splitlines()[-1]  # the line says which one failed, and why
         assert said.startswith(f"error: experiments {lost.name} did"), said
-        assert f"{lost.name}: no heartbeat for 20 s" in said, said
+        assert f"{lost.name}: no heartbeat for 60 s" in said, said
         assert "Traceback" not in err, err[-3000:]  # one line says why, no Prefect traceback
         rows = {row["experiment"]: row for row in map(json.loads, out.splitlines())}
         crashed, [done] = rows.pop(lost.name), rows.values()
@@ -975,7 +981,7 @@ def test_prefect_yaml_deployments_run_on_workers_and_a_sweep_spreads_over_two_cl
             f"{host}:{clone}",
             None,
         )
-        assert crashed["why"].startswith("no heartbeat for 20 s: its worker or machine was lost")
+        assert crashed["why"].startswith("no heartbeat for 60 s: its worker or machine was lost")
         with get_client(sync_client=True) as client:  # cancelled; its worker dead: not left
             assert client.read_flow_run(lost.id).state.is_crashed()  # Running nor Cancelling
         assert (done["state"], done["ran on"], done["why"]) == (

@@ -4,14 +4,15 @@ stop leaves `not run`, when a spread experiment counts as lost, which checkout m
 a spread sweep, which stage is retried, what the command lines refuse) is pinned here on tiny
 real inputs: git repositories in `tmp_path`, DVC's own answers, real processes and signals. The
 slow tests (test_flows) drive the same code through real flow runs against a Prefect server; the
-two marked slow here do so for the spread heartbeat alone (seconds each, the session's server).
+two marked slow here do so for the spread heartbeat alone (the session's server; 30 s and about
+4 minutes: Prefect's flow-run heartbeats come 30 s apart at the least).
 
 Flows and tasks are called through `.fn` only where that path asks no server; the run logger is
 Prefect's own null logger there (`disable_run_logger`)."""
 
 import json
 import os
-import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -377,126 +378,179 @@ def a_flow_run(state, **labels) -> FlowRun:
 
 
 def test_a_spread_experiment_is_given_up_on_only_after_its_stated_silence():
-    """Lost: running with its heartbeat unchanged for lost_after_s; Pending (a worker took it)
-    and not started in STARTUP_S; Scheduled while no worker of the pool was online for
+    """Lost: running with its latest heartbeat (an event's id) unchanged for lost_after_s;
+    Pending (a worker took it) and not started in STARTUP_S; Scheduled while no worker of the pool was online for
     lost_after_s (before, one no worker took, or one a dead worker left Pending, was waited on
     for good). Each on the sweep's own clock, restarted by any beat or change of state."""
     beats, where = {}, "worker-2:/srv/checkout"
-    running = a_flow_run(Running(), **{spread.HEARTBEAT: 1, spread.RAN_ON: where})
-    assert not spread.gave_up("e1", running, beats, 60, 0)  # first seen: its clock starts
+    running = a_flow_run(Running(), **{spread.RAN_ON: where})
+    assert not spread.gave_up("e1", running, "beat-1", beats, 60, 0)  # first seen: clock starts
     mark, seen_at = beats["e1"]
     beats["e1"] = (mark, seen_at - 100)  # the same count, 100 s ago on this process's clock
-    assert not spread.gave_up("e1", running, beats, 600, 0)
-    assert spread.gave_up("e1", running, beats, 60, 0) == (
+    assert not spread.gave_up("e1", running, "beat-1", beats, 600, 0)
+    assert spread.gave_up("e1", running, "beat-1", beats, 60, 0) == (
         f"no heartbeat for 60 s: its worker or machine was lost ({where})"
     )
-    running.labels[spread.HEARTBEAT] = 2  # it beat: alive, clock restarted
-    assert not spread.gave_up("e1", running, beats, 60, 0)
+    assert not spread.gave_up("e1", running, "beat-2", beats, 60, 0)  # it beat: clock restarted
     assert beats["e1"][1] >= seen_at
 
     worker = {"prefect.worker.name": "ProcessWorker 1a2b"}
     pending = a_flow_run(Pending(), **worker)
-    assert not spread.gave_up("e2", pending, beats, 60, 0)
+    assert not spread.gave_up("e2", pending, None, beats, 60, 0)
     beats["e2"] = (beats["e2"][0], beats["e2"][1] - 100)  # a slow start is no loss
-    assert not spread.gave_up("e2", pending, beats, 60, 0)
+    assert not spread.gave_up("e2", pending, None, beats, 60, 0)
     beats["e2"] = (beats["e2"][0], beats["e2"][1] - spread.STARTUP_S)
-    assert spread.gave_up("e2", pending, beats, 60, 0) == (
+    assert spread.gave_up("e2", pending, None, beats, 60, 0) == (
         f"left Pending for {spread.STARTUP_S:.0f} s: the worker that took it (ProcessWorker "
         "1a2b) was lost before it started"
     )
     started = a_flow_run(Running(), **worker)  # Pending long, then running: its clock restarts
-    assert not spread.gave_up("e2", started, beats, 60, 0)
+    assert not spread.gave_up("e2", started, None, beats, 60, 0)
 
     scheduled = a_flow_run(Scheduled())
-    assert not spread.gave_up("e3", scheduled, beats, 60, 59, "visionflow")  # a worker was online
-    assert spread.gave_up("e3", scheduled, beats, 60, 61, "visionflow") == (
+    assert not spread.gave_up(
+        "e3", scheduled, None, beats, 60, 59, "visionflow"
+    )  # a worker was online
+    assert spread.gave_up("e3", scheduled, None, beats, 60, 61, "visionflow") == (
         "no worker of pool visionflow online for 60 s to take it "
         "(`prefect worker start --pool visionflow`)"
     )
-    assert not spread.gave_up("e4", a_flow_run(Completed()), beats, 60, 600)
-    cancelling = a_flow_run(Cancelling(), **{spread.HEARTBEAT: 3})  # stopped by hand, and its
-    assert not spread.gave_up("e5", cancelling, beats, 60, 0)  # worker is dead: not waited on
+    assert not spread.gave_up("e4", a_flow_run(Completed()), None, beats, 60, 600)
+    cancelling = a_flow_run(Cancelling())  # stopped by hand, and its worker is dead: not
+    assert not spread.gave_up("e5", cancelling, "beat-3", beats, 60, 0)  # waited on
     beats["e5"] = (beats["e5"][0], beats["e5"][1] - 100)  # for good
-    assert spread.gave_up("e5", cancelling, beats, 60, 0).startswith("cancelled, and no heartbeat")
+    assert spread.gave_up("e5", cancelling, "beat-3", beats, 60, 0).startswith(
+        "cancelled, and no heartbeat"
+    )
 
 
-LOST_AFTER_S = 4.0  # the sweep's --lost-after here; a loaded machine can hold a beat 1-2 s
-EVERY_S = LOST_AFTER_S / 20  # more beats per window than the sweep's BEATS: no late one counts
+LOST_AFTER_S = spread.LEAST_LOST_AFTER_S  # the sweep's --lost-after here: 60 s, the least
+BEAT_S = spread.beat_s(LOST_AFTER_S)  # Prefect's heartbeats 30 s apart, the least it sends
+WITHIN_S = LOST_AFTER_S + BEAT_S  # the server's automation: one beat after the sweep
 
 
 def parents_look(client, run_id, beats: dict) -> FlowRun:
     """What the sweep does with a child each time it looks (`wait_for_children`): read the flow
-    run from the server, and give up on it (cancel it, its row crashed) when it is silent."""
+    run and its latest heartbeat from the server, and give up on it (cancel it, its row crashed)
+    when it is silent."""
     run = client.read_flow_run(run_id)
-    if why := spread.gave_up(run.name, run, beats, LOST_AFTER_S, 0):
+    watch = run.state.is_running() or run.state.is_cancelling()
+    beat = spread.last_beat(client, run_id) if watch else None
+    if why := spread.gave_up(run.name, run, beat, beats, LOST_AFTER_S, 0):
         spread.give_up(client, run, why)
     return run
 
 
-@pytest.mark.slow  # the session's Prefect server (the fast tier starts none: docs/tests.md)
-def test_a_spread_experiments_heartbeat_keeps_it_alive_on_the_server_until_it_stops(
+# An experiment's flow run on a machine of its own: Prefect's engine beats (every
+# PREFECT_FLOWS_HEARTBEAT_FREQUENCY) while the run runs, until the machine dies (SIGKILL).
+BEATING = """
+import sys, time
+from prefect import flow, runtime, tags
+from prefect.client.orchestration import get_client
+
+@flow(name="beating-experiment", flow_run_name="beating-{where}")
+def beating(where):
+    with get_client(sync_client=True) as client:
+        client.update_flow_run_labels(runtime.flow_run.id, {"visionflow.ran-on": where})
+    time.sleep(3600)
+
+with tags(sys.argv[2]):
+    beating(sys.argv[1])
+"""
+
+
+def server_run(client, name: str) -> FlowRun | None:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    named = FlowRunFilter(name=FlowRunFilterName(any_=[name]))
+    return next(iter(client.read_flow_runs(flow_run_filter=named)), None)
+
+
+def wait_for_state(client, run_id, is_it, bound_s: float = 300) -> FlowRun:
+    """The flow run once `is_it(state)`; `bound_s` is an upper bound only: nothing is timed."""
+    deadline = time.monotonic() + bound_s
+    while not is_it((run := client.read_flow_run(run_id)).state):
+        assert time.monotonic() < deadline, f"{run.name} still {run.state}"
+        time.sleep(1)
+    return run
+
+
+@pytest.mark.slow  # the session's Prefect server; about 4 minutes: Prefect beats 30 s apart at most
+def test_a_silent_spread_experiment_is_given_up_on_by_the_sweep_and_crashed_by_the_server(
     prefect_server,
 ):
-    """The experiment's own `heartbeat` in a real flow run counts its label up on the server;
-    the sweep, judging by that count alone, calls it alive for longer than `lost_after_s`
-    while it beats, and lost (Crashed, saying where it ran) once the beats stop while the run
-    still runs (a worker cut off from the API, its thread dead)."""
-    from prefect import flow, runtime
+    """Prefect's own flow-run heartbeats, from the run's process: the sweep, judging by the
+    latest heartbeat event alone, calls two runs alive for longer than the server's automation
+    waits (`crash_silent_runs`) while they beat. Then both machines die (SIGKILL): the watched
+    one is given up on (`lost_after_s`: Cancelling, its row crashed, saying where it ran), and
+    the server marks both Crashed, the unwatched one with no sweep ever looking at it."""
     from prefect.client.orchestration import get_client
 
-    started, stop_beating, finish = queue.Queue(), threading.Event(), threading.Event()
+    tag = spread.crash_silent_runs(WITHIN_S)
+    assert spread.crash_silent_runs(WITHIN_S) == tag  # made once: found again by its name
+    from prefect.settings import PREFECT_API_URL
 
-    @flow(name="beating-experiment", flow_run_name="beating-{where}")
-    def beating(where: str) -> None:
-        started.put(runtime.flow_run.id)
-        with spread.heartbeat(where, EVERY_S):
-            stop_beating.wait(300)
-        finish.wait(300)  # running, silent
-
-    where = f"a-worker:{uuid4().hex[:8]}"
-    experiment = threading.Thread(target=beating, args=(where,), kwargs={"return_state": True})
-    experiment.start()
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        spread.BEAT_SETTING: str(BEAT_S),
+    }
+    wheres = {side: f"{side}:{uuid4().hex[:8]}" for side in ("watched", "unwatched")}
+    machines = {
+        side: subprocess.Popen(
+            [sys.executable, "-c", BEATING, where, tag], env=env, start_new_session=True
+        )
+        for side, where in wheres.items()
+    }
     try:
-        run_id, beats, counts = started.get(timeout=120), {}, set()
         with get_client(sync_client=True) as client:
-            deadline = time.monotonic() + 120  # an upper bound only: nothing here is timed
-            watched_from = None  # alive twice lost_after_s on the sweep's clock: by its beats
-            while watched_from is None or time.monotonic() - watched_from <= 2 * LOST_AFTER_S:
-                assert time.monotonic() < deadline, f"beats seen while watched: {sorted(counts)}"
-                run = parents_look(client, run_id, beats)
+            runs = {}
+            deadline = time.monotonic() + 300  # upper bounds only: nothing here is timed
+            while len(runs) < 2 or not all(run.state.is_running() for run in runs.values()):
+                assert time.monotonic() < deadline, runs
+                found = {side: server_run(client, f"beating-{w}") for side, w in wheres.items()}
+                runs = {side: run for side, run in found.items() if run}
+                time.sleep(1)
+            watched, unwatched = runs["watched"].id, runs["unwatched"].id
+            beats, seen = {}, set()  # alive past the automation's wait, by its beats alone
+            watched_from = time.monotonic()
+            while time.monotonic() - watched_from <= WITHIN_S + 10:
+                run = parents_look(client, watched, beats)
                 assert not run.state.is_final(), f"lost while it beat: {run.state.message}"
-                if run.state.is_running():
-                    watched_from = watched_from or time.monotonic()
-                    counts.add(run.labels.get(spread.HEARTBEAT))
-                time.sleep(EVERY_S)
-            assert len(counts - {None}) > 2, sorted(counts)  # the count moved, on the server
-            assert run.labels[spread.RAN_ON] == where
-            stop_beating.set()
-            deadline = time.monotonic() + 120
+                assert client.read_flow_run(unwatched).state.is_running()
+                seen.add(spread.last_beat(client, watched))
+                time.sleep(1)
+            assert len(seen - {None}) >= 3, seen  # one at the start, then every BEAT_S
+            for machine in machines.values():  # both machines die
+                os.killpg(machine.pid, signal.SIGKILL)
+                machine.wait()
+            deadline = time.monotonic() + 300
             while not run.state.is_final():
                 assert time.monotonic() < deadline, f"still alive, beats {beats}"
-                run = parents_look(client, run_id, beats)
-                time.sleep(EVERY_S)
+                run = parents_look(client, watched, beats)
+                time.sleep(1)
+            where = wheres["watched"]
             why = f"no heartbeat for {LOST_AFTER_S:.0f} s: its worker or machine was lost ({where})"
             assert (run.state.name, run.state.message) == ("Crashed", why)  # its row
-            cancelling = client.read_flow_run(run_id).state  # its worker, if alive, stops it
+            cancelling = client.read_flow_run(watched).state  # its worker, if alive, stops it
             assert (cancelling.is_cancelling(), cancelling.message) == (True, why)
-            finish.set()  # it comes back and ends: the cancellation stands (Prefect's rule)
-            experiment.join(120)
-            ends = {run.name: run}
-            lost = {run.name: time.monotonic()}  # no worker to notice the cancellation
+            # no sweep looks again: the server crashes both (no worker answered the cancel)
+            server_says = f"no heartbeat for {WITHIN_S} s: its worker or machine was lost"
+            for run_id in (watched, unwatched):
+                crashed = wait_for_state(client, run_id, lambda state: state.is_final()).state
+                assert (crashed.name, crashed.message) == ("Crashed", server_says)
+            ends, lost = {run.name: run}, {run.name: time.monotonic()}
             assert spread.settle_lost(ends, lost, lambda names: [], notice_s=0) == set()
-            ended = client.read_flow_run(run_id).state  # not left Cancelling for good
-        assert ended.is_final() and not ended.is_completed(), ended
         row = spread.where_and_why(ends[run.name])
         assert row == {"ran on": where, "state": "crashed", "why": why}
         pushed = spread.settle_lost(ends, lost, lambda names: names, 0)  # its result reached
         assert pushed == {run.name}  # the remote anyway: it succeeded
         assert spread.where_and_why(ends[run.name], True)["state"] == "success"
     finally:
-        stop_beating.set()
-        finish.set()
-        experiment.join(60)
+        for machine in machines.values():
+            if machine.poll() is None:
+                os.killpg(machine.pid, signal.SIGKILL)
+                machine.wait()
 
 
 def test_a_spread_sweeps_table_says_where_each_ran_and_why_one_did_not_succeed(tmp_path):
@@ -608,39 +662,41 @@ def test_a_commit_pushed_to_another_remote_is_not_on_the_named_one_for_a_spread_
     assert spread.spread_problem(checkout, "origin") is None
 
 
-@pytest.mark.slow  # the session's Prefect server (the fast tier starts none: docs/tests.md)
+@pytest.mark.slow  # the session's Prefect server; 30 s: Prefect's heartbeats come 30 s apart
 def test_a_spread_experiment_beats_while_it_waits_for_its_checkout(prefect_server, checkout):
-    """The experiment flow itself beats from its start, where it waits for its checkout's lock
-    (another run holds it), and says where it runs; then its refusal ends it Failed."""
+    """The experiment flow beats (Prefect's engine, at the pace the sweep sets) from its start
+    and on while it waits for its checkout's lock (another run holds it), and says where it
+    runs; then its refusal ends it Failed."""
     import fcntl
     import socket
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
     with_dvc_remote(checkout)
     name = f"waits-{uuid4().hex[:8]}"
     lock = checkout / ".dvc" / "tmp" / "visionflow-run.lock"
+
+    def on_a_worker() -> None:  # as the sweep's job variables set it for the run's process
+        with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: BEAT_S}):
+            ended.append(spread.experiment(name, [], "f" * 40, str(checkout), return_state=True))
+
     with open(lock, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # as another run's process holds it
-        parameters = dict(workdir=str(checkout), heartbeat_s=EVERY_S, return_state=True)
-        ended = []
-        thread = threading.Thread(
-            target=lambda: ended.append(spread.experiment(name, [], "f" * 40, **parameters))
-        )
+        ended, beats = [], set()
+        thread = threading.Thread(target=on_a_worker)
         thread.start()
         try:
-            named = FlowRunFilter(name=FlowRunFilterName(any_=[name]))
-            deadline = time.monotonic() + 120  # an upper bound only: nothing here is timed
+            deadline = time.monotonic() + 300  # an upper bound only: nothing here is timed
             with get_client(sync_client=True) as client:
-                while True:
-                    runs = client.read_flow_runs(flow_run_filter=named)
-                    if runs and (runs[0].labels or {}).get(spread.HEARTBEAT, 0) >= 3:
-                        break
-                    assert time.monotonic() < deadline, f"no 3rd beat: {[r.labels for r in runs]}"
-                    time.sleep(EVERY_S)
-            assert runs[0].state.is_running() and not ended
-            assert runs[0].labels[spread.RAN_ON] == f"{socket.gethostname()}:{checkout}"
+                while len(beats - {None}) < 2:  # one at its start, one BEAT_S later
+                    run = server_run(client, name)
+                    beats.add(spread.last_beat(client, run.id) if run else None)
+                    assert time.monotonic() < deadline, f"no 2nd beat: {beats}"
+                    time.sleep(1)
+                run = client.read_flow_run(run.id)
+            assert run.state.is_running() and not ended
+            assert run.labels[spread.RAN_ON] == f"{socket.gethostname()}:{checkout}"
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
             thread.join(120)
