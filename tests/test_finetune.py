@@ -92,6 +92,7 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["network"]["weights"] == "mnv3.pth"
     assert meta["train"]["recipe"] == recipe
     assert "label smoothing 0.1 (the fine-tuning recipe's)," in training_line(meta)
+    assert "Fine-tuning: the new head alone for 1 epoch," in training_line(meta)
     report = json.loads((project / "results/train/health.json").read_text())
     assert not any("dead ReLUs" in m for m in report["messages"])  # of a backbone that is frozen
 

@@ -67,24 +67,42 @@ def data_line(made_from: dict) -> str:
 
 
 def training_line(meta: dict) -> str:
-    """The training values, from the model's meta (the budget: an early stop did fewer)."""
-    train_values = meta.get("train")
-    if not train_values:
+    """The training values, from the model's meta (the budget: an early stop did fewer); a value
+    the fine-tuning recipe (train.recipe) set says so."""
+    t = meta.get("train")
+    if not t:
         return "Training values: unknown (a model.pt saved before they were recorded)."
-    epochs = f"{train_values['epochs']} epoch" + ("s" if train_values["epochs"] != 1 else "")
-    found = " (train.lr auto: the range test's suggestion)" if train_values.get("lr_found") else ""
-    smoothing = ""  # none (or a model.pt saved before it was recorded)
-    if train_values.get("label_smoothing"):
-        by = (
-            " (the fine-tuning recipe's)"
-            if "label_smoothing" in train_values.get("recipe", {})
-            else ""
+
+    def value(key: str, words: str) -> list[str]:  # absent from an older model.pt: left out
+        if key not in t or (key == "label_smoothing" and not t[key]):
+            return []
+        by = " (the fine-tuning recipe's)" if key in t.get("recipe", {}) else ""
+        return [f"{words} {t[key]}{by}"]
+
+    found = " (train.lr auto: the range test's suggestion)" if t.get("lr_found") else ""
+    parts = [
+        f"{t['epochs']} epoch" + ("s" if t["epochs"] != 1 else ""),
+        f"batch {t['batch_size']}",
+        f"lr {t['lr']}{found}",
+        *value("optimizer", "optimizer"),
+        *value("scheduler", "scheduler"),
+        *value("weight_decay", "weight decay"),
+        *value("dropout", "dropout"),
+        *value("label_smoothing", "label smoothing"),
+        f"seed {t['seed']}",
+    ]
+    tuned = ""
+    if "backbone_lr_factor" in t:
+        frozen = t["freeze_epochs"]
+        tuned = (
+            f" Fine-tuning: the new head alone for {frozen} epoch{'s' if frozen != 1 else ''}, "
+            if frozen
+            else " Fine-tuning: "
+        ) + (
+            f"the backbone's last layer group at lr x {t['backbone_lr_factor']:g}, each earlier "
+            f"one at x {t['group_lr_factor']:.2g} of the next."
         )
-        smoothing = f", label smoothing {train_values['label_smoothing']}{by}"
-    return (
-        f"{epochs}, batch {train_values['batch_size']}, lr {train_values['lr']}{found}, weight decay {train_values['weight_decay']}, "
-        f"dropout {train_values['dropout']}{smoothing}, seed {train_values['seed']}."
-    )
+    return ", ".join(parts) + "." + tuned
 
 
 def tta_line(metrics: dict) -> str:

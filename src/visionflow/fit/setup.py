@@ -258,7 +258,19 @@ def model_metadata(
             "seed": seed,
             "hflip": train.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
             "label_smoothing": train.label_smoothing,
+            "optimizer": train.optimizer,
+            "scheduler": train.scheduler,
             "recipe": recipe_values(train.model_dump()),  # the keys the fine-tuning recipe set
+            # fine-tuning: as trained (`train.lr: auto` may have spread the factors left at 1)
+            **(
+                {
+                    "freeze_epochs": train.freeze_epochs,
+                    "backbone_lr_factor": train.backbone_lr_factor,
+                    "group_lr_factor": train.group_lr_factor,
+                }
+                if isinstance(network, dict) and train.pretrained
+                else {}
+            ),
         },
     }
 
