@@ -325,6 +325,39 @@ def test_ctrl_c_during_prepares_decoding_stops_its_pool_at_once(project, image_f
     assert (project / "data/prepared/manifest.json").exists()
 
 
+def test_a_second_ctrl_c_ends_an_epoch_that_cannot_finish_with_one_line_and_130(project, tmp_path):
+    """Plain `dvc repro` in a terminal, a memory-mapped split (DataLoader workers that ignore
+    Ctrl-C): the first Ctrl-C asks to finish the epoch, which cannot (a batch never comes); the
+    second ends the stage at once with its one line and 130, and no process of it is left. Seen
+    on photo folders: `stopped at once`, then the stage ran on for 1-2 minutes."""
+    write_params(project, {"train": {"max_memory_gb": 0}})  # memory-mapped: loader workers
+    asked = tmp_path / "asked"  # the first Ctrl-C reached the stage: an event, not a wait
+    fault = f"train.batch@epoch=1,step=2:pause={tmp_path / 'never'};train.stop:touch={asked}"
+    run = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dvc"), "repro", "-s", "train"],
+        cwd=project,
+        env=env(project, fault),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a group of its own, as a terminal's foreground job
+    )
+    seen = read_until(run, "fault: pause")  # the epoch's second batch never comes
+    assert "(memory-mapped)" in seen, seen
+    workers = [p for p in trainers(project) if "pipeline.train" in " ".join(p.parent().cmdline())]
+    assert workers  # the loader's, alive while the batch waits
+    os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+    while not asked.exists():
+        assert run.poll() is None, seen + run.communicate()[0]
+        time.sleep(0.05)
+    os.killpg(run.pid, signal.SIGINT)
+    output = seen + run.communicate(timeout=300)[0]  # the stage's end, and DVC's after it
+    said = [line for line in output.splitlines() if line.startswith("interrupted:")]
+    assert said == ["interrupted: stopped at once"] and "Traceback" not in output, output
+    assert "exited with 130" in output, output  # the stage's code, in DVC's line
+    assert not trainers(project) and not any(w.is_running() for w in workers)
+
+
 def test_a_stage_that_ignores_its_stop_is_killed_after_the_grace_period(project, tmp_path):
     never = tmp_path / "never"  # training stays paused: it never reaches its safe point
     run = start(project, "-f", "-s", "train", fault=f"train.loss@epoch=2,step=1:pause={never}")

@@ -1488,6 +1488,34 @@ def test_a_ctrl_c_to_every_process_is_the_main_processes_alone_to_answer(tmp_pat
             signal.signal(s, handler)
 
 
+# a process that ends with a memory-mapped pass still open, as a stop at once leaves it
+OPEN_PASS = """
+import numpy as np, torch
+from visionflow.train import loading
+np.save("x.npy", np.zeros((400, 8, 8, 1), np.uint8))
+stream = loading.batches(np.load("x.npy", mmap_mode="r"), torch.zeros(400), 8, workers=2)
+next(stream)
+print("ending", flush=True)
+"""
+
+
+def test_a_process_ends_with_a_memory_mapped_pass_still_open(tmp_path):
+    """The loader's workers ignore SIGTERM (a stop finishes the epoch), and Python's
+    multiprocessing ends a process's workers at exit with SIGTERM and then waits for them: a
+    pass still open at exit (a second Ctrl-C's stop at once, an error) hung the process for
+    good. Now they are killed first, with no word of a crashed worker."""
+    ended = subprocess.run(
+        [sys.executable, "-c", OPEN_PASS],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": python_path(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=300,  # a hang fails the test, not the suite; the exit is what it waits on
+    )
+    assert ended.returncode == 0 and ended.stdout == "ending\n", ended.stderr
+    assert "Traceback" not in ended.stderr and "killed by signal" not in ended.stderr, ended.stderr
+
+
 def test_a_fallback_to_the_older_checkpoint_finds_the_best_file_it_names(tmp_path):
     """Epoch 3 improved on epoch 2: its checkpoint names best-0003.pt, epoch 2's best-0002.pt.
     With epoch 3's checkpoint unreadable, the run falls back to epoch 2's, whose best file had

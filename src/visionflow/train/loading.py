@@ -2,6 +2,9 @@
 normalisation every stage and export applies (uint8 NHWC -> float NCHW). The torch half of the
 data; `visionflow.data` (sources, decoding, split, the cache itself) needs no torch."""
 
+import atexit
+import functools
+import multiprocessing
 import os
 import signal
 from collections.abc import Iterator
@@ -71,6 +74,7 @@ def batches(
     if not torch.is_tensor(x):
         device = device or torch.device("cpu")
         index_batches = [order[s : s + batch_size].numpy() for s in range(0, n, batch_size)]
+        end_workers_at_exit()
         loader = DataLoader(
             MemmapBatches(x if isinstance(x, Shards) else Shards([x.filename]), index_batches),
             batch_size=None,
@@ -101,6 +105,25 @@ def leave_stops_to_the_main_process(worker_id: int) -> None:
     process to wait for them at exit. The main process decides; it ends its workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@functools.cache
+def end_workers_at_exit() -> None:
+    """Once, before the first loader starts its workers: at exit, kill them. Python's
+    multiprocessing ends a process's daemonic children (the workers) with SIGTERM and then waits
+    for them, and these ignore SIGTERM: a pass left open at exit (a stop at once, an error, a
+    caller that keeps the stream) hung the process for good. atexit runs this first (it was
+    registered after multiprocessing's own)."""
+    atexit.register(kill_workers)
+
+
+def kill_workers() -> None:
+    """SIGKILL every daemonic child, as multiprocessing would SIGTERM them at exit; SIGCHLD back
+    to its default first (the loader's handler would call the workers' deaths a crash)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
 
 
 MAX_LOADER_WORKERS = 8  # one gathers ~9,000 224 px images/s from the page cache (benchmarks.md)
