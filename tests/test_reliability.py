@@ -342,20 +342,26 @@ def test_a_second_ctrl_c_ends_an_epoch_that_cannot_finish_with_one_line_and_130(
         text=True,
         start_new_session=True,  # a group of its own, as a terminal's foreground job
     )
-    seen = read_until(run, "fault: pause")  # the epoch's second batch never comes
-    assert "(memory-mapped)" in seen, seen
-    workers = [p for p in trainers(project) if "pipeline.train" in " ".join(p.parent().cmdline())]
-    assert workers  # the loader's, alive while the batch waits
-    os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
-    while not asked.exists():
-        assert run.poll() is None, seen + run.communicate()[0]
-        time.sleep(0.05)
-    os.killpg(run.pid, signal.SIGINT)
-    output = seen + run.communicate(timeout=300)[0]  # the stage's end, and DVC's after it
-    said = [line for line in output.splitlines() if line.startswith("interrupted:")]
-    assert said == ["interrupted: stopped at once"] and "Traceback" not in output, output
-    assert "exited with 130" in output, output  # the stage's code, in DVC's line
-    assert not trainers(project) and not any(w.is_running() for w in workers)
+    try:
+        seen = read_until(run, "fault: pause")  # the epoch's second batch never comes
+        assert "(memory-mapped)" in seen, seen
+        workers = [
+            p for p in trainers(project) if "pipeline.train" in " ".join(p.parent().cmdline())
+        ]
+        assert workers  # the loader's, alive while the batch waits
+        os.killpg(run.pid, signal.SIGINT)  # a terminal's Ctrl-C: the foreground process group
+        while not asked.exists():
+            assert run.poll() is None, seen + run.communicate()[0]
+            time.sleep(0.05)
+        os.killpg(run.pid, signal.SIGINT)
+        output = seen + run.communicate(timeout=300)[0]  # the stage's end, and DVC's after it
+        said = [line for line in output.splitlines() if line.startswith("interrupted:")]
+        assert said == ["interrupted: stopped at once"] and "Traceback" not in output, output
+        assert "exited with 130" in output, output  # the stage's code, in DVC's line
+        assert not trainers(project) and not any(w.is_running() for w in workers)
+    finally:  # a failure leaves no paused stage behind
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
 
 
 def test_a_stage_that_ignores_its_stop_is_killed_after_the_grace_period(project, tmp_path):
