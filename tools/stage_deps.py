@@ -41,9 +41,10 @@ def main() -> None:
             continue
         missing, extra = sorted(set(code) - set(listed)), sorted(set(listed) - set(code))
         differ.append(f"{stage}: missing {missing or 'none'}; listed, not loaded {extra or 'none'}")
-        others = [d for d in deps if not is_code(d)]
-        deps.ca.items.clear()  # the comments were the old entries'
-        deps[:] = [*others, *code]
+        others = [(d, deps.ca.items.get(i)) for i, d in enumerate(deps) if not is_code(d)]
+        deps[:] = [*(d for d, _ in others), *code]
+        deps.ca.items.clear()  # the code entries' comments go with them; the others' stay theirs
+        deps.ca.items.update({i: said for i, (_, said) in enumerate(others) if said})
     if args.check:
         print("\n".join(differ) or "dvc.yaml: every stage's code deps are its imports")
         sys.exit(1 if differ else 0)
