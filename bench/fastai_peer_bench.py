@@ -32,7 +32,11 @@ Reported: each run's test accuracy and TTA accuracy, the paired difference (visi
 per task x family x seed with a 95% t interval over the pairs, exact McNemar on the test images
 pooled over all runs, and the ratios of wall time (visionflow's `dvc repro evaluate` after
 prepare and sanity: check, train, evaluate and DVC; fastai's process: import, training, test and
-TTA), of training time alone, and of peak RSS (the largest process).
+TTA), of training time alone, and of peak RSS (the largest process). Each visionflow run also
+scores every TTA scheme of `TTA` on its one model (`tta_schemes`: the library's tta.view_probs
+and tta.blend; their gain over the single pass beside fastai's) and records what its train stage
+said (metrics.json with `train.lr: auto`'s rate, the health report's findings, the val curves);
+`--keep-models DIR` keeps each run's model and test split.
 
 fastai is not a dependency of the project: it runs in a venv of its own, in a child process
 (`--fastai-python`):
@@ -76,6 +80,16 @@ TASKS = {  # name: (kind, classes, images per class)
 # move with momentum 0.01: 15 epochs of 60 per class (315 steps) left it at chance in eval mode.
 FAMILIES = {"resnet18": (10, 60), "mobilenet_v3_small": (30, 140)}
 FASTAI_LR = 2e-3  # fine_tune's default base_lr
+# TTA schemes scored on each visionflow run's one model (tta.views' order: 0 the centre crop,
+# 1-4 the corners, 5-9 the same mirrored): name: (the views, beta, the weight moved to the centre)
+TTA = {
+    "mean10": (range(10), 0.0),  # evaluate.tta before: all ten views equally
+    "lerp10": (range(10), 0.25),  # fastai's tta(beta=0.25) over the ten views
+    "lerp10-half": (range(10), 0.5),
+    "crops5": (range(5), 0.0),  # the five crops, not mirrored
+    "flip2": ((0, 5), 0.0),  # the centre and its mirror
+    "lerp-flip2": ((0, 5), 0.25),
+}
 
 
 # --- the fastai side: runs in the fastai venv, imports nothing of the project ----------------------
@@ -218,9 +232,9 @@ def set_params(project: Path, task: str, seed: int, train: dict) -> None:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def measured(project: Path, *cmd: str) -> tuple[float, float]:
+def measured(project: Path, *cmd: str) -> tuple[float, float, str]:
     """Run `cmd` as finetune_bench.sh does, in a child that reports the peak RSS of the largest
-    process under it (MB); (seconds, peak)."""
+    process under it (MB); (seconds, peak, its output)."""
     from finetune_bench import sh
 
     probe = (
@@ -228,12 +242,22 @@ def measured(project: Path, *cmd: str) -> tuple[float, float]:
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
     )
     started = time.perf_counter()
-    out = sh(project, sys.executable, "-c", probe, *cmd).stdout
-    return time.perf_counter() - started, float(out.strip().splitlines()[-1])
+    result = sh(project, sys.executable, "-c", probe, *cmd)
+    peak = float(result.stdout.strip().splitlines()[-1])
+    return time.perf_counter() - started, peak, result.stdout + result.stderr
 
 
-def visionflow_run(project: Path) -> dict:
-    seconds, peak = measured(project, "dvc", "repro", "evaluate")
+def visionflow_run(project: Path, keep: Path | None = None, tag: str = "") -> dict:
+    """`dvc repro evaluate` in the project; what it scored. `keep`: a folder that gets the
+    model (tag.pt) and the test split (tag.test.npz), for scoring TTA schemes later (--rescore)."""
+    from visionflow.data.dataset import read_split
+
+    seconds, peak, out = measured(project, "dvc", "repro", "evaluate")
+    x, y = read_split(project / "data/prepared", "test")
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(project / "results/train/model.pt", keep / f"{tag}.pt")
+        np.savez(keep / f"{tag}.test.npz", x=x, y=y)
     test = json.loads((project / "results/evaluate/metrics.json").read_text())
     rows = json.loads((project / "results/evaluate/predictions.json").read_text())
     epochs = (project / "results/train/live/plots/metrics/train/loss.tsv").exists()
@@ -244,7 +268,50 @@ def visionflow_run(project: Path) -> dict:
         "train_seconds": train_seconds(project) if epochs else None,
         "seconds": seconds,
         "peak_rss_mb": peak,
+        "train": train_record(project, out),
+        "tta_schemes": tta_schemes(project / "results/train/model.pt", x, y),
     }
+
+
+def train_record(project: Path, out: str) -> dict:
+    """What the train stage said of itself: metrics.json (with `lr` under train.lr: auto), the
+    health report's findings, the val curves per epoch and the rate lines of its log."""
+    live = project / "results/train/live/plots/metrics"
+
+    def curve(name: str) -> list[float]:  # a DVCLive tsv's values, one per epoch
+        return [float(r.split("\t")[-1]) for r in (live / name).read_text().splitlines()[1:]]
+
+    health = json.loads((project / "results/train/health.json").read_text())
+    return {
+        "metrics": json.loads((project / "results/train/metrics.json").read_text()),
+        "health_messages": health["messages"],
+        "val_loss": curve("val/loss.tsv"),
+        "val_accuracy": curve("val/accuracy.tsv"),
+        "train_accuracy": curve("train/accuracy.tsv"),
+        "lr_lines": [line for line in out.splitlines() if "train.lr auto" in line],
+    }
+
+
+def tta_schemes(model_file: Path, x: np.ndarray, y: np.ndarray) -> dict:
+    """Each TTA scheme's test accuracy and per-image outcomes, from the run's one model (the
+    library's tta.view_probs and tta.blend, as the evaluate stage calls them)."""
+    import torch
+
+    from visionflow.train import tta
+    from visionflow.train.models import load_model
+
+    model, meta = load_model(model_file)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    size, flip = meta["network"]["input_size"], meta["train"]["hflip"]
+    chosen = tta.views(meta["image_size"], size, flip)
+    assert len(chosen) == 10, chosen  # centre + 4 corners, each mirrored
+    norm = torch.tensor(meta["mean"]), torch.tensor(meta["std"])
+    probs = tta.view_probs(model, x, *norm, 64, chosen, size)
+    schemes = {}
+    for name, (which, beta) in TTA.items():
+        correct = (tta.blend(probs[list(which)], beta).argmax(1) == y).tolist()
+        schemes[name] = {"accuracy": sum(correct) / len(correct), "correct": correct}
+    return schemes
 
 
 def train_seconds(project: Path) -> float | None:
@@ -309,6 +376,7 @@ def summary(runs: list[dict], name: str) -> dict:
             for v, f in pairs]  # fmt: skip
     ratio = lambda key: float(np.median([v[key] / f[key] for v, f in pairs if v[key] and f[key]]))  # noqa: E731
     return {
+        "tta_schemes": tta_summary(pairs),
         "pairs": len(pairs),
         "mean_accuracy": float(np.mean([v["test_accuracy"] for v, _ in pairs])),
         "fastai_mean_accuracy": float(np.mean([f["test_accuracy"] for _, f in pairs])),
@@ -322,6 +390,23 @@ def summary(runs: list[dict], name: str) -> dict:
         "median_train_ratio": ratio("train_seconds"),
         "median_peak_rss_ratio": ratio("peak_rss_mb"),
     }
+
+
+def tta_summary(pairs: list[tuple[dict, dict]]) -> dict:
+    """Per TTA scheme: its mean gain over the single pass, and minus fastai's gain, paired."""
+    pairs = [(v, f) for v, f in pairs if "tta_schemes" in v]
+    out = {}
+    for name in TTA if pairs else []:
+        gains = [v["tta_schemes"][name]["accuracy"] - v["test_accuracy"] for v, _ in pairs]
+        fastai = [f["tta_accuracy"] - f["test_accuracy"] for _, f in pairs]
+        mean, low, high = t_interval([g - h for g, h in zip(gains, fastai, strict=True)])
+        out[name] = {"gain": float(np.mean(gains)), "fastai_gain": float(np.mean(fastai))}
+        out[name] |= {"gain_minus_fastai": mean, "ci95": [low, high], "pairs": len(pairs)}
+        out[name] |= {
+            "runs_gained": sum(g > 0 for g in gains),
+            "runs_lost": sum(g < 0 for g in gains),
+        }
+    return out
 
 
 def print_tables(runs: list[dict], names: list[str]) -> None:
@@ -361,6 +446,15 @@ def print_tables(runs: list[dict], names: list[str]) -> None:
             f"/ {s['median_peak_rss_ratio']:.2f} |",
             flush=True,
         )
+    print("\n| contender | TTA scheme | gain | fastai's gain | minus fastai's, paired [95% CI] "
+          "| runs gained / lost |\n|---|---|---|---|---|---|")  # fmt: skip
+    for name in names:
+        for scheme, t in (summary(runs, name)["tta_schemes"] if name != "fastai" else {}).items():
+            print(
+                f"| {name} | {scheme} | {t['gain']:+.3f} | {t['fastai_gain']:+.3f} "
+                f"| {t['gain_minus_fastai']:+.3f} [{t['ci95'][0]:+.3f}, {t['ci95'][1]:+.3f}] "
+                f"| {t['runs_gained']} / {t['runs_lost']} |"
+            )
 
 
 # --- the loop -----------------------------------------------------------------------------------
@@ -388,6 +482,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--no-defaults", action="store_true", help="skip visionflow's defaults")
     parser.add_argument("--no-fastai", action="store_true", help="skip fastai (screening)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--keep-models", type=Path, help="a folder: each run's model, test split")
     parser.add_argument(
         "--report",
         type=Path,
@@ -462,7 +557,8 @@ def main() -> None:
                             )  # fmt: skip
                         else:
                             set_params(project, task, seed, common | contenders[name])
-                            cell[name] = visionflow_run(project)
+                            tag = f"{task}-{arch}-{seed}-{name}"
+                            cell[name] = visionflow_run(project, args.keep_models, tag)
                         short = {k: v for k, v in cell[name].items() if k != "correct"}
                         print(f"{task} {arch} seed {seed} {name}: {short}", flush=True)
                     runs.append(cell)

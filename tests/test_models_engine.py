@@ -135,8 +135,11 @@ def test_tta_averages_the_centre_crop_and_the_corners_the_single_pass_is_the_cen
         / 5
     )
     averaged = tta.tta_log_probs(model, x, mean, std, 3, views, 6)
-    assert torch.allclose(averaged.exp(), by_hand, atol=1e-6)
+    assert torch.allclose(averaged.exp(), by_hand, atol=1e-6)  # evaluate's: the views equally
     assert not torch.allclose(averaged, single, atol=1e-3)
+    # fastai's tta(beta=0.25): the views' mean moved a quarter of the way to the centre's
+    fastai = tta.tta_log_probs(model, x, mean, std, 3, views, 6, beta=0.25)
+    assert torch.allclose(fastai.exp(), 0.75 * by_hand + 0.25 * single.exp(), atol=1e-6)
 
 
 def test_top_losses_and_most_confused_are_sorted_as_fastai_shows_them():

@@ -3,9 +3,15 @@ trained to take, as fastai's `tta()` averages over its training transforms.
 
 The views are the ones the weights' preprocessing allows. A pretrained torchvision model's input
 is a centre crop of the cache (zoo.FineTune: 56 px of a 64 px cache, 224 of 256); it trained on
-random crops of that size, so the crop shifted to the four corners is a view too. A model that takes
+random regions of the cache resized to that size (train.augment's resized_crop), so the crop
+shifted to the four corners is a view too. A model that takes
 the whole cached image has no crop to shift. Mirrored copies join when the model trained on
 mirrored images (train.augment.hflip); a flip changes what a digit means, so it is not assumed.
+
+The views count equally. fastai's `tta()` moves the mean of its augmented passes a quarter of the
+way to the plain prediction (`blend`'s beta 0.25); on the fastai peer benchmark (#58,
+docs/benchmarks.md) that weighting, a half, fewer views, more (the whole image, a zoom, rotations)
+and draws of the training augmentation gained no more than the equal mean over these ten.
 
 Only the evaluate stage averages: the exported models and predict stay single-pass.
 """
@@ -35,7 +41,7 @@ def view(x: torch.Tensor, v: View, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def tta_log_probs(
+def view_probs(
     model: nn.Module,
     x: torch.Tensor,
     mean: torch.Tensor,
@@ -44,12 +50,33 @@ def tta_log_probs(
     chosen: list[View],
     size: int,
 ) -> torch.Tensor:
-    """The log of the mean softmax over the `chosen` views of every uint8 NHWC image (on the
-    CPU): a drop-in for logits (argmax, top-k), and `nll_loss` of it is the averaged model's loss."""
+    """The softmax of each of the `chosen` views of every uint8 NHWC image (on the CPU), shape
+    (views, images, classes)."""
     model.eval()
     outputs = []
     for xb, _ in batches(x, torch.zeros(len(x)), batch_size, device=mean.device):
         inputs = to_model_input(xb, mean, std)
-        probs = sum(torch.softmax(model(view(inputs, v, size)).float(), 1) for v in chosen)
-        outputs.append((probs / len(chosen)).log().cpu())
-    return torch.cat(outputs)
+        probs = [torch.softmax(model(view(inputs, v, size)).float(), 1) for v in chosen]
+        outputs.append(torch.stack(probs).cpu())
+    return torch.cat(outputs, 1)
+
+
+def blend(probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """The log of fastai's `tta()` blend of (views, images, classes) softmaxes: the mean over
+    the views, moved `beta` of the way to the first (the centre, the single pass): a drop-in for
+    logits (argmax, top-k), and `nll_loss` of it is the blended model's loss."""
+    return torch.lerp(probs.mean(0), probs[0], beta).log()
+
+
+def tta_log_probs(
+    model: nn.Module,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    std: torch.Tensor,
+    batch_size: int,
+    chosen: list[View],
+    size: int,
+    beta: float = 0.0,
+) -> torch.Tensor:
+    """`blend` of the `chosen` views' softmaxes: their plain mean at `beta` 0."""
+    return blend(view_probs(model, x, mean, std, batch_size, chosen, size), beta)
