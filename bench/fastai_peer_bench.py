@@ -36,7 +36,8 @@ TTA), of training time alone, and of peak RSS (the largest process). Each vision
 scores every TTA scheme of `TTA` on its one model (`tta_schemes`: the library's tta.view_probs
 and tta.blend; their gain over the single pass beside fastai's) and records what its train stage
 said (metrics.json with `train.lr: auto`'s rate, the health report's findings, the val curves);
-`--keep-models DIR` keeps each run's model and test split.
+`--keep-models DIR` keeps each run's model and test split, and `--rescore DIR` scores more schemes
+on them afterwards (`extra_views`).
 
 fastai is not a dependency of the project: it runs in a venv of its own, in a child process
 (`--fastai-python`):
@@ -47,8 +48,10 @@ fastai is not a dependency of the project: it runs in a venv of its own, in a ch
     OMP_NUM_THREADS=1 nice -n 19 /work/main/.venv/bin/python bench/fastai_peer_bench.py \
         --fastai-python /tmp/fastai-venv/bin/python --weights-cache /tmp/fb-weights \
         [--seeds 3] [--tasks textures-2,letters-11,textures-10] [--families resnet18,...] \
-        [--variant NAME:key=value,...] [--no-defaults] [--no-fastai] [--out results.json]
+        [--variant NAME:key=value,...] [--no-defaults] [--no-fastai] [--out results.json] \
+        [--keep-models models/]
     .venv/bin/python bench/fastai_peer_bench.py --report a.json b.json [--out merged.json]
+    PYTHONPATH=src .venv/bin/python bench/fastai_peer_bench.py --rescore models/ [--out s.json]
 
 One process per task (`--tasks`) runs side by side; contenders run apart (`--no-fastai
 --no-defaults --variant ...`) pair with the others cell by cell, a split being its task and
@@ -314,6 +317,57 @@ def tta_schemes(model_file: Path, x: np.ndarray, y: np.ndarray) -> dict:
     return schemes
 
 
+def extra_views(model_file: Path, npz: Path) -> dict:
+    """The schemes scored afterwards on a kept model (--rescore): TTA's and views visionflow's
+    evaluate does not take (the whole image, a zoom, rotations: one grid_sample each, as
+    augment.py samples) and draws of the training augmentation itself (augment.augment with the
+    bench's keys: resized_crop, rotation 10, flips; a generator seeded 0); name: test accuracy."""
+    import torch
+    import torch.nn.functional as F
+
+    from visionflow.train import tta
+    from visionflow.train.augment import augment
+    from visionflow.train.loading import normalise, to_unit
+    from visionflow.train.models import load_model
+
+    model, meta = load_model(model_file)
+    data = np.load(npz)
+    x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+    mean, std, size = torch.tensor(meta["mean"]), torch.tensor(meta["std"]), CROP
+    probs = lambda images: torch.softmax(model(normalise(images, mean, std)).float(), 1)  # noqa: E731
+    ten = tta.view_probs(model, x, mean, std, 256, tta.views(SIZE, size, True), size)
+    unit = to_unit(x)
+    u = ((torch.arange(size) * 2 + 1) / size - 1).view(1, size)
+    v = ((torch.arange(size) * 2 + 1) / size - 1).view(size, 1)
+    extra = {}
+    with torch.no_grad():
+        for name, scale, degrees in (("whole", 1.0, 0), ("zoom", 0.75, 0), ("rot+", CROP / SIZE, 10), ("rot-", CROP / SIZE, -10)):  # fmt: skip
+            cos, sin = math.cos(math.radians(degrees)), math.sin(math.radians(degrees))
+            grid = torch.stack([scale * (cos * u - sin * v), scale * (sin * u + cos * v)], -1)
+            seen = F.grid_sample(unit, grid.expand(len(x), -1, -1, -1), align_corners=False)
+            extra[name], extra[name + " mirrored"] = probs(seen), probs(seen.flip(3))
+        rng = torch.Generator().manual_seed(0)
+        draws = torch.stack([probs(augment(unit, rng, hflip=True, rotation=10.0, resized_crop=size))
+                             for _ in range(16)])  # fmt: skip
+    pick = lambda *names: torch.stack([extra[n] for k in names for n in (k, k + " mirrored")])  # noqa: E731
+    blends = {name: (ten[list(which)], beta) for name, (which, beta) in TTA.items()}
+    blends |= {
+        "ext12-lerp": (torch.cat([ten, pick("whole")]), 0.25),
+        "ext14-lerp": (torch.cat([ten, pick("whole", "zoom")]), 0.25),
+        "ext18-lerp": (torch.cat([ten, pick("whole", "zoom", "rot+", "rot-")]), 0.25),
+        "ext18-mean": (torch.cat([ten, pick("whole", "zoom", "rot+", "rot-")]), 0.0),
+        "rot6-lerp": (torch.cat([ten[[0, 5]], pick("rot+", "rot-")]), 0.25),
+        "scale6-lerp": (torch.cat([ten[[0, 5]], pick("whole", "zoom")]), 0.25),
+    }
+    for n in (4, 8, 16):  # fastai's tta(): the draws' mean moved a quarter toward the centre
+        blends[f"aug{n}-lerp"] = (draws[:n], 0.25)
+    blends["aug16-mean"] = (draws, 0.0)
+    out = {"single": (ten[0].argmax(1) == y).float().mean().item()}
+    for name, (views, beta) in blends.items():  # tta.blend's lerp, toward the centre crop
+        out[name] = (torch.lerp(views.mean(0), ten[0], beta).argmax(1) == y).float().mean().item()
+    return out
+
+
 def train_seconds(project: Path) -> float | None:
     """The train stage's epoch seconds, summed (results/train.timings/, the curve of them)."""
     for path in (project / "results/train.timings").rglob("*.tsv"):
@@ -483,6 +537,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--no-fastai", action="store_true", help="skip fastai (screening)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     parser.add_argument("--keep-models", type=Path, help="a folder: each run's model, test split")
+    parser.add_argument("--rescore", type=Path, help="a --keep-models folder: score extra_views")
     parser.add_argument(
         "--report",
         type=Path,
@@ -501,6 +556,12 @@ def main() -> None:
     args = arguments()
     if args.fastai_spec:  # the child, in the fastai venv
         print(json.dumps(fastai_run(json.loads(args.fastai_spec))))
+        return
+    if args.rescore:  # every kept model's schemes, as JSON (to --out, else printed)
+        models = sorted(args.rescore.glob("*.pt"))
+        scores = {m.stem: extra_views(m, m.with_suffix(".test.npz")) for m in models}
+        text = json.dumps(scores, indent=1)
+        args.out.write_text(text) if args.out else print(text)
         return
     if args.report:
         cells = {}  # the same task, family and seed from several files: one cell (one split)
