@@ -82,9 +82,13 @@ def photos(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(autouse=True)
 def handlers():
-    """A run's StopRequest takes SIGINT and SIGTERM; the test's process gets them back."""
+    """A run's StopRequest takes SIGINT and SIGTERM, and Python's wakeup fd; the test's process
+    gets them back."""
     kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    wakeup = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(wakeup)
     yield
+    signal.set_wakeup_fd(wakeup)
     for s, handler in kept.items():
         signal.signal(s, handler)
 

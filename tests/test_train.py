@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -1456,6 +1457,43 @@ def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(cap
         with pytest.raises(KeyboardInterrupt):
             ctrl_c.handle(signal.SIGINT, None)
     finally:
+        signal.set_wakeup_fd(-1)  # StopRequest's
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def test_two_ctrl_cs_during_one_long_operation_stop_at_once(capfd):
+    """A forward on the CPU takes seconds, and Python runs a signal's handler only after it,
+    once for all the signals that came meanwhile: Ctrl-C twice 0.1 s apart was one, and the stage
+    finished the epoch (130 s on photos). SIGINT blocked here while another thread presses
+    Ctrl-C twice stands for that operation: both arrive, the handler runs once."""
+    from visionflow.train.training import StopRequest
+
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopRequest()
+        go = threading.Event()
+
+        def press_twice():  # made before the block; each to itself: taken before the next
+            go.wait()
+            for _ in range(2):
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+        press = threading.Thread(target=press_twice)
+        press.start()
+        with pytest.raises(KeyboardInterrupt):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                go.set()
+                press.join()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            for _ in range(1000):  # the handler runs between two of these steps
+                pass
+        assert stop.requested == signal.SIGINT
+        assert "finishing this epoch" not in capfd.readouterr().err  # it stopped at once
+    finally:
+        signal.set_wakeup_fd(-1)
         for s, handler in handlers.items():
             signal.signal(s, handler)
 
@@ -1484,6 +1522,7 @@ def test_a_ctrl_c_to_every_process_is_the_main_processes_alone_to_answer(tmp_pat
         assert len(seen) == 12 and stop.requested is None
         assert "finishing this epoch" not in capfd.readouterr().err
     finally:
+        signal.set_wakeup_fd(-1)  # StopRequest's
         for s, handler in handlers.items():
             signal.signal(s, handler)
 

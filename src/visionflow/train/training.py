@@ -298,23 +298,49 @@ class Progress:
         return improved
 
 
+@functools.cache
+def signal_pipe() -> tuple[int, int]:
+    """(read, write): a pipe, one per process, for Python's wakeup fd, into which it writes a
+    byte per signal that arrives. Python runs a handler once for signals that arrive during one
+    long operation (a forward on the CPU takes seconds): two Ctrl-Cs a tenth of a second apart
+    were one, and the stage went on to the epoch's end (130 s on photos)."""
+    ends = os.pipe()
+    for end in ends:
+        os.set_blocking(end, False)
+    return ends
+
+
 class StopRequest:
     """The first Ctrl-C or SIGTERM (a scheduler's stop, a cancelled flow run, a timeout, each
     reaching the stage as SIGINT through the runner) asks the run to finish its epoch,
     checkpoint it and stop; a second Ctrl-C after a first one stops at once (the previous
-    epoch's checkpoint is kept). Further SIGTERMs change nothing: a stop is under way."""
+    epoch's checkpoint is kept), also when both came before Python ran the handler. Further
+    SIGTERMs change nothing: a stop is under way."""
 
     def __init__(self):
         self.requested: int | None = None  # the signal that asked
+        self.arrived, write = signal_pipe()
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self.ctrl_cs()  # from now on: an earlier run's in this process are not this one's
         signal.signal(signal.SIGINT, self.handle)
         signal.signal(signal.SIGTERM, self.handle)
 
+    def ctrl_cs(self) -> int:
+        """The SIGINTs that arrived since the last look (this handler's call included)."""
+        try:
+            return os.read(self.arrived, 4096).count(signal.SIGINT)
+        except BlockingIOError:  # none (a call by hand, or asyncio took the wakeup fd)
+            return 0
+
     def handle(self, signum, frame):
+        pressed = self.ctrl_cs()
         if self.requested is not None:
             if signum == signal.SIGINT == self.requested:
                 raise KeyboardInterrupt
             return
         self.requested = signum
+        if signum == signal.SIGINT and pressed > 1:  # Ctrl-C twice, Python's handler once
+            raise KeyboardInterrupt
         line = (  # os.write: a print while the loop prints to stderr re-entered its buffer
             f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
             "(a second Ctrl-C stops at once)\n"
