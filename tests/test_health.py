@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import ROOT, digits_cache, python_path, write_params
 from visionflow.data import sources
 from visionflow.params import Health
-from visionflow.train import health
+from visionflow.train import epoch_health, health
 from visionflow.train.models import build_model
 
 CLASSES = [str(i) for i in range(10)]
@@ -47,7 +47,7 @@ def test_a_flat_loss_names_the_checklist_and_the_label_evidence():
     assert skipped is None
     # label smoothing 0.9 on 2 classes: no loss goes under 0.688, so 0.693 -> 0.689 is most of
     # the way there, not a 0.6% fall
-    smooth = health.guess([0.5, 0.5], smoothing=0.9)
+    smooth = epoch_health.guess([0.5, 0.5], smoothing=0.9)
     near = [0.693 - 0.0001 * i for i in range(50)]
     assert health.first_steps(near, {0: 50, 1: 50}, ["a", "b"], 1e-3, 0.05, smooth) is None
     flat = health.first_steps([0.693] * 50, {0: 50, 1: 50}, ["a", "b"], 1e-3, 0.05, smooth)
@@ -60,9 +60,9 @@ def test_a_rising_or_non_finite_loss_is_divergence():
     nan = health.first_steps([2.3] * 40 + [float("nan")] * 10, {0: 5}, CLASSES, 3.0, 0.05)
     assert nan.check == "diverging"
     history = [{"train/loss": v} for v in (1.0, 0.5, 1.4)]
-    assert health.diverging(history, 2.3).message.startswith("diverging at epoch 3")
-    assert health.diverging(history[:2], 2.3) is None
-    exploded = health.diverging([{"train/loss": 2e13}], 2.3)
+    assert epoch_health.diverging(history, 2.3).message.startswith("diverging at epoch 3")
+    assert epoch_health.diverging(history[:2], 2.3) is None
+    exploded = epoch_health.diverging([{"train/loss": 2e13}], 2.3)
     assert "train loss 2e+13, over 10x the chance level 2.300" in exploded.message
 
 
@@ -84,54 +84,56 @@ def test_the_rate_a_divergence_quotes_is_the_one_set_not_one_cycles_warm_up():
 def test_a_train_loss_that_never_gets_under_chance_level_is_at_chance():
     # efficientnet_b0 from scratch on 600 photos: the first steps fell from far above chance,
     # then every epoch stayed at a guess's loss, and no other check fired
-    ten, two = health.guess([0.1] * 10), health.guess([0.5, 0.5])
+    ten, two = epoch_health.guess([0.1] * 10), epoch_health.guess([0.5, 0.5])
     assert (ten.loss, ten.accuracy, ten.floor) == (pytest.approx(math.log(10)), 0.1, 0.0)
     stuck = [{"train/loss": v, "val/accuracy": 0.1} for v in (2.41, 2.31, 2.305)]
-    found = health.at_chance(stuck, ten)
+    found = epoch_health.at_chance(stuck, ten)
     assert found.check == "at_chance" and found.epoch == 3
     assert (
         "train loss 2.305 at best over 3 epochs, not 3% of the way from a guess's 2.303 to a "
         "perfect network's 0.000" in found.message
     )
-    assert health.at_chance(stuck[:2], ten) is None  # too early to judge
+    assert epoch_health.at_chance(stuck[:2], ten) is None  # too early to judge
     learning = [{"train/loss": v} for v in (2.4, 2.1, 1.9)]
-    assert health.at_chance(learning, ten) is None
+    assert epoch_health.at_chance(learning, ten) is None
     # 2 classes at train.lr 1e-4: the train loss a hair under ln 2 for 3 epochs, but val accuracy
     # far above a guess's 0.5 (0.93 by epoch 6): learning slowly, not at chance
     slow = [(0.698, 0.68), (0.692, 0.727), (0.687, 0.75)]
     slow = [{"train/loss": v, "val/accuracy": a} for v, a in slow]
-    assert health.at_chance(slow, two) is None
-    assert health.at_chance([{**h, "val/accuracy": 0.55} for h in slow], two).epoch == 3
+    assert epoch_health.at_chance(slow, two) is None
+    assert epoch_health.at_chance([{**h, "val/accuracy": 0.55} for h in slow], two).epoch == 3
 
 
 def test_a_network_that_learned_only_the_class_shares_is_at_chance():
     # 90/10 labels: always saying the big class scores a loss of 0.325, far under ln 2, and 0.9
     # accuracy, far above 1/2: a network that learned nothing else was never flagged
-    skewed = health.guess([0.9, 0.1])
+    skewed = epoch_health.guess([0.9, 0.1])
     assert skewed.loss == pytest.approx(0.3251, abs=1e-4) and skewed.accuracy == 0.9
     prior_only = [{"train/loss": v, "val/accuracy": 0.9} for v in (0.36, 0.33, 0.326)]
-    found = health.at_chance(prior_only, skewed)
+    found = epoch_health.at_chance(prior_only, skewed)
     assert found.check == "at_chance" and "from a guess's 0.325 to a perfect" in found.message
     assert "val accuracy 0.90, this network's best 0.90" in found.message
     assert found.evidence["under"] == pytest.approx(0.97 * skewed.loss)
     learned = [{**h, "val/accuracy": 0.97} for h in prior_only]  # above 0.9 + 0.1 / 5
-    assert health.at_chance(learned, skewed) is None
+    assert epoch_health.at_chance(learned, skewed) is None
     # a val split with no image of the small class: the guess scores 1.0 there, so 1.0 is no escape
-    assert health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], skewed) is None
-    all_big = health.guess([0.9, 0.1], accuracy=1.0)
-    assert health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], all_big).epoch == 3
+    assert epoch_health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], skewed) is None
+    all_big = epoch_health.guess([0.9, 0.1], accuracy=1.0)
+    assert (
+        epoch_health.at_chance([{**h, "val/accuracy": 1.0} for h in prior_only], all_big).epoch == 3
+    )
     # one class in training (train.overfit_batches on a class-sorted cache): a guess is perfect,
     # nothing to judge; with smoothing too (the guess is then the smoothed target itself)
     for eps in (0.0, 0.1):
-        one = health.guess([1.0, 0.0], smoothing=eps)
-        assert health.at_chance([{"train/loss": 0.5, "val/accuracy": 1.0}] * 3, one) is None
+        one = epoch_health.guess([1.0, 0.0], smoothing=eps)
+        assert epoch_health.at_chance([{"train/loss": 0.5, "val/accuracy": 1.0}] * 3, one) is None
     # heavy label smoothing: a perfect network's loss (1.876 at 0.6 for 10 classes) sits near a
     # guess's ln 10, so falling 3% of the way between them is what learning looks like
-    smooth, ten = health.guess([0.1] * 10, smoothing=0.6), health.guess([0.1] * 10)
+    smooth, ten = epoch_health.guess([0.1] * 10, smoothing=0.6), epoch_health.guess([0.1] * 10)
     assert smooth.loss == pytest.approx(math.log(10)) and smooth.floor == pytest.approx(1.876, 1e-3)
     near = [{"train/loss": v, "val/accuracy": 0.15} for v in (2.4, 2.3, 2.27)]
-    assert health.at_chance(near, smooth) is None  # 2.27 is 7.7% of the way down
-    assert health.at_chance(near, ten).epoch == 3  # without smoothing: 1.4% of the way to 0
+    assert epoch_health.at_chance(near, smooth) is None  # 2.27 is 7.7% of the way down
+    assert epoch_health.at_chance(near, ten).epoch == 3  # without smoothing: 1.4% of the way to 0
 
 
 def test_the_stage_judges_chance_by_its_own_labels_and_clears_it_once_the_network_learns():
@@ -261,11 +263,11 @@ def test_overfitting_names_the_epoch_where_it_began():
     val = [1.0, 0.6, 0.5, 0.55, 0.6, 0.7]
     train = [1.0, 0.5, 0.3, 0.2, 0.1, 0.05]
     history = [{"val/loss": v, "train/loss": t} for v, t in zip(val, train, strict=True)]
-    finding = health.overfitting(history, 3)
+    finding = epoch_health.overfitting(history, 3)
     assert finding.epoch == 3 and finding.message.startswith("overfitting from epoch 3")
-    assert health.overfitting(history[:5], 3) is None  # rising for only 2 epochs
+    assert epoch_health.overfitting(history[:5], 3) is None  # rising for only 2 epochs
     both_rising = [{"val/loss": v, "train/loss": v} for v in val]
-    assert health.overfitting(both_rising, 3) is None
+    assert epoch_health.overfitting(both_rising, 3) is None
 
 
 def fine_tune(frozen: list[tuple], unfrozen: list[tuple]) -> list[dict]:
@@ -304,26 +306,30 @@ def test_a_fine_tune_ruined_after_unfreezing_is_a_finding_and_unhealthy():
     )
     assert "train.backbone_lr_factor 0.1" in said[0]
 
-    chance = health.guess([0.2] * 5)  # 5 balanced classes: loss 1.609, accuracy 0.2
+    chance = epoch_health.guess([0.2] * 5)  # 5 balanced classes: loss 1.609, accuracy 0.2
     stuck = [(0.22, 1.8), (0.2, 1.7), (0.19, 1.7)]
     at_chance = fine_tune([(0.4, 1.5), (0.62, 1.2)], stuck)
-    finding = health.ruined_fine_tune(at_chance, chance)
+    finding = epoch_health.ruined_fine_tune(at_chance, chance)
     assert (
         "the train accuracy fell from 0.62 with the backbone frozen to 0.22 at best over the "
         "last 3 epochs, a guess's (0.20)"
     ) in finding.message
-    assert health.ruined_fine_tune(at_chance[:-1], chance) is None  # 2 epochs: not yet several
+    assert (
+        epoch_health.ruined_fine_tune(at_chance[:-1], chance) is None
+    )  # 2 epochs: not yet several
     # a frozen phase that learned nothing either: at_chance's, not this check's
-    assert health.ruined_fine_tune(fine_tune([(0.2, 1.6)], stuck), chance) is None
+    assert epoch_health.ruined_fine_tune(fine_tune([(0.2, 1.6)], stuck), chance) is None
     healthy = fine_tune([(0.6, 1.1)], [(0.7, 0.9), (0.8, 0.7), (0.85, 0.6), (0.9, 0.65)])
-    assert all(health.ruined_fine_tune(healthy[:i], chance) is None for i in range(6))
+    assert all(epoch_health.ruined_fine_tune(healthy[:i], chance) is None for i in range(6))
     small = fine_tune([(0.9, 0.02)], [(0.95, 0.3)])  # 15x a tiny loss: still far under a guess's
-    assert health.ruined_fine_tune(small, chance) is None
-    assert health.ruined_fine_tune(fine_tune([], [(0.2, 1e6)]), chance) is None  # nothing frozen
+    assert epoch_health.ruined_fine_tune(small, chance) is None
+    assert (
+        epoch_health.ruined_fine_tune(fine_tune([], [(0.2, 1e6)]), chance) is None
+    )  # nothing frozen
     annealed = fine_tune([(0.6, 1.0)], [(0.2, 1e5), (0.3, 2.0)])
     annealed[-1]["lr_backbone"] = 0.0  # a schedule's last rate, 0: not a frozen epoch
-    assert health.ruined_fine_tune(annealed, chance).evidence["unfrozen_epoch"] == 2
-    assert health.ruined_fine_tune(fine_tune([(0.6, 1.0)], [(0.2, math.nan)]), chance)
+    assert epoch_health.ruined_fine_tune(annealed, chance).evidence["unfrozen_epoch"] == 2
+    assert epoch_health.ruined_fine_tune(fine_tune([(0.6, 1.0)], [(0.2, math.nan)]), chance)
 
 
 def test_data_wait_over_the_limit_is_data_bound():
@@ -469,7 +475,7 @@ def test_shuffled_labels_give_a_flat_loss_warning(caches, tmp_path):
     code, log, report = train(caches, tmp_path, "shuffled", {})
     assert code == 0 and only(report) == ["loss_not_falling"], log
     y = np.load(caches / "shuffled" / "train_y.npy")  # a guess of its shares: 2.302, not ln 10
-    chance = health.guess(list(np.bincount(y, minlength=10) / len(y))).loss
+    chance = epoch_health.guess(list(np.bincount(y, minlength=10) / len(y))).loss
     assert "health: loss not falling" in log and f"for 10 classes is {chance:.3f}" in log
 
 
