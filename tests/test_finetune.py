@@ -91,8 +91,9 @@ def test_a_pretrained_mobilenet_trains_its_new_head_alone_then_all_of_it_under_p
     assert meta["network"]["input_size"] == 56  # ImageNet's 224 of 256, of a 64 px cache
     assert meta["mean"] == [0.485, 0.456, 0.406] and meta["network"]["weights"] == "mnv3.pth"
     assert meta["train"]["recipe"] == recipe
-    assert "label smoothing 0.1 (the fine-tuning recipe's)," in training_line(meta)
-    assert "Fine-tuning: the new head alone for 1 epoch," in training_line(meta)
+    card = training_line(meta)
+    assert "recipe (train.recipe) set the optimizer, weight decay, label smoothing." in card
+    assert "The new head alone for 1 epoch. The backbone's last layer group at lr x 0.1," in card
     report = json.loads((project / "results/train/health.json").read_text())
     assert not any("dead ReLUs" in m for m in report["messages"])  # of a backbone that is frozen
 

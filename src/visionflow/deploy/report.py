@@ -67,42 +67,38 @@ def data_line(made_from: dict) -> str:
 
 
 def training_line(meta: dict) -> str:
-    """The training values, from the model's meta (the budget: an early stop did fewer); a value
-    the fine-tuning recipe (train.recipe) set says so."""
+    """The training values, from the model's meta (the budget: an early stop did fewer), those the
+    fine-tuning recipe (train.recipe) set named, and how a fine-tune spread its rates."""
     t = meta.get("train")
     if not t:
         return "Training values: unknown (a model.pt saved before they were recorded)."
-
-    def value(key: str, words: str) -> list[str]:  # absent from an older model.pt: left out
-        if key not in t or (key == "label_smoothing" and not t[key]):
-            return []
-        by = " (the fine-tuning recipe's)" if key in t.get("recipe", {}) else ""
-        return [f"{words} {t[key]}{by}"]
-
+    words = {"optimizer": "optimizer", "scheduler": "scheduler", "weight_decay": "weight decay"}
+    words |= {"dropout": "dropout", "label_smoothing": "label smoothing"}
     found = " (train.lr auto: the range test's suggestion)" if t.get("lr_found") else ""
     parts = [
         f"{t['epochs']} epoch" + ("s" if t["epochs"] != 1 else ""),
         f"batch {t['batch_size']}",
         f"lr {t['lr']}{found}",
-        *value("optimizer", "optimizer"),
-        *value("scheduler", "scheduler"),
-        *value("weight_decay", "weight decay"),
-        *value("dropout", "dropout"),
-        *value("label_smoothing", "label smoothing"),
+        *(
+            f"{said} {t[key]}"  # a key an older model.pt lacks is left out; no smoothing too
+            for key, said in words.items()
+            if key in t and (key != "label_smoothing" or t[key])
+        ),
         f"seed {t['seed']}",
     ]
-    tuned = ""
+    line = ", ".join(parts) + "."
+    if recipe := [words[key] for key in words if key in t.get("recipe", {})]:
+        line += f" The fine-tuning recipe (train.recipe) set the {', '.join(recipe)}."
     if "backbone_lr_factor" in t:
         frozen = t["freeze_epochs"]
-        tuned = (
-            f" Fine-tuning: the new head alone for {frozen} epoch{'s' if frozen != 1 else ''}, "
-            if frozen
-            else " Fine-tuning: "
-        ) + (
-            f"the backbone's last layer group at lr x {t['backbone_lr_factor']:g}, each earlier "
+        line += (
+            f" The new head alone for {frozen} epoch{'s' if frozen != 1 else ''}." if frozen else ""
+        )
+        line += (
+            f" The backbone's last layer group at lr x {t['backbone_lr_factor']:g}, each earlier "
             f"one at x {t['group_lr_factor']:.2g} of the next."
         )
-    return ", ".join(parts) + "." + tuned
+    return line
 
 
 def tta_line(metrics: dict) -> str:
