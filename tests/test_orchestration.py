@@ -475,7 +475,8 @@ def wait_for_state(client, run_id, is_it, bound_s: float = 300) -> FlowRun:
     return run
 
 
-@pytest.mark.slow  # the session's Prefect server; about 4 minutes: Prefect beats 30 s apart at most
+@pytest.mark.longest  # mostly waiting: started first, beside the tests that compute
+@pytest.mark.slow  # the session's Prefect server; about 4 minutes: Prefect's beats are 30 s apart at the least
 def test_a_silent_spread_experiment_is_given_up_on_by_the_sweep_and_crashed_by_the_server(
     prefect_server,
 ):
