@@ -1451,7 +1451,8 @@ def test_the_first_stop_finishes_the_epoch_and_a_second_ctrl_c_stops_at_once(cap
         stop.handle(signal.SIGINT, None)  # nor after a SIGTERM
         assert stop.requested == signal.SIGTERM and stop.agreed(1, torch.device("cpu"))
         said = capfd.readouterr().err
-        assert said.count("train: SIGTERM: finishing this epoch to checkpoint it") == 1
+        assert said.count("train: SIGTERM: finishing this epoch to checkpoint it\n") == 1
+        assert "Ctrl-C" not in said  # a SIGINT after a SIGTERM does not cut it short
         ctrl_c = StopRequest()
         ctrl_c.handle(signal.SIGINT, None)
         with pytest.raises(KeyboardInterrupt):

@@ -341,9 +341,11 @@ class StopRequest:
         self.requested = signum
         if signum == signal.SIGINT and pressed > 1:  # Ctrl-C twice, Python's handler once
             raise KeyboardInterrupt
+        # a SIGTERM's stop is not cut short by a SIGINT after it: a container's stop sends
+        # SIGTERM to every process, then the runner's SIGINT reaches the stage too
+        again = " (a second Ctrl-C stops at once)" if signum == signal.SIGINT else ""
         line = (  # os.write: a print while the loop prints to stderr re-entered its buffer
-            f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it "
-            "(a second Ctrl-C stops at once)\n"
+            f"\ntrain: {signal.Signals(signum).name}: finishing this epoch to checkpoint it{again}\n"
         )
         os.write(2, line.encode())
         if faults.ACTIVE:
