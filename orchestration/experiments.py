@@ -37,6 +37,8 @@ from visionflow.ops.project import preflight
 from visionflow.ops.repo import StageFailed
 from visionflow.ops.runner import STOPPED_EXIT, NotAProject, find_root
 
+MOST_LOST_AFTER_S = 7 * 24 * 3600.0  # a week: Prefect's automation takes a timedelta of it
+
 
 @flow(name="experiments")
 def experiments(
@@ -133,8 +135,12 @@ def input_problems(
         problems.append(f"timeout is {timeout_s} s: it must be above 0")
     if not lost_after_s >= LEAST_LOST_AFTER_S:  # Prefect's heartbeats are 30 s apart at least
         problems.append(
-            f"lost after is {lost_after_s} s: it must be {LEAST_LOST_AFTER_S} or more (two of "
+            f"--lost-after is {lost_after_s} s: it must be {LEAST_LOST_AFTER_S} or more (two of "
             "Prefect's flow-run heartbeats, which come 30 s apart at the least)"
+        )
+    elif not lost_after_s <= MOST_LOST_AFTER_S:  # inf and 1e300 ended in a traceback
+        problems.append(
+            f"--lost-after is {lost_after_s} s: it must be at most {MOST_LOST_AFTER_S:.0f} (a week)"
         )
     return problems
 

@@ -484,7 +484,8 @@ def test_a_silent_spread_experiment_is_given_up_on_by_the_sweep_and_crashed_by_t
     latest heartbeat event alone, calls two runs alive for longer than the server's automation
     waits (`crash_silent_runs`) while they beat. Then both machines die (SIGKILL): the watched
     one is given up on (`lost_after_s`: Cancelling, its row crashed, saying where it ran), and
-    the server marks both Crashed, the unwatched one with no sweep ever looking at it."""
+    the server marks the unwatched one Crashed with no sweep ever looking at it (the cancelled
+    one it leaves to the sweep's give-up: the automation forces no state)."""
     from prefect.client.orchestration import get_client
 
     tag = spread.crash_silent_runs(WITHIN_S)
@@ -535,13 +536,15 @@ def test_a_silent_spread_experiment_is_given_up_on_by_the_sweep_and_crashed_by_t
             assert (run.state.name, run.state.message) == ("Crashed", why)  # its row
             cancelling = client.read_flow_run(watched).state  # its worker, if alive, stops it
             assert (cancelling.is_cancelling(), cancelling.message) == (True, why)
-            # no sweep looks again: the server crashes both (no worker answered the cancel)
+            # the unwatched one: the server crashes it, no sweep ever looking at it
             server_says = f"no heartbeat for {WITHIN_S} s: its worker or machine was lost"
-            for run_id in (watched, unwatched):
-                crashed = wait_for_state(client, run_id, lambda state: state.is_final()).state
-                assert (crashed.name, crashed.message) == ("Crashed", server_says)
+            crashed = wait_for_state(client, unwatched, lambda state: state.is_final()).state
+            assert (crashed.name, crashed.message) == ("Crashed", server_says)
+            # the cancelled one, unforced by the server: the sweep's give-up crashes it
+            assert client.read_flow_run(watched).state.is_cancelling()
             ends, lost = {run.name: run}, {run.name: time.monotonic()}
             assert spread.settle_lost(ends, lost, lambda names: [], notice_s=0) == set()
+            assert client.read_flow_run(watched).state.name == "Crashed"
         row = spread.where_and_why(ends[run.name])
         assert row == {"ran on": where, "state": "crashed", "why": why}
         pushed = spread.settle_lost(ends, lost, lambda names: names, 0)  # its result reached
@@ -806,3 +809,6 @@ def test_an_override_with_a_quote_not_closed_is_refused_before_any_experiment_ru
     assert input_problems(sets, 0, 60, 60) == [
         'override "train.model=\'simple" has a quote that is not closed'
     ]
+    for endless in (float("inf"), 1e300):  # they passed, then ended in a traceback
+        [said] = input_problems([], 0, 60, endless)
+        assert said.startswith(f"--lost-after is {endless} s: it must be at most 604800")
