@@ -74,8 +74,10 @@ def build(params: Params, out: Path) -> dict:
         print(f"prepare: {p.source}: {len(source.labels)} images, {len(source.classes)} classes")
         if p.exclude:  # files a user confirmed mislabelled (sanity's label_issues.json)
             where = p.path if p.source == "imagefolder" else f"the {p.source} images (#i)"
+            before = len(source.labels)
             source = sources.exclude(source, p.exclude, where)
-            print(f"prepare: {len(p.exclude)} files left out (prepare.exclude)")
+            excluded = before - len(source.labels)  # a name listed twice is one file
+            print(f"prepare: {excluded} files left out (prepare.exclude)")
         for warning in sources.look_alike_classes(source.classes):
             print(f"prepare: warning: {warning}")
         kept = fit_kept(source.images, p.fit)  # train warns when the crops cut photos
@@ -93,7 +95,7 @@ def build(params: Params, out: Path) -> dict:
             shard_images=p.shard_images,
             # not prepare.path: moving the same images must not change the cache (and retrain)
             origin={"source": p.source, "fit_kept": round(kept, 4)}
-            | ({"excluded": len(p.exclude)} if p.exclude else {}),
+            | ({"excluded": excluded} if p.exclude else {}),
             refused_report=out.with_name(final + ".rejects.json"),  # kept when refused
         )
     finally:

@@ -327,7 +327,8 @@ def test_prepare_leaves_out_the_excluded_files_and_refuses_one_not_in_the_folder
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     change = {"source": "imagefolder", "path": str(image_folder), "image_size": 8,
               "max_bad_fraction": 0.5, "min_per_class": 1, "workers": 1}  # fmt: skip
-    write_params(tmp_path, {"prepare": change | {"exclude": ["red/3.png", "blue/nested/1.jpg"]}})
+    twice = ["red/3.png", "blue/nested/1.jpg", "red/3.png"]  # a name listed twice: one file
+    write_params(tmp_path, {"prepare": change | {"exclude": twice}})
     manifest = build(load_params(tmp_path / "params.yaml"), tmp_path / "prepared")
     names = sum(
         (dataset.read_names(tmp_path / "prepared", s) for s in ("train", "val", "test")), []

@@ -136,7 +136,7 @@ def test_the_model_cards_lines_say_what_the_inputs_say_and_unknown_when_they_do_
         "1 epoch, batch 64, lr 0.01, optimizer adamw, scheduler onecycle, weight decay 0.01, "
         "dropout 0.1, label smoothing 0.1, seed 0. The fine-tuning recipe (train.recipe) set the "
         "optimizer, label smoothing. The new head alone for 1 epoch. The backbone's last layer "
-        "group at lr x 0.1, each earlier one at x 0.32 of the next."
+        "group at lr x 0.1, each earlier one at x 0.316 of the next."
     )
     assert report.training_line({}).startswith("Training values: unknown")
     assert report.resize_words({"fit": "crop", "resize": "bilinear", "reducing_gap": 2.0}) == (

@@ -96,7 +96,7 @@ def training_line(meta: dict) -> str:
         )
         line += (
             f" The backbone's last layer group at lr x {t['backbone_lr_factor']:g}, each earlier "
-            f"one at x {t['group_lr_factor']:.2g} of the next."
+            f"one at x {t['group_lr_factor']:.3g} of the next."
         )
     return line
 
