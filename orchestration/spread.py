@@ -181,7 +181,7 @@ def crash_silent_runs(within_s: float) -> str:
     of its last heartbeat is left alone; so is one that never beat (Pending: `gave_up`)."""
     seconds = round(within_s)
     tag = SILENT.format(seconds)
-    name = f"visionflow: crash flow runs tagged {tag} silent for {seconds} s"
+    name = f"visionflow {seconds} s silent: crash runs tagged {tag}"  # unforced since stop 57
     with get_client(sync_client=True) as client:
         if client.read_automations_by_name(name):
             return tag
@@ -204,7 +204,11 @@ def crash_silent_runs(within_s: float) -> str:
             ChangeFlowRunState(
                 state=StateType.CRASHED,
                 message=f"no heartbeat for {seconds} s: {LOST}",
-                force=True,  # from Cancelling too: a cancelled run no worker answered
+                # not forced: Prefect refuses a final state's change (a heartbeat that reached
+                # the server after the run's end must not turn Completed into Crashed) and
+                # Cancelling -> Crashed (the sweep's own give-up forces that; with no sweep,
+                # Prefect's cancellation cleanup ends such a run Cancelled)
+                force=False,
             )
         ],
     ).create()
