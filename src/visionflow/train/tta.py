@@ -16,6 +16,8 @@ and draws of the training augmentation gained no more than the equal mean over t
 Only the evaluate stage averages: the exported models and predict stay single-pass.
 """
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -41,7 +43,7 @@ def view(x: torch.Tensor, v: View, size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def view_probs(
+def each_batch(
     model: nn.Module,
     x: torch.Tensor,
     mean: torch.Tensor,
@@ -49,16 +51,20 @@ def view_probs(
     batch_size: int,
     chosen: list[View],
     size: int,
-) -> torch.Tensor:
-    """The softmax of each of the `chosen` views of every uint8 NHWC image (on the CPU), shape
-    (views, images, classes)."""
+) -> Iterator[torch.Tensor]:
+    """The softmax of each of the `chosen` views of a batch of the uint8 NHWC images, batch by
+    batch (on the CPU), each of shape (views, images, classes)."""
     model.eval()
-    outputs = []
     for xb, _ in batches(x, torch.zeros(len(x)), batch_size, device=mean.device):
         inputs = to_model_input(xb, mean, std)
         probs = [torch.softmax(model(view(inputs, v, size)).float(), 1) for v in chosen]
-        outputs.append(torch.stack(probs).cpu())
-    return torch.cat(outputs, 1)
+        yield torch.stack(probs).cpu()
+
+
+def view_probs(*args) -> torch.Tensor:
+    """`each_batch`'s softmaxes of every image at once, (views, images, classes): to blend them in
+    several ways (bench/fastai_peer_bench.py)."""
+    return torch.cat(list(each_batch(*args)), 1)
 
 
 def blend(probs: torch.Tensor, beta: float) -> torch.Tensor:
@@ -68,15 +74,7 @@ def blend(probs: torch.Tensor, beta: float) -> torch.Tensor:
     return torch.lerp(probs.mean(0), probs[0], beta).log()
 
 
-def tta_log_probs(
-    model: nn.Module,
-    x: torch.Tensor,
-    mean: torch.Tensor,
-    std: torch.Tensor,
-    batch_size: int,
-    chosen: list[View],
-    size: int,
-    beta: float = 0.0,
-) -> torch.Tensor:
-    """`blend` of the `chosen` views' softmaxes: their plain mean at `beta` 0."""
-    return blend(view_probs(model, x, mean, std, batch_size, chosen, size), beta)
+def tta_log_probs(*args, beta: float = 0.0) -> torch.Tensor:
+    """`blend` of `each_batch`'s softmaxes (the same arguments), their plain mean at `beta` 0,
+    batch by batch: only a batch's views are held at once."""
+    return torch.cat([blend(probs, beta) for probs in each_batch(*args)])
