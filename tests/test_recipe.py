@@ -199,33 +199,6 @@ def test_onecycle_steps_per_optimizer_step_and_not_per_epoch():
     assert scheduler.last_epoch == 7 and optimizer.param_groups[0]["lr"] == rates[1]
 
 
-def test_one_cycle_with_frozen_epochs_runs_fastais_two_cycles_the_second_at_half_the_peak():
-    """fastai's fine_tune: a cycle over the frozen epochs (warm-up over 99% of them), then, once
-    unfrozen, a fresh one from a fifth of half the peak. One cycle over both phases left the
-    frozen epoch in its warm-up (#58: lr auto scored 0.52 against the defaults' 0.62)."""
-    from visionflow.fit.setup import trainer_for
-    from visionflow.params import parse_params
-    from visionflow.train import zoo
-
-    model = zoo.finetune("mobilenet_v3_small", 3, 4, 32, ([0.5] * 3, [0.25] * 3))
-    change = {"model": "mobilenet_v3_small", "pretrained": "DEFAULT", "lr": 1e-2}
-    t = parse_params(params_with(change | {"freeze_epochs": 1, "epochs": 3})).train
-    trainer = trainer_for(model, t, 0, 0, 1, 32, 20 * t.batch_size)  # 20 steps an epoch
-    head, backbone = [], []
-    for epoch in (1, 2, 3):
-        trainer.begin_epoch(epoch)
-        for _ in range(20):
-            head.append(trainer.lr)
-            backbone.append(trainer.backbone_lr)
-            trainer.optimizer.step()
-            trainer.scheduler.step()
-    assert head[0] == pytest.approx(1e-2 / 25) and max(head[:20]) == pytest.approx(1e-2, rel=0.01)
-    assert head[19] < 1e-6  # the frozen epoch's cycle ends annealed
-    assert head[20] == pytest.approx(1e-2 / 2 / 5)  # the second warms up from a fifth of half
-    assert max(head[20:]) == pytest.approx(1e-2 / 2, rel=0.01) and head[-1] < 1e-6
-    assert backbone[20] / head[20] == pytest.approx(t.backbone_lr_factor)  # each group halved
-
-
 def test_rates_per_layer_group_fall_geometrically_from_the_head_and_cover_the_backbone_once():
     from visionflow.fit.setup import parameter_groups
     from visionflow.params import ParamsError, parse_params

@@ -52,16 +52,12 @@ def spread_for(train: Train, model) -> tuple[Train, dict]:
 
 
 def spread_line(train: Train, rate: float) -> str:
-    """What the backbone's groups learn at after unfreezing, for the log's line (one-cycle's
-    second cycle peaks at half the rate: `engine.second_cycle`)."""
-    if train.scheduler == "onecycle":
-        rate /= 2
+    """What the backbone's groups learn at after unfreezing, for the log's line."""
     last = rate * train.backbone_lr_factor
     first = last * train.group_lr_factor ** (LR_GROUPS - 1)
     return (
-        f"once unfrozen, the head learns at {rate:.2e} and the backbone's layer groups at "
-        f"{last:.2e} (the last) to {first:.2e} (the first), fastai's fine_tune spread"
-        f"{' and second cycle' if train.scheduler == 'onecycle' else ''} (train.backbone_lr_factor "
+        f"once unfrozen, the backbone's layer groups learn at {last:.2e} (the last) to "
+        f"{first:.2e} (the first), fastai's fine_tune spread (train.backbone_lr_factor "
         f"{train.backbone_lr_factor:g}, train.group_lr_factor {train.group_lr_factor:.2g}; set "
         "them below 1 to choose)"
     )

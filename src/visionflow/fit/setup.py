@@ -322,7 +322,6 @@ def trainer_for(
         parameter_groups(model, train),
     )
     steps = steps_per_epoch(images, train, world)
-    frozen = train.freeze_epochs if isinstance(model, FineTune) else 0
     scheduler = make_scheduler(
         train.scheduler,
         optimizer,
@@ -331,9 +330,7 @@ def trainer_for(
         train.lr_factor,
         train.lr_step,
         steps,
-        frozen,
     )
-    two_cycles = train.scheduler == "onecycle" and 0 < frozen < train.epochs
     dtype, _, _ = speed_settings(train.amp, train.channels_last, train.model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     step = Step(
@@ -364,8 +361,7 @@ def trainer_for(
         rank,
         world,
         compiled=train.compile,
-        freeze_epochs=frozen,
-        unfrozen_steps=(train.epochs - frozen) * steps if two_cycles else 0,
+        freeze_epochs=train.freeze_epochs if isinstance(model, FineTune) else 0,
         mix=mixing(train.augment.mixup, train.augment.cutmix, classes),
     )
 

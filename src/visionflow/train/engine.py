@@ -123,20 +123,12 @@ def make_scheduler(
     factor: float,
     step_size: int,
     steps_per_epoch: int = 1,
-    frozen_epochs: int = 0,
 ):
     """Stepped once per epoch; `plateau` on the validation loss (see `step_scheduler`); but
     `onecycle`, stepped after each optimizer step (`per_step`): warm-up to each parameter group's
-    rate, then cosine annealing, over the whole run (fastai's fit_one_cycle). With `frozen_epochs`
-    (fine-tuning's frozen first phase) it is fastai's fine_tune: this cycle spans the frozen
-    epochs alone, warming up over 99% of them, and `second_cycle` takes over once unfrozen."""
+    rate, then cosine annealing, over the whole run (fastai's fit_one_cycle)."""
     if name == "onecycle":
         rates = [group["lr"] for group in optimizer.param_groups]  # each group's own peak
-        if frozen_epochs:
-            total = min(frozen_epochs, epochs) * steps_per_epoch
-            return torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, rates, total_steps=total, pct_start=0.99
-            )
         total = epochs * steps_per_epoch
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, rates, total_steps=total)
     if name == "plateau":
@@ -148,16 +140,6 @@ def make_scheduler(
     if name == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size, gamma=factor)
     return None
-
-
-def second_cycle(optimizer: torch.optim.Optimizer, steps: int):
-    """fastai's fine_tune once the backbone is unfrozen: a fresh one-cycle over the `steps` left,
-    each group's peak half the first cycle's, warming up from a fifth of it over 30% of the steps.
-    A run resumed within it loads its state (its length and phases too) into the first's object."""
-    rates = [group["max_lr"] / 2 for group in optimizer.param_groups]
-    return torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, rates, total_steps=steps, pct_start=0.3, div_factor=5.0
-    )
 
 
 def per_step(scheduler) -> bool:

@@ -32,7 +32,7 @@ from visionflow import faults
 from visionflow.errors import OutOfMemory
 from visionflow.train import health
 from visionflow.train.augment import augment
-from visionflow.train.engine import Split, Step, per_step, second_cycle, train_one_epoch
+from visionflow.train.engine import Split, Step, per_step, train_one_epoch
 from visionflow.train.stats import WARMUP_STEPS
 
 
@@ -144,7 +144,6 @@ class Trainer:
     retried: bool = False  # auto_batch retries once per run
     compiled: bool = False  # train.compile: `net` is compiled
     freeze_epochs: int = 0  # fine-tuning (zoo.FineTune): the new head alone for these epochs
-    unfrozen_steps: int = 0  # one-cycle's second cycle, from the first unfrozen epoch (0: none)
     mix: object = None  # `augment.mixing`'s MixUp/CutMix (train.augment.mixup, cutmix), or None
 
     @property
@@ -169,12 +168,9 @@ class Trainer:
         return getattr(self.model, "frozen", False)
 
     def begin_epoch(self, epoch: int) -> None:
-        """The epoch's phase: with `freeze_epochs`, the new head alone, then the whole network
-        (under one-cycle, on a cycle of its own: `engine.second_cycle`)."""
+        """The epoch's phase: with `freeze_epochs`, the new head alone, then the whole network."""
         if self.freeze_epochs:
             self.freeze(epoch <= self.freeze_epochs)
-        if self.unfrozen_steps and epoch == self.freeze_epochs + 1:
-            self.scheduler = second_cycle(self.optimizer, self.unfrozen_steps)
 
     def freeze(self, frozen: bool) -> None:
         """Fine-tuning (zoo.FineTune): train the new head alone (the backbone's weights kept; its
