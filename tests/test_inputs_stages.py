@@ -104,7 +104,8 @@ def test_the_model_card_states_what_the_model_was_made_from_not_params_yaml(
     assert "Normalisation statistics: ImageNet (the pretrained weights' statistics)." in card
     assert (
         "1 epoch, batch 128, lr 0.001, optimizer adamw, scheduler onecycle, weight decay 0.01, "
-        "dropout 0.25, label smoothing 0.1, seed 0. The fine-tuning recipe (train.recipe) set the "
+        "dropout 0.25, label smoothing 0.1, seed 0. Training augmentation: shifts of up to 2 px, "
+        "rotations of up to 10 degrees. The fine-tuning recipe (train.recipe) set the "
         "optimizer, scheduler, weight decay, label smoothing. The backbone's last layer group at "
         "lr x 1, each earlier one at x 1 of the next."
     ) in card

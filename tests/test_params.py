@@ -218,3 +218,5 @@ def test_a_batch_mixing_alpha_is_a_finite_number_not_below_0(key):
         with pytest.raises(ParamsError, match=rf"train.augment.{key}: .*{said}"):
             parse_params(params_with(train={"augment": {key: bad}}))
     assert getattr(parse_params(params_with(train={"augment": {key: 0.4}})).train.augment, key)
+    with pytest.raises(ParamsError, match=rf"train.augment.{key} blends a batch's images in pairs"):
+        parse_params(params_with(train={"augment": {key: 0.4}, "batch_size": 1}))  # a no-op else

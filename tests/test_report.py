@@ -131,10 +131,13 @@ def test_the_model_cards_lines_say_what_the_inputs_say_and_unknown_when_they_do_
     tuned = train | {"lr_found": False, "weight_decay": 0.01, "label_smoothing": 0.1,
                      "optimizer": "adamw", "scheduler": "onecycle", "freeze_epochs": 1,
                      "backbone_lr_factor": 0.1, "group_lr_factor": 0.1**0.5,
-                     "recipe": {"optimizer": "adamw", "label_smoothing": 0.1}}  # fmt: skip
+                     "recipe": {"optimizer": "adamw", "label_smoothing": 0.1},
+                     "augment": {"crop_padding": 2, "hflip": True, "rotation": 0.0,
+                                 "color_jitter": 0.0, "mixup": 0.2, "cutmix": 0.0}}  # fmt: skip
     assert report.training_line({"train": tuned}) == (
         "1 epoch, batch 64, lr 0.01, optimizer adamw, scheduler onecycle, weight decay 0.01, "
-        "dropout 0.1, label smoothing 0.1, seed 0. The fine-tuning recipe (train.recipe) set the "
+        "dropout 0.1, label smoothing 0.1, seed 0. Training augmentation: shifts of up to 2 px, "
+        "mirroring, MixUp (alpha 0.2). The fine-tuning recipe (train.recipe) set the "
         "optimizer, label smoothing. The new head alone for 1 epoch. The backbone's last layer "
         "group at lr x 0.1, each earlier one at x 0.316 of the next."
     )

@@ -271,6 +271,12 @@ class Train(Section):
                 "train.recipe finetune is for a torchvision classifier with train.pretrained "
                 f"(train.model {self.model}, train.pretrained {self.pretrained!r})"
             )
+        if mixed := [key for key in ("mixup", "cutmix") if getattr(self.augment, key)]:
+            if self.batch_size < 2:
+                raise ValueError(
+                    f"train.augment.{mixed[0]} blends a batch's images in pairs: train.batch_size "
+                    "1 pairs each image with itself (set train.batch_size 2 or more)"
+                )
         if self.checkpointing and (
             self.model not in CHECKPOINTING or from_torchvision(self.model, self.pretrained)
         ):

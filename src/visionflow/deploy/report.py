@@ -86,7 +86,7 @@ def training_line(meta: dict) -> str:
         ),
         f"seed {t['seed']}",
     ]
-    line = ", ".join(parts) + "."
+    line = ", ".join(parts) + "." + augment_words(t.get("augment"))
     if recipe := [words[key] for key in words if key in t.get("recipe", {})]:
         line += f" The fine-tuning recipe (train.recipe) set the {', '.join(recipe)}."
     if "backbone_lr_factor" in t:
@@ -99,6 +99,22 @@ def training_line(meta: dict) -> str:
             f"one at x {t['group_lr_factor']:.3g} of the next."
         )
     return line
+
+
+def augment_words(augment: dict | None) -> str:
+    """The training augmentation (train.augment) in a sentence; none for an older model.pt."""
+    if augment is None:
+        return ""
+    words = {
+        "crop_padding": "shifts of up to {} px",
+        "rotation": "rotations of up to {} degrees",
+        "hflip": "mirroring",
+        "color_jitter": "brightness and contrast within 1 +- {}",
+        "mixup": "MixUp (alpha {})",
+        "cutmix": "CutMix (alpha {})",
+    }
+    on = [said.format(f"{augment[key]:g}") for key, said in words.items() if augment.get(key)]
+    return f" Training augmentation: {', '.join(on) if on else 'none'}."
 
 
 def tta_line(metrics: dict) -> str:

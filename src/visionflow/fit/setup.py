@@ -257,6 +257,7 @@ def model_metadata(
             "dropout": train.dropout,
             "seed": seed,
             "hflip": train.augment.hflip,  # trained on mirrored images: evaluate.tta mirrors too
+            "augment": train.augment.model_dump(),  # the model card says what it trained on
             "label_smoothing": train.label_smoothing,
             "optimizer": train.optimizer,
             "scheduler": train.scheduler,
