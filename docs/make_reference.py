@@ -36,9 +36,12 @@ def comments(params: Path) -> dict[str, str]:
 
 
 def as_yaml(value: object) -> str:
-    """A default as params.yaml writes it: false, null, [] (not Python's False, None, ())."""
+    """A default as params.yaml writes it: false, null, [] (not Python's False, None, ()), and
+    1.0e-07, not 1e-07 (which YAML 1.1, PyYAML's and DVC's, reads as a string)."""
     if isinstance(value, str):
         return value
+    if isinstance(value, float) and "e" in repr(value) and "." not in repr(value):
+        return repr(value).replace("e", ".0e")
     return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
