@@ -37,7 +37,7 @@ def comments(params: Path) -> dict[str, str]:
 
 def as_yaml(value: object) -> str:
     """A default as params.yaml writes it: false, null, [] (not Python's False, None, ()), and
-    1.0e-07, not 1e-07 (which YAML 1.1, PyYAML's and DVC's, reads as a string)."""
+    1.0e-07, not 1e-07 (which PyYAML, YAML 1.1, reads as a string; DVC and check read both)."""
     if isinstance(value, str):
         return value
     if isinstance(value, float) and "e" in repr(value) and "." not in repr(value):

@@ -115,6 +115,14 @@ def test_float_written_1e_minus_3_is_a_float(tmp_path):
     assert load_params(path).train.lr == pytest.approx(0.001)
 
 
+def test_an_item_yaml_reads_as_a_comment_says_to_quote_it(tmp_path):
+    """`- #5` is an empty item: YAML starts a comment at the #."""
+    path = tmp_path / "params.yaml"
+    path.write_text(SHIPPED.replace("  exclude: []", "  exclude:\n    - #5"))
+    with pytest.raises(ParamsError, match=r"prepare.exclude.0: .* \(got None; empty in YAML, wh"):
+        load_params(path)
+
+
 def test_yaml_1_1_words_are_strings_as_in_dvc(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(SHIPPED.replace("  amp: auto", "  amp: off"))

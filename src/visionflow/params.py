@@ -359,7 +359,9 @@ def _describe(error: dict) -> str:
     if error["type"] == "bool_type":
         return f"{key}: must be true or false (got {error['input']!r})"
     if error["type"] != "extra_forbidden":
-        return f"{key}: {error['msg']} (got {error['input']!r})"
+        # YAML reads `- #5` as an empty item: the # starts a comment
+        empty = "; empty in YAML, where a # starts a comment: quote '#5'" * (error["input"] is None)
+        return f"{key}: {error['msg']} (got {error['input']!r}{empty})"
     valid = sorted(_model_at(loc).model_fields)
     initials = "".join(word[:1] for word in loc[-1].split("_"))  # learning_rate -> lr
     close = [k for k in valid if k == initials] or difflib.get_close_matches(
