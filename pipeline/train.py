@@ -9,7 +9,8 @@ Writes: <out>/model.pt (best epoch: state_dict + meta, loads with weights_only=T
         the data-bound check; they differ on every run, the outputs not),
         <checkpoints>/<fingerprint>/ (resumable state: a checkpoint per epoch and best-<epoch>.pt, for this run's params, data and code
         only; not a DVC output, so DVC neither deletes nor tracks it; kept until DVC has recorded
-        the outputs it gave, then the next run of the same configuration starts fresh)
+        the outputs it gave, then the next run of the same configuration starts fresh),
+        <checkpoints>/.lock (held while the stage runs: a second trainer waits for the first)
 Run:    python -m pipeline.train --data data/prepared --out results/train --checkpoints checkpoints/train
 
 The run itself is `visionflow.fit.run.Run`: a killed run resumes from its last checkpoint on the

@@ -202,6 +202,49 @@ def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
     assert_invariants(project)
 
 
+def test_a_dvc_repro_beside_the_trainer_of_a_stopped_one_waits_for_it(project, tmp_path, baseline):
+    """Plain `dvc repro` whose DVC alone gets a scheduler's SIGTERM: its trainer lives on (here
+    paused in epoch 2). A second `dvc repro` does not train beside it: it names its pid and
+    waits; `kill PID`, as that line says, stops the orphan at its epoch's end, and the second
+    resumes from that checkpoint to the uninterrupted run's weights."""
+    go, log = tmp_path / "go", tmp_path / "first.log"
+    dvc = [str(Path(sys.executable).parent / "dvc"), "repro", "-f", "-s", "train"]
+    paused = env(project, f"train.loss@epoch=2,step=1:pause={go}")
+    with log.open("w") as out:  # a file: the trainer writes on after DVC is gone
+        first = subprocess.Popen(dvc, cwd=project, env=paused, stdout=out, stderr=out)
+    try:
+        while "fault: pause" not in log.read_text():
+            assert first.poll() is None, log.read_text()
+            time.sleep(0.1)
+        [orphan] = trainers(project)
+        first.send_signal(signal.SIGTERM)  # DVC alone, not the stage's process group
+        first.wait(timeout=120)
+        second = subprocess.Popen(
+            dvc,
+            cwd=project,
+            env=env(project),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        seen = read_until(second, f"another trainer (pid {orphan.pid}) holds checkpoints/train")
+        assert len(trainers(project)) == 2  # the orphan in its epoch, the second waiting
+        orphan.send_signal(signal.SIGTERM)
+        go.touch()
+        seen += read_until(second, "resuming from")
+        assert orphan not in trainers(project)  # it had ended
+        output = seen + second.communicate(timeout=300)[0]
+    finally:
+        go.touch()
+        for trainer in trainers(project):
+            trainer.kill()
+    assert "train stopped after epoch 2" in log.read_text()
+    assert second.returncode == 0, output
+    assert re.search(r"resuming from checkpoints/train/\w+/epoch-0002\.pt", output), output
+    assert same_weights(weights(project), baseline)
+    assert_invariants(project)
+
+
 def test_a_killed_prepare_is_restored_whatever_it_printed_or_left(project, tmp_path):
     left = project / "data/prepared.partial"
     left.mkdir()

@@ -13,7 +13,12 @@ would leave it. docs/tests.md lists which test fails when a restore is broken on
 
 import json
 import math
+import shutil
 import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,7 @@ import yaml
 from tests.helpers import ROOT, digits_cache, merge
 from visionflow import faults
 from visionflow.errors import GateError
+from visionflow.fit import resume
 from visionflow.fit.run import Run
 from visionflow.params import parse_params
 from visionflow.train import checkpoint
@@ -204,6 +210,58 @@ def test_a_run_stopped_after_an_epoch_resumes_to_exactly_the_uninterrupted_state
         assert len(history) < 5, history
     if change.get("lr") == "auto":
         assert whole.found is not None and whole.train.lr == whole.found["suggestion"]
+
+
+# a trainer that holds the state root's lock, as one a stopped `dvc repro` left running does
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, b"%d\\n" % os.getpid())
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_trainer_waits_for_the_one_holding_the_state_then_resumes_from_it(
+    cache, tmp_path, capsys
+):
+    """A `dvc repro` started beside the trainer of a stopped one (SIGTERM to DVC alone leaves
+    it running) does not train beside it: it says which pid it waits for, and once that process
+    is gone (SIGKILL too: the kernel drops its lock) it resumes from the checkpoint it left."""
+    train(params(epochs=1), cache, tmp_path / "first")  # the orphan's state: epoch 1 done
+    root = tmp_path / "state"
+    shutil.copytree(tmp_path / "first" / "state", root)
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(root / resume.LOCK_FILE)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert orphan.stdout.readline() == "held\n"
+        capsys.readouterr()
+        built = []
+        p = params(epochs=2)
+        second = threading.Thread(
+            target=lambda: built.append(Run(p, cache, tmp_path / "out", root, code="tests"))
+        )
+        second.start()
+        said = ""
+        while f"another trainer (pid {orphan.pid}) holds {root}; waiting" not in said:
+            assert second.is_alive(), f"a second trainer went on beside pid {orphan.pid}: {said}"
+            time.sleep(0.05)
+            said += capsys.readouterr().out
+        assert "epoch-0001.pt" in said, said  # where the orphan is
+    finally:
+        orphan.kill()
+        orphan.wait()
+    second.join()
+    run = built[0]
+    run.resume()
+    assert run.progress.start == 2  # resumed from the orphan's checkpoint
+    run.fit(tmp_path / "out")
+    assert len(state(run)["history"]) == 2
 
 
 # the last frozen epoch, the first unfrozen one (under one-cycle, and under plateau)

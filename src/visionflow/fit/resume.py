@@ -30,10 +30,17 @@ Training's resumable state lives in `<checkpoints>/<fingerprint>/`, the fingerpr
 `run_of` (the seed, the train params, and the content of the data, the stage's code and the
 pretrained weights); `state_to_resume` decides what a run starts from, `resume` applies it, and
 `save_epoch` writes what it reads.
+
+One trainer at a time: a run holds a lock on the state root (LOCK_FILE, `one_trainer`) from its
+start to its process's end, so a `dvc repro` started beside the trainer of a stopped one (a
+SIGTERM to DVC alone leaves its trainer running to its epochs' end) waits for it, then resumes.
 """
 
+import fcntl
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -43,7 +50,7 @@ from visionflow.data.files import file_hash
 from visionflow.errors import GateError
 from visionflow.ops import project
 from visionflow.train import checkpoint
-from visionflow.train.training import Progress
+from visionflow.train.training import Progress, patient_group
 from visionflow.train.zoo import is_weights_name, weights_enum
 
 
@@ -82,6 +89,66 @@ FRESH_BECAUSE = {"train.epochs": "the cosine and one-cycle schedules' rates depe
 
 
 PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt its run published
+LOCK_FILE = ".lock"  # in the state root: held (flock) by the trainer running, its pid inside
+HELD: dict[Path, int] = {}  # the state roots this process holds: the lock file's descriptor
+SAY_EVERY = 60  # seconds between a waiting trainer's lines
+
+
+def one_trainer(root: Path, rank: int, world: int, log) -> None:
+    """Wait while another trainer (the orphan of a stopped `dvc repro`, another `dvc repro`)
+    holds `root`, every configuration's state root, then hold it until this process ends: one
+    trainer at a time writes the state folders and the outputs. Under DDP rank 0 holds it (it
+    alone writes both); the other ranks wait for it in the patient group."""
+    if rank == 0:
+        hold(root, log)
+    if world > 1:
+        dist.barrier(group=patient_group())
+
+
+def hold(root: Path, log) -> None:
+    """Take `root`'s lock for the rest of this process's life, saying every SAY_EVERY seconds
+    what it waits for while another process holds it. The kernel releases it when the holder
+    ends, however (SIGKILL too). A process takes it once: a run built again in it goes on."""
+    key = root.resolve()
+    if key in HELD:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    said = None  # when the last line was said
+    while not locked(fd):
+        if said is None or time.monotonic() - said >= SAY_EVERY:
+            pid = os.pread(fd, 32, 0).decode().strip() or "?"
+            newest = f"its newest checkpoint: {newest_checkpoint(root)}"
+            log(
+                f"train: another trainer (pid {pid}) holds {root}; waiting for it to end (a "
+                f"stopped `dvc repro` can leave its trainer running: `kill {pid}` stops it at its "
+                f"epoch's end, then this run resumes from it); {newest}"
+                if said is None
+                else f"train: still waiting for pid {pid}; {newest}"
+            )
+            said = time.monotonic()
+        time.sleep(0.5)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    HELD[key] = fd
+
+
+def locked(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def newest_checkpoint(root: Path) -> str:
+    found = []
+    for path in root.glob("*/epoch-*.pt"):
+        try:
+            found.append((path.stat().st_mtime, str(path)))
+        except OSError:  # removed since (a folder keeps its newest two)
+            pass
+    return max(found)[1] if found else "none yet"
 
 
 def resume(trainer, monitor, folder: Path, run: dict, out: Path, epochs: int, log):

@@ -66,6 +66,8 @@ class Run:
         self.train = train = setup.overfit_settings(params.train)
         self.rank, self.world = start_distributed(train.device)
         self.log = print if self.rank == 0 else (lambda *_, **__: None)  # rank 0 alone speaks
+        # a trainer left running by a stopped `dvc repro` writes the same folders: it ends first
+        resume.one_trainer(checkpoints, self.rank, self.world, self.log)
         seed_everything(params.seed, train.deterministic, train.compile)
         self.device = device = setup.device_for(train)
         setup.verify_once(cache, self.rank, self.world)
