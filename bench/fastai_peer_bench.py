@@ -285,7 +285,8 @@ def train_record(project: Path, out: str) -> dict:
         return [float(r.split("\t")[-1]) for r in (live / name).read_text().splitlines()[1:]]
 
     health = json.loads((project / "results/train/health.json").read_text())
-    found = sorted((project / "checkpoints/train").glob("*/lr_find.json"))  # train.lr: auto's
+    # train.lr: auto's, this run's: the newest (a task's project keeps earlier runs' folders)
+    found = sorted((project / "checkpoints/train").glob("*/lr_find.json"), key=os.path.getmtime)
     return {
         "range_test": json.loads(found[-1].read_text()) if found else None,
         "metrics": json.loads((project / "results/train/metrics.json").read_text()),
