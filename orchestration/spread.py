@@ -87,7 +87,8 @@ def run(plan: Plan, deployment: str, remote: str, lost_after_s: float) -> Outcom
         )
     pool, env = require_deployment(deployment)
     env = env | {BEAT_SETTING: str(beat_s(lost_after_s))}  # Prefect's heartbeats, at this pace
-    watched = crash_silent_runs(lost_after_s + beat_s(lost_after_s))  # one beat after the sweep
+    # the server's automation waits one beat longer than the sweep
+    watched = crash_silent_runs(lost_after_s + beat_s(lost_after_s), logger.warning)
     runs, ends, lost, stopped = {}, {}, {}, None
     try:
         for name, sets in plan.experiments.items():
@@ -173,19 +174,33 @@ def beat_s(lost_after_s: float) -> int:
     return max(LEAST_BEAT_S, int(lost_after_s // BEATS))
 
 
-def crash_silent_runs(within_s: float) -> str:
+def crash_silent_runs(within_s: float, log=print) -> str:
     """The tag of flow runs that the server marks Crashed when their heartbeats stop for
     `within_s`, even with no sweep watching: Prefect's documented zombie-run automation
     (docs.prefect.io/v3/advanced/detect-zombie-flows), kept to runs with the tag and made once per
-    `within_s` (found again by its name). A run that heartbeats, or ends, within each `within_s`
-    of its last heartbeat is left alone; so is one that never beat (Pending: `gave_up`)."""
+    `within_s` (found again by its name; two sweeps started at once keep the one of least id). A
+    run that heartbeats, or ends, within each `within_s` of its last heartbeat is left alone; so
+    is one that never beat (Pending: `gave_up`). A paused one is `log`ged, and left paused."""
     seconds = round(within_s)
     tag = SILENT.format(seconds)
     name = f"visionflow {seconds} s silent: crash runs tagged {tag}"  # unforced since stop 57
     with get_client(sync_client=True) as client:
-        if client.read_automations_by_name(name):
-            return tag
-    Automation(
+        if not client.read_automations_by_name(name):
+            silent_runs_automation(name, seconds, tag).create()
+        kept, *twins = sorted(client.read_automations_by_name(name), key=lambda a: str(a.id))
+        for twin in twins:  # each sweep deletes the same ones (a second delete is a 404: none)
+            client.delete_automation(twin.id)
+    if not kept.enabled:
+        log(
+            f"the automation '{name}' is paused: a spread experiment whose sweep is gone and "
+            f"whose machine is lost stays Running; `prefect automation resume '{name}'` turns "
+            "it back on"
+        )
+    return tag
+
+
+def silent_runs_automation(name: str, seconds: int, tag: str) -> Automation:
+    return Automation(
         name=name,
         description="Prefect's zombie-run automation, for spread experiments (spread.py)",
         trigger=EventTrigger(
@@ -211,8 +226,7 @@ def crash_silent_runs(within_s: float) -> str:
                 force=False,
             )
         ],
-    ).create()
-    return tag
+    )
 
 
 def last_beat(client, run_id) -> str | None:

@@ -475,6 +475,31 @@ def wait_for_state(client, run_id, is_it, bound_s: float = 300) -> FlowRun:
     return run
 
 
+@pytest.mark.slow  # the session's Prefect server; seconds
+def test_sweeps_started_at_once_keep_one_silent_runs_automation_and_a_paused_one_is_said(
+    prefect_server,
+):
+    """Two sweeps started at once each find no automation and each make one: the next look keeps
+    the one of least id (the same for both) and deletes the other. One a user paused stays
+    paused, and the sweep says so, naming the command that resumes it."""
+    from prefect.client.orchestration import get_client
+
+    within = 4321  # an automation of its own: the heartbeat test's is WITHIN_S's
+    tag = spread.crash_silent_runs(within)
+    name = f"visionflow {within} s silent: crash runs tagged {tag}"
+    with get_client(sync_client=True) as client:
+        (first,) = client.read_automations_by_name(name)
+        twin = spread.silent_runs_automation(name, within, tag).create().id  # the other sweep's
+        said = []
+        assert spread.crash_silent_runs(within, said.append) == tag
+        (kept,) = client.read_automations_by_name(name)
+        assert (kept.id, said) == (min(first.id, twin, key=str), [])
+        client.pause_automation(kept.id)
+        assert spread.crash_silent_runs(within, said.append) == tag
+        assert len(said) == 1 and f"`prefect automation resume '{name}'`" in said[0], said
+        assert not client.read_automation(kept.id).enabled  # left as the user set it
+
+
 @pytest.mark.longest  # mostly waiting: started first, beside the tests that compute
 @pytest.mark.slow  # the session's Prefect server; about 4 minutes: Prefect's beats are 30 s apart at the least
 def test_a_silent_spread_experiment_is_given_up_on_by_the_sweep_and_crashed_by_the_server(
