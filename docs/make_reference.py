@@ -74,7 +74,9 @@ def rows(model: type[BaseModel], prefix: str, said: dict[str, str]) -> list[str]
             for rule_type, rule in BOUNDS.items()
             if isinstance(m, rule_type)
         ]
-        default = "required" if field.default is PydanticUndefined else f"`{as_yaml(field.default)}`"
+        default = (
+            "required" if field.default is PydanticUndefined else f"`{as_yaml(field.default)}`"
+        )
         meaning = said.get(key, "").replace("|", "\\|")
         found.append(
             f"| `{key}` | {kind(annotation)} | {', '.join(bounds)} | {default} | {meaning} |"

@@ -265,9 +265,7 @@ def test_a_second_trainer_waits_for_the_one_holding_the_state_then_resumes_from_
 
 
 # the last frozen epoch, the first unfrozen one (under one-cycle, and under plateau)
-@pytest.mark.parametrize(
-    "stop_after,scheduler", [(2, "onecycle"), (3, "onecycle"), (3, "plateau")]
-)
+@pytest.mark.parametrize("stop_after,scheduler", [(2, "onecycle"), (3, "onecycle"), (3, "plateau")])
 def test_a_fine_tuning_run_resumes_exactly_on_either_side_of_its_frozen_epochs(
     stop_after, scheduler, cache, weights, tmp_path
 ):

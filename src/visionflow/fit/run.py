@@ -149,7 +149,12 @@ class Run:
                 improved = progress.update(epoch, record)
                 trainer, data = self.trainer, self.data
                 self.monitor.epoch(
-                    epoch, train_metrics, progress.history, trainer.set_lr, data.mapped, trainer.frozen
+                    epoch,
+                    train_metrics,
+                    progress.history,
+                    trainer.set_lr,
+                    data.mapped,
+                    trainer.frozen,
                 )
                 laps("health")
                 self.keep(epoch, record, improved, live, laps)
