@@ -282,6 +282,7 @@ def wait_for_children(
                     ends[name] = run
                     message = run.state.message or ""
                     logger.info(f"{name}: {run.state.name}: {message}".rstrip(": "))
+            untaken = [name for name in untaken if name not in ends]  # not one given up on
             if untaken and not warned_untaken and time.monotonic() - start > UNTAKEN_S:
                 logger.warning(
                     f"{', '.join(untaken)} not started after {UNTAKEN_S:.0f} s: every worker of "
