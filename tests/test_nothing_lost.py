@@ -406,10 +406,12 @@ def test_a_full_disk_is_one_line_naming_the_folder_and_leaves_nothing(project, f
     assert train.returncode == 1 and "Traceback" not in train.stderr
     assert f"error: disk full: no room to write in {full_disk}/" in train.stderr, train.stderr
     left = [p.relative_to(full_disk) for p in full_disk.rglob("*") if p.is_file()]
-    # no partial array or temp file; complete state (the best file, run.json) may stay, and the
-    # timings of the epochs that ran (train.timings/: not an output, as far as the run went)
-    assert {p.name for p in left if p.parts[0] != "train.timings"} <= {"best-0001.pt", "run.json"}
-    assert not [p for p in left if p.suffix == ".tmp" or p.name.startswith(".")]
+    # no partial array or temp file; complete state (the best file, run.json) may stay, the
+    # one-trainer lock (ck/.lock: a lock file stays, as flock's do), and the timings of the
+    # epochs that ran (train.timings/: not an output, as far as the run went)
+    kept = [p for p in left if p.parts[0] != "train.timings" and p != Path("ck/.lock")]
+    assert {p.name for p in kept} <= {"best-0001.pt", "run.json"}
+    assert not [p for p in kept if p.suffix == ".tmp" or p.name.startswith(".")]
     assert not list(full_disk.glob("*.partial"))  # or staging (a complete best file is state)
     assert dvc_clean(project)  # the project's own results untouched
 
