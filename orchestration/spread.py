@@ -40,7 +40,7 @@ from prefect.events.filters import (
 )
 from prefect.events.schemas.automations import EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
-from prefect.exceptions import ObjectNotFound, TerminationSignal
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError, TerminationSignal
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, State
 
 from orchestration.record import record_holder, stopped_run
@@ -188,8 +188,7 @@ def crash_silent_runs(within_s: float, log=print) -> str:
         if not client.read_automations_by_name(name):
             silent_runs_automation(name, seconds, tag).create()
         kept, *twins = sorted(client.read_automations_by_name(name), key=lambda a: str(a.id))
-        for twin in twins:  # each sweep deletes the same ones (a second delete is a 404: none)
-            client.delete_automation(twin.id)
+        delete_automations(client, [twin.id for twin in twins])
     if not kept.enabled:
         log(
             f"the automation '{name}' is paused: a spread experiment whose sweep is gone and "
@@ -197,6 +196,17 @@ def crash_silent_runs(within_s: float, log=print) -> str:
             "it back on"
         )
     return tag
+
+
+def delete_automations(client, ids: list) -> None:
+    """The automations of `ids` deleted; one already gone (another sweep deleted the same twin)
+    is no error."""
+    for automation_id in ids:
+        try:
+            client.delete_automation(automation_id)
+        except PrefectHTTPStatusError as error:
+            if error.response.status_code != 404:
+                raise
 
 
 def silent_runs_automation(name: str, seconds: int, tag: str) -> Automation:

@@ -494,6 +494,8 @@ def test_sweeps_started_at_once_keep_one_silent_runs_automation_and_a_paused_one
         assert spread.crash_silent_runs(within, said.append) == tag
         (kept,) = client.read_automations_by_name(name)
         assert (kept.id, said) == (min(first.id, twin, key=str), [])
+        gone = {first.id, twin} - {kept.id}
+        spread.delete_automations(client, list(gone))  # the other sweep's delete: no error
         client.pause_automation(kept.id)
         assert spread.crash_silent_runs(within, said.append) == tag
         assert len(said) == 1 and f"`prefect automation resume '{name}'`" in said[0], said
