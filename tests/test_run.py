@@ -11,6 +11,7 @@ is the stage's own fault point after an epoch's checkpoint (`train.epoch_end`), 
 would leave it. docs/tests.md lists which test fails when a restore is broken on purpose.
 """
 
+import gc
 import json
 import math
 import shutil
@@ -262,6 +263,34 @@ def test_a_second_trainer_waits_for_the_one_holding_the_state_then_resumes_from_
     assert run.progress.start == 2  # resumed from the orphan's checkpoint
     run.fit(tmp_path / "out")
     assert len(state(run)["history"]) == 2
+
+
+TAKER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: another process holds it
+"""
+
+
+def test_a_run_in_a_library_lets_go_of_the_state_once_it_is_gone(cache, tmp_path):
+    """A run holds its state root until its end: in a library, until the object is gone (a
+    process building runs one after another keeps no lock, nor a descriptor, per run). A run
+    built beside it in the same process goes on; the lock stays until both are gone."""
+    root, out = tmp_path / "state", tmp_path / "out"
+
+    def free() -> bool:  # another process can take the lock
+        taker = [sys.executable, "-c", TAKER, str(root / resume.LOCK_FILE)]
+        return subprocess.run(taker, capture_output=True).returncode == 0
+
+    first = Run(params(epochs=1), cache, out, root, code="tests")
+    second = Run(params(epochs=1), cache, out, root, code="tests")  # this process: it goes on
+    assert not free()
+    del first
+    gc.collect()
+    assert not free()  # the second holds it still
+    del second
+    gc.collect()
+    assert free()
 
 
 # the last frozen epoch, the first unfrozen one (under one-cycle, and under plateau)

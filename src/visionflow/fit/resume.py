@@ -32,8 +32,9 @@ pretrained weights); `state_to_resume` decides what a run starts from, `resume` 
 `save_epoch` writes what it reads.
 
 One trainer at a time: a run holds a lock on the state root (LOCK_FILE, `one_trainer`) from its
-start to its process's end, so a `dvc repro` started beside the trainer of a stopped one (a
-SIGTERM to DVC alone leaves its trainer running to its epochs' end) waits for it, then resumes.
+start to its end (the `Run` gone, or its process), so a `dvc repro` started beside the trainer of
+a stopped one (a SIGTERM to DVC alone leaves its trainer running to its epochs' end) waits for
+it, then resumes.
 """
 
 import fcntl
@@ -41,6 +42,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,28 +93,31 @@ FRESH_BECAUSE = {"train.epochs": "the cosine and one-cycle schedules' rates depe
 
 PUBLISHED_FILE = "published.json"  # in a state folder: the md5 of the model.pt its run published
 LOCK_FILE = ".lock"  # in the state root: held (flock) by the trainer running, its pid inside
-HELD: dict[Path, int] = {}  # the state roots this process holds: the lock file's descriptor
+HELD: dict[Path, list[int]] = {}  # the state roots this process holds: [descriptor, runs]
 SAY_EVERY = 60  # seconds between a waiting trainer's lines
 
 
-def one_trainer(root: Path, rank: int, world: int, log) -> None:
+def one_trainer(root: Path, rank: int, world: int, log) -> Callable[[], None]:
     """Wait while another trainer (the orphan of a stopped `dvc repro`, another `dvc repro`)
-    holds `root`, every configuration's state root, then hold it until this process ends: one
-    trainer at a time writes the state folders and the outputs. Under DDP rank 0 holds it (it
-    alone writes both); the other ranks wait for it in the patient group."""
-    if rank == 0:
-        hold(root, log)
+    holds `root`, every configuration's state root, then hold it until the returned function
+    is called (the run's end): one trainer at a time writes the state folders and the outputs.
+    Under DDP rank 0 holds it (it alone writes both); the other ranks wait for it in the patient
+    group."""
+    release = hold(root, log) if rank == 0 else (lambda: None)
     if world > 1:
         dist.barrier(group=patient_group())
+    return release
 
 
-def hold(root: Path, log) -> None:
-    """Take `root`'s lock for the rest of this process's life, saying every SAY_EVERY seconds
-    what it waits for while another process holds it. The kernel releases it when the holder
-    ends, however (SIGKILL too). A process takes it once: a run built again in it goes on."""
+def hold(root: Path, log) -> Callable[[], None]:
+    """Take `root`'s lock, saying every SAY_EVERY seconds what it waits for while another
+    process holds it; the function returned lets go of it. The kernel releases it when the
+    holder ends, however (SIGKILL too). A process takes it once: a run built again in it while
+    the first holds it goes on, and the lock is let go when both have."""
     key = root.resolve()
     if key in HELD:
-        return
+        HELD[key][1] += 1
+        return partial(let_go, key)
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     said = None  # when the last line was said
@@ -130,7 +136,20 @@ def hold(root: Path, log) -> None:
         time.sleep(0.5)
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
-    HELD[key] = fd
+    HELD[key] = [fd, 1]
+    return partial(let_go, key)
+
+
+def let_go(key: Path) -> None:
+    """One run holding `key` ended: the lock is released once none does (the file stays: a
+    trainer waiting on it holds it open)."""
+    held = HELD.get(key)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] == 0:
+        del HELD[key]
+        os.close(held[0])
 
 
 def locked(fd: int) -> bool:

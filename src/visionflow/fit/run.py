@@ -23,6 +23,7 @@ train.deterministic: true): tests/test_run.py checks each piece of that state.
 
 import shutil
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,8 +67,11 @@ class Run:
         self.train = train = setup.overfit_settings(params.train)
         self.rank, self.world = start_distributed(train.device)
         self.log = print if self.rank == 0 else (lambda *_, **__: None)  # rank 0 alone speaks
-        # a trainer left running by a stopped `dvc repro` writes the same folders: it ends first
-        resume.one_trainer(checkpoints, self.rank, self.world, self.log)
+        # a trainer left running by a stopped `dvc repro` writes the same folders: it ends first;
+        # this one holds them until it is gone (in a library, a run's end; in the stage, the
+        # process's)
+        release = resume.one_trainer(checkpoints, self.rank, self.world, self.log)
+        weakref.finalize(self, release)
         seed_everything(params.seed, train.deterministic, train.compile)
         self.device = device = setup.device_for(train)
         setup.verify_once(cache, self.rank, self.world)
