@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import psutil
@@ -203,9 +203,16 @@ def test_sigkill_of_dvc_leaves_no_training_process(project, tmp_path):
 
 
 def stage_trainers(project: Path) -> list:
-    """`trainers` less their data loader's workers (forked: the same command line)."""
-    found = trainers(project)
-    return [p for p in found if p.ppid() not in {q.pid for q in found}]
+    """The stage's trainers: `trainers` less the shell DVC may run one in (its command line
+    names pipeline.train in one argument; dash does not exec it) and their data loader's
+    workers (forked: the same command line)."""
+    found = [p for p in trainers(project) if "pipeline.train" in p.info["cmdline"]]
+    pids, stage = {p.pid for p in found}, []
+    for p in found:
+        with suppress(psutil.NoSuchProcess):  # a worker that ended meanwhile
+            if p.ppid() not in pids:
+                stage.append(p)
+    return stage
 
 
 def test_a_dvc_repro_beside_the_trainer_of_a_stopped_one_waits_for_it(project, tmp_path, baseline):
