@@ -187,13 +187,18 @@ def crash_silent_runs(within_s: float, log=print) -> str:
     with get_client(sync_client=True) as client:
         if not client.read_automations_by_name(name):
             silent_runs_automation(name, seconds, tag).create()
-        kept, *twins = sorted(client.read_automations_by_name(name), key=lambda a: str(a.id))
+        # with a twin if another sweep made one at once; none if deleted by hand meanwhile
+        found = client.read_automations_by_name(name) or [
+            silent_runs_automation(name, seconds, tag).create()
+        ]
+        kept, *twins = sorted(found, key=lambda a: str(a.id))
         delete_automations(client, [twin.id for twin in twins])
     if not kept.enabled:
         log(
-            f"the automation '{name}' is paused: a spread experiment whose sweep is gone and "
-            f"whose machine is lost stays Running; `prefect automation resume '{name}'` turns "
-            "it back on"
+            f"the automation '{name}' is paused: a spread experiment lost while it is, its "
+            "sweep gone too, stays Running, even after a resume (Prefect counts no heartbeat "
+            f"while it is paused). `prefect automation resume '{name}'` when no spread "
+            "experiment runs"
         )
     return tag
 
