@@ -185,12 +185,10 @@ def crash_silent_runs(within_s: float, log=print) -> str:
     tag = SILENT.format(seconds)
     name = f"visionflow {seconds} s silent: crash runs tagged {tag}"  # unforced since stop 57
     with get_client(sync_client=True) as client:
-        if not client.read_automations_by_name(name):
+        found = client.read_automations_by_name(name)
+        while not found:  # read again after making it: another sweep's twin, made at once, too
             silent_runs_automation(name, seconds, tag).create()
-        # with a twin if another sweep made one at once; none if deleted by hand meanwhile
-        found = client.read_automations_by_name(name) or [
-            silent_runs_automation(name, seconds, tag).create()
-        ]
+            found = client.read_automations_by_name(name)
         kept, *twins = sorted(found, key=lambda a: str(a.id))
         delete_automations(client, [twin.id for twin in twins])
     if not kept.enabled:
